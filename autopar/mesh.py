@@ -1,0 +1,95 @@
+"""Meshes: a torch DeviceMesh whose dim names come from ``dp``, ``pp``, ``tp``.
+
+:func:`init_mesh` builds one from torchrun's environment (gloo on CPU, NCCL on CUDA);
+:class:`MeshInfo` is what the runtime reads off a mesh: this rank's coordinates, the process
+group of each axis and the global ranks along it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import PlanError
+from autopar.plan_model import MESH_AXES, MeshShape
+
+__all__ = ["init_mesh", "MeshInfo", "mesh_info", "parse_mesh_shape"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_mesh_shape(shape) -> MeshShape:
+    """A MeshShape from a MeshShape, a dict {'dp': 2, ...} or a (dp, pp, tp) tuple."""
+    if isinstance(shape, MeshShape):
+        return shape
+    if isinstance(shape, dict):
+        unknown = sorted(set(shape) - set(MESH_AXES))
+        if unknown:
+            raise PlanError(f"unknown mesh dim names {unknown}", where="mesh_shape",
+                            fix=f"name mesh dims from {MESH_AXES}")
+        return MeshShape(**shape)
+    if isinstance(shape, (tuple, list)) and len(shape) == 3:
+        return MeshShape(dp=shape[0], pp=shape[1], tp=shape[2])
+    raise PlanError(f"cannot read mesh shape {shape!r}", where="mesh_shape",
+                    fix="pass {'dp': 2, 'pp': 2, 'tp': 1} or a (dp, pp, tp) tuple")
+
+
+def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None) -> DeviceMesh:
+    """Initialise the default process group from torchrun's environment and build the dp x pp x tp mesh."""
+    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
+    if world != shape.world_size:
+        raise PlanError(f"mesh {shape} needs {shape.world_size} ranks but the world has {world}",
+                        where="init_mesh", fix=f"launch with torchrun --nproc-per-node {shape.world_size} "
+                                               f"(or change dp/pp/tp so their product is {world})")
+    device = "cuda" if torch.cuda.is_available() and backend != "gloo" else "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"))
+    return init_device_mesh(device, (dp, pp, tp), mesh_dim_names=MESH_AXES)
+
+
+@dataclass
+class MeshInfo:
+    """This rank's view of the mesh."""
+
+    shape: MeshShape
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, object] = field(default_factory=dict)
+    axis_ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    def peer(self, axis: str, index: int) -> int:
+        """Global rank of the rank at ``index`` along ``axis`` sharing my other coordinates."""
+        return self.axis_ranks[axis][index]
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Read degrees, coordinates, groups and peers off ``mesh``; checks names and world size."""
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in MESH_AXES]
+    if not names or unknown:
+        raise PlanError(f"mesh dim names {list(names)} include unknown {unknown or 'none given'}",
+                        where="the DeviceMesh passed to compile",
+                        fix=f"build it with mesh_dim_names drawn from {MESH_AXES}, e.g. autopar.init_mesh()")
+    if mesh.size() != dist.get_world_size():
+        raise PlanError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}",
+                        where="the DeviceMesh passed to compile",
+                        fix="use a mesh over every rank of the job (its degrees multiply to the world size)")
+    degrees = {axis: mesh.size(names.index(axis)) if axis in names else 1 for axis in MESH_AXES}
+    coordinate = mesh.get_coordinate()
+    coords = {axis: coordinate[names.index(axis)] if axis in names else 0 for axis in MESH_AXES}
+    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords)
+    grid = mesh.mesh
+    for axis in MESH_AXES:
+        if axis not in names:
+            info.axis_ranks[axis] = [info.rank]
+            info.groups[axis] = None
+            continue
+        index = [coordinate[i] if n != axis else slice(None) for i, n in enumerate(names)]
+        info.axis_ranks[axis] = [int(r) for r in grid[tuple(index)].tolist()]
+        info.groups[axis] = mesh.get_group(axis)
+    return info

@@ -1,0 +1,31 @@
+"""The user's choices for :func:`autopar.compile` and :func:`autopar.plan`, validated by pydantic."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from autopar.plan_model import SCHEDULE_NAMES
+
+__all__ = ["CompileOptions"]
+
+
+class CompileOptions(BaseModel):
+    """Knobs a user may set; everything left ``None`` is decided by autopar."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schedule: str = "1f1b"
+    num_microbatches: int | None = Field(None, ge=1)
+    num_virtual: int = Field(1, ge=1)
+    zero_stage: int = Field(1, ge=0, le=3)
+    capture: Literal["export", "symbolic_trace"] = "export"
+    tensor_parallel: bool = True
+    p2p_timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("schedule")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {value!r}; known: {', '.join(SCHEDULE_NAMES)}")
+        return value

@@ -1,0 +1,150 @@
+"""Capture: an ``nn.Module`` (+ loss function) becomes one flat torch.fx GraphModule of ATen ops.
+
+``torch.export`` (non-strict) is the default tracer; ``symbolic_trace`` is offered on request and
+its result is normalised through ``torch.export`` so every later pass sees the same ATen IR.
+Parameters stay ``get_attr`` nodes named by their module path, and every call node keeps the
+``nn_module_stack`` torch records, so module paths remain readable after capture.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar.errors import CaptureError
+
+__all__ = ["CapturedGraph", "capture", "MODEL_PREFIX", "CAPTURE_MODES"]
+
+log = logging.getLogger(__name__)
+
+MODEL_PREFIX = "model"
+CAPTURE_MODES = ("export", "symbolic_trace")
+
+
+class _WithLoss(nn.Module):
+    """forward(*inputs, target) -> loss_fn(model(*inputs), target): the training graph's root."""
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+class _Inference(nn.Module):
+    """forward(*inputs) -> model(*inputs), with the user's model under the same prefix."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.model(*args)
+
+
+@dataclass
+class CapturedGraph:
+    """The captured program: the graph, its input names and how to rebuild the output tree."""
+
+    gm: fx.GraphModule
+    input_names: tuple[str, ...]
+    out_spec: pytree.TreeSpec
+    has_loss: bool
+    mode: str
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame outside torch: where the user's code failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename
+            and "/passes/" not in f.filename]
+    if not user:
+        return None
+    frame = user[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+
+
+def _capture_error(model: nn.Module, mode: str, exc: Exception) -> CaptureError:
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    where = _user_frame(exc) or f"model {type(model).__name__}"
+    other = "symbolic_trace" if mode == "export" else "export"
+    return CaptureError(
+        f"{mode} could not capture {type(model).__name__}: {type(exc).__name__}: {first_line[:300]}",
+        where=where,
+        fix=(f"remove data-dependent Python control flow at that line (use torch.where / torch.cond), "
+             f"turn off caches that return Python objects, or try capture='{other}'"),
+    )
+
+
+def _clean(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop export's guard call and pytree codegen so the graph reads as plain positional code."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _name_inputs(gm: fx.GraphModule, model: nn.Module, num_inputs: int, has_loss: bool):
+    """Rename the placeholders after the model's forward parameters (and ``target``)."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    wanted = (params + [f"input_{i}" for i in range(len(params), num_inputs)])[:num_inputs]
+    wanted += ["target"] if has_loss else []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(wanted), (len(placeholders), wanted)
+    for node, name in zip(placeholders, wanted):
+        node.target = name
+        node._rename(name)
+    gm.recompile()
+    return tuple(n.name for n in placeholders)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple,
+    *,
+    loss_fn=None,
+    example_target: torch.Tensor | None = None,
+    mode: str = "export",
+) -> CapturedGraph:
+    """Trace ``model`` (and ``loss_fn`` when given) on ``example_inputs`` into an ATen GraphModule."""
+    if mode not in CAPTURE_MODES:
+        raise CaptureError(f"unknown capture mode {mode!r}", where="compile(capture=...)",
+                           fix=f"use one of {CAPTURE_MODES}")
+    has_loss = loss_fn is not None
+    if has_loss and example_target is None:
+        raise CaptureError("a loss_fn was given without an example target", where="capture",
+                           fix="pass example_target= (a batch of targets) with loss_fn")
+    args = tuple(example_inputs) + ((example_target,) if has_loss else ())
+    # distinct tensors for distinct inputs: export merges inputs that are the same object
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    try:
+        traced = fx.symbolic_trace(model) if mode == "symbolic_trace" else model
+        root = _WithLoss(traced, loss_fn) if has_loss else _Inference(traced)
+        exported = torch.export.export(root, args, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes a CaptureError
+        raise _capture_error(model, mode, exc) from exc
+    gm = _clean(exported.module())
+    names = _name_inputs(gm, model, len(example_inputs), has_loss)
+    log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
+    return CapturedGraph(gm=gm, input_names=names, out_spec=exported.call_spec.out_spec,
+                         has_loss=has_loss, mode=mode)

@@ -1,0 +1,154 @@
+"""The one registry of node.meta keys that autopar's passes write and read.
+
+Every key is named ``autopar.<what>`` and holds a frozen dataclass. The table :data:`META_KEYS`
+says which pass writes each key and which passes read it; a transform that invalidates a key
+drops it (see :func:`drop_meta`).
+
+Example::
+
+    >>> from autopar.passes.meta_keys import TENSOR, get_meta
+    >>> info = get_meta(node, TENSOR)   # TensorInfo(shape=(2, 8, 16), dtype=torch.float32, ...)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "TENSOR",
+    "COST",
+    "PARAM",
+    "MODULE",
+    "STAGE",
+    "TP_PLACEMENT",
+    "TensorInfo",
+    "NodeCost",
+    "ParamInfo",
+    "ModuleInfo",
+    "StageInfo",
+    "Placement",
+    "MetaKey",
+    "META_KEYS",
+    "get_meta",
+    "set_meta",
+    "drop_meta",
+]
+
+TENSOR = "autopar.tensor"
+COST = "autopar.cost"
+PARAM = "autopar.param"
+MODULE = "autopar.module"
+STAGE = "autopar.stage"
+TP_PLACEMENT = "autopar.tp_placement"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of a node's (first) tensor output; ``None`` fields for non-tensors."""
+
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Forward FLOPs of the node and bytes of the activation it produces."""
+
+    flops: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """For a get_attr node: the parameter's canonical name, every alias (tied weights) and users."""
+
+    name: str
+    aliases: tuple[str, ...]
+    is_parameter: bool
+    numel: int
+    used_by_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """The module path a node came from and the pipeline unit (block) it belongs to."""
+
+    path: str
+    unit: str
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """The pipeline stage a node was assigned to."""
+
+    stage: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded on dim, 'P' partial sum.
+
+    ``chunks`` > 1 means the sharded dim holds that many equal blocks, each sharded on its own
+    (a fused qkv projection's output).
+    """
+
+    kind: str
+    dim: int | None = None
+    chunks: int = 1
+
+    def __str__(self) -> str:
+        if self.kind == "S":
+            return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim},chunks={self.chunks})"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class MetaKey:
+    """One row of the registry: the key, the dataclass it holds, its writer and its readers."""
+
+    key: str
+    holds: type
+    writer: str
+    readers: tuple[str, ...]
+
+
+META_KEYS = MappingProxyType(
+    {
+        TENSOR: MetaKey(TENSOR, TensorInfo, "passes.annotate.annotate_tensors",
+                        ("passes.pipeline_split", "passes.tensor_parallel", "runtime.p2p")),
+        COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_costs",
+                      ("passes.partition", "autopar.memory")),
+        PARAM: MetaKey(PARAM, ParamInfo, "passes.annotate.annotate_params",
+                       ("passes.tensor_parallel", "passes.pipeline_split", "autopar.planning")),
+        MODULE: MetaKey(MODULE, ModuleInfo, "passes.annotate.annotate_modules",
+                        ("passes.partition", "passes.tensor_parallel", "autopar.report")),
+        STAGE: MetaKey(STAGE, StageInfo, "passes.partition.assign_stages",
+                       ("passes.pipeline_split",)),
+        TP_PLACEMENT: MetaKey(TP_PLACEMENT, Placement, "passes.tensor_parallel.shard_tensor_parallel",
+                              ("autopar.report",)),
+    }
+)
+
+
+def get_meta(node: fx.Node, key: str):
+    """Read a registered key from ``node.meta`` (``None`` when absent)."""
+    assert key in META_KEYS, f"unregistered meta key {key}"
+    return node.meta.get(key)
+
+
+def set_meta(node: fx.Node, key: str, value) -> None:
+    """Write a registered key, checking the value's type against the registry."""
+    spec = META_KEYS[key]
+    assert isinstance(value, spec.holds), f"{key} holds {spec.holds.__name__}, got {type(value)}"
+    node.meta[key] = value
+
+
+def drop_meta(gm: fx.GraphModule, *keys: str) -> None:
+    """Remove keys a transform has invalidated from every node."""
+    for node in gm.graph.nodes:
+        for key in keys:
+            node.meta.pop(key, None)

@@ -1,0 +1,125 @@
+"""Cost-balanced pipeline partitioning: assign every node to a stage.
+
+The graph is read as a sequence of *segments* (maximal runs of nodes of one pipeline unit: a
+block of a ModuleList such as ``model.blocks.3``, or a top-level child such as ``model.lm_head``).
+Stages are cut only where a block begins (or right after the last block), and the cuts minimise
+the largest stage cost (forward FLOPs, plus a small per-node term) by dynamic programming, so
+heavy first and last stages (embedding, LM head and loss) get fewer blocks.
+
+Example::
+
+    >>> gm, starts = assign_stages(gm, num_stages=2)
+    >>> starts            # the unit each stage after the first begins with
+    ['model.blocks.2']
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.errors import PlanError
+from autopar.passes.meta_keys import COST, MODULE, STAGE, StageInfo, get_meta, set_meta
+
+__all__ = ["Segment", "pipeline_segments", "balanced_cuts", "assign_stages"]
+
+_BLOCK = re.compile(r"\.\d+$")
+_NODE_COST = 1.0  # per-node term so FLOP-free segments still weigh something
+
+
+@dataclass
+class Segment:
+    """A maximal run of call nodes of one unit, with its cost."""
+
+    unit: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    cost: float = 0.0
+
+    @property
+    def is_block(self) -> bool:
+        return bool(_BLOCK.search(self.unit))
+
+
+def pipeline_segments(gm: fx.GraphModule) -> list[Segment]:
+    """The graph's call nodes grouped into segments in graph order."""
+    segments: list[Segment] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_module", "call_method"):
+            continue
+        info = get_meta(node, MODULE)
+        unit = info.unit if info else ""
+        if not segments or segments[-1].unit != unit:
+            segments.append(Segment(unit))
+        cost = get_meta(node, COST)
+        segments[-1].nodes.append(node)
+        segments[-1].cost += (cost.flops if cost else 0) + _NODE_COST
+    return segments
+
+
+def _allowed_starts(segments: list[Segment]) -> list[int]:
+    """Segment indices a stage may begin at: a block's start, or just after the last block."""
+    blocks = [i for i, s in enumerate(segments) if s.is_block]
+    if not blocks:
+        return list(range(1, len(segments)))
+    allowed = {i for i in blocks if i > 0 and segments[i - 1].unit != segments[i].unit}
+    if blocks[-1] + 1 < len(segments):
+        allowed.add(blocks[-1] + 1)
+    return sorted(allowed)
+
+
+def balanced_cuts(costs: list[float], num_stages: int, allowed: list[int]) -> list[int]:
+    """Stage start indices (len num_stages-1, from ``allowed``) minimising the largest stage cost."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    starts = [0] + [a for a in allowed if 0 < a < n]
+    best = {(0, 0): (0.0, [])}  # (stages used, start index of next stage) -> (max cost, cuts)
+    for k in range(1, num_stages + 1):
+        ends = starts[1:] + [n] if k < num_stages else [n]
+        for end in ends:
+            candidates = [(max(prev_max, prefix[end] - prefix[begin]), cuts + ([end] if end < n else []))
+                          for (used, begin), (prev_max, cuts) in best.items()
+                          if used == k - 1 and begin < end]
+            if candidates:
+                best[(k, end)] = min(candidates, key=lambda c: c[0])
+    if (num_stages, n) not in best:
+        raise PlanError(
+            f"the model has {len(allowed) + 1} places to cut at most, too few for pp={num_stages} stages",
+            where="pipeline partitioning", fix="lower the 'pp' mesh degree or give the model more blocks")
+    return best[(num_stages, n)][1]
+
+
+def assign_stages(gm: fx.GraphModule, *, num_stages: int, stage_starts: list[str] | None = None):
+    """Write ``autopar.stage`` on every call node; returns (gm, the unit each later stage starts at)."""
+    segments = pipeline_segments(gm)
+    allowed = _allowed_starts(segments)
+    if stage_starts is None:
+        cuts = balanced_cuts([s.cost for s in segments], num_stages, allowed) if num_stages > 1 else []
+    else:
+        cuts = _cuts_from_names(segments, allowed, stage_starts, num_stages)
+    stage = 0
+    for i, segment in enumerate(segments):
+        if stage < len(cuts) and i == cuts[stage]:
+            stage += 1
+        for node in segment.nodes:
+            set_meta(node, STAGE, StageInfo(stage))
+    return gm, [segments[c].unit for c in cuts]
+
+
+def _cuts_from_names(segments, allowed, names, num_stages) -> list[int]:
+    if len(names) != num_stages - 1:
+        raise PlanError(f"the plan names {len(names)} stage starts for {num_stages} stages",
+                        where="Plan.pipeline.stage_starts", fix=f"give exactly {num_stages - 1} unit names")
+    by_unit = {segments[i].unit: i for i in reversed(allowed)}
+    missing = [n for n in names if n not in by_unit]
+    if missing:
+        raise PlanError(f"stage starts {missing} are not places the model can be cut",
+                        where="Plan.pipeline.stage_starts",
+                        fix=f"use units from {[segments[i].unit for i in allowed][:12]}")
+    cuts = [by_unit[n] for n in names]
+    if cuts != sorted(set(cuts)):
+        raise PlanError("stage starts are not in model order", where="Plan.pipeline.stage_starts",
+                        fix="list them in the order the model runs them")
+    return cuts

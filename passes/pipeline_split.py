@@ -1,0 +1,150 @@
+"""Pipeline split: one GraphModule per stage, joined by visible send/recv nodes.
+
+Reads ``autopar.stage`` (written by :func:`autopar.passes.partition.assign_stages`). Every value
+computed on stage a and read on stage b > a becomes an *edge*: ``send_<edge>`` at the end of a,
+``recv_<edge>`` at the start of b. Parameters and buffers are copied into every stage that reads
+them (a tied embedding/LM-head weight lands on two stages; :class:`StageGraph` lists it so the
+runtime sums its gradient across them). Graph inputs are read directly on every stage that
+needs them: each rank holds its batch. The graph's output belongs to the last stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.passes.meta_keys import PARAM, STAGE, TENSOR, get_meta
+from autopar.runtime.p2p import RecvActivation, SendActivation
+
+__all__ = ["StageGraph", "Edge", "split_pipeline", "needs_grad"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A value produced on ``src`` and read on ``dst``."""
+
+    index: int
+    value: str
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class StageGraph:
+    """One stage's program, what it reads, and the parameters it holds."""
+
+    stage: int
+    gm: fx.GraphModule
+    input_names: tuple[str, ...]
+    param_names: tuple[str, ...]
+    sends: list[Edge] = field(default_factory=list)
+    recvs: list[Edge] = field(default_factory=list)
+    is_last: bool = False
+
+
+def needs_grad(gm: fx.GraphModule):
+    """A predicate: does the value of a node depend differentiably on a trainable parameter?"""
+    memo: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        info = get_meta(node, TENSOR)
+        floating = info is not None and info.dtype is not None and info.dtype.is_floating_point
+        if node.op == "get_attr":
+            param = get_meta(node, PARAM)
+            memo[node] = bool(param and param.is_parameter) and floating
+        elif node.op == "placeholder" or not floating or "detach" in str(node.target):
+            memo[node] = False
+        else:
+            memo[node] = any(memo.get(a, False) for a in node.all_input_nodes)
+    return lambda n: memo.get(n, False)
+
+
+def _stage_of(node: fx.Node, last: int) -> int | None:
+    if node.op == "output":
+        return last
+    info = get_meta(node, STAGE)
+    return info.stage if info else None
+
+
+def _edges(gm: fx.GraphModule, num_stages: int) -> list[Edge]:
+    grad = needs_grad(gm)
+    edges: list[Edge] = []
+    for node in gm.graph.nodes:
+        src = _stage_of(node, num_stages - 1)
+        if src is None or node.op == "output":
+            continue
+        dsts = sorted({_stage_of(u, num_stages - 1) for u in node.users} - {src})
+        info = get_meta(node, TENSOR)
+        for dst in dsts:
+            assert dst > src, f"{node.name} flows backwards from stage {src} to {dst}"
+            edges.append(Edge(len(edges), node.name, src, dst, tuple(info.shape), info.dtype, grad(node)))
+    return edges
+
+
+def _build_stage(gm: fx.GraphModule, stage: int, num_stages: int, edges: list[Edge]) -> StageGraph:
+    last = num_stages - 1
+    graph = fx.Graph()
+    attrs: dict[str, object] = {}
+    env: dict[fx.Node, fx.Node] = {}
+    mine = [n for n in gm.graph.nodes if _stage_of(n, last) == stage]
+    wanted = {a for n in mine for a in n.all_input_nodes}
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n in wanted]
+    for ph in inputs:
+        env[ph] = graph.placeholder(ph.name)
+        env[ph].meta = dict(ph.meta)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    recvs = [e for e in edges if e.dst == stage]
+    for e in recvs:
+        name = f"recv_{e.index}"
+        attrs[name] = RecvActivation(edge=e.index, src_stage=e.src, dst_stage=stage, shape=e.shape,
+                                     dtype=e.dtype, requires_grad=e.requires_grad)
+        env[by_name[e.value]] = graph.call_module(name, ())
+        env[by_name[e.value]].meta = {k: v for k, v in by_name[e.value].meta.items() if k == TENSOR}
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env and a.op == "get_attr":
+            env[a] = graph.get_attr(a.target)
+            env[a].meta = dict(a.meta)
+            attrs[a.target] = gm.get_parameter(a.target) if _is_param(gm, a.target) else _fetch(gm, a.target)
+        return env[a]
+
+    outputs = None
+    for node in mine:
+        if node.op == "output":
+            outputs = fx.map_arg(node.args[0], lookup)
+            continue
+        env[node] = graph.node_copy(node, lookup)
+        if node.op == "call_module":
+            attrs[node.target] = gm.get_submodule(node.target)
+    sends = [e for e in edges if e.src == stage]
+    tokens = []
+    for e in sends:
+        name = f"send_{e.index}"
+        attrs[name] = SendActivation(edge=e.index, src_stage=stage, dst_stage=e.dst, shape=e.shape,
+                                     dtype=e.dtype, requires_grad=e.requires_grad)
+        tokens.append(graph.call_module(name, (env[by_name[e.value]],)))
+    graph.output(outputs if stage == last else tuple(tokens))
+    stage_gm = fx.GraphModule(attrs, graph, class_name=f"Stage{stage}")
+    params = tuple(n.target for n in graph.nodes if n.op == "get_attr" and _is_param(stage_gm, n.target))
+    return StageGraph(stage=stage, gm=stage_gm, input_names=tuple(p.name for p in inputs),
+                      param_names=params, sends=sends, recvs=recvs, is_last=stage == last)
+
+
+def _fetch(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_param(gm, target: str) -> bool:
+    return isinstance(_fetch(gm, target), torch.nn.Parameter)
+
+
+def split_pipeline(gm: fx.GraphModule, *, num_stages: int) -> list[StageGraph]:
+    """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs."""
+    edges = _edges(gm, num_stages)
+    return [_build_stage(gm, s, num_stages, edges) for s in range(num_stages)]

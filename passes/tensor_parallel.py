@@ -1,0 +1,184 @@
+"""Tensor-parallel transform: shard the regions' weights and insert Megatron's f and g.
+
+For each region found by :func:`autopar.passes.tp_regions.find_tp_regions`:
+column linears read their input through a :class:`TpCopy` (f: identity forward, all-reduce
+backward) and hold the output-dim shard of weight and bias; row linears hold the input-dim
+shard of the weight, their output goes through a :class:`TpReduce` (g: all-reduce forward) and
+the bias is added after it. Sizes baked into views inside the region are rewritten to the
+local shard's. A transformer block therefore holds 2 forward and 2 backward all-reduces.
+
+Example::
+
+    >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
+    >>> specs["model.blocks.0.mlp.fc.weight"]
+    ShardSpec(dim=0, chunks=1)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.errors import ShardingError
+from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.passes.tp_regions import TpRegion, find_tp_regions
+from autopar.passes.tp_rules import REPLICATE, op_name, shape_of
+from autopar.runtime.collectives import TpCopy, TpReduce
+
+__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own."""
+
+    dim: int
+    chunks: int = 1
+
+
+def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of ``tensor`` (contiguous, a copy)."""
+    blocks = tensor.chunk(spec.chunks, dim=spec.dim)
+    return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).contiguous()
+
+
+def set_param(gm: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Replace the attribute ``target`` (a dotted path) by ``value`` as a Parameter."""
+    owner_path, _, leaf = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    old = getattr(owner, leaf)
+    requires_grad = old.requires_grad if isinstance(old, nn.Parameter) else False
+    if isinstance(old, nn.Parameter):
+        setattr(owner, leaf, nn.Parameter(value, requires_grad=requires_grad))
+    else:
+        owner.register_buffer(leaf, value)
+
+
+def _where(node: fx.Node) -> str:
+    info = get_meta(node, MODULE)
+    return f"node {node.name} (module {info.path or '<root>'})" if info else f"node {node.name}"
+
+
+def _check_divisible(region: TpRegion, tp_size: int) -> None:
+    for node, p in region.placements.items():
+        if p.kind != "S":
+            continue
+        size = shape_of(node)[p.dim]
+        if size % (p.chunks * tp_size) != 0:
+            raise ShardingError(
+                f"dim {p.dim} of {op_name(node)} output {tuple(shape_of(node))} has size {size}, "
+                f"not divisible by tp={tp_size}" + (f" x {p.chunks} blocks" if p.chunks > 1 else ""),
+                where=_where(node),
+                fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                    f"(mesh dim 'tp'), or set tp=1")
+
+
+def _local_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
+    """Rewrite sizes baked into view/expand/split args to this rank's shard."""
+    name = op_name(node)
+    if name in ("view", "reshape", "_unsafe_view", "expand"):
+        sizes = list(node.args[1])
+        if sizes[p.dim] != -1:
+            sizes[p.dim] = sizes[p.dim] // tp_size
+        node.args = (node.args[0], sizes, *node.args[2:])
+
+
+def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
+    if op_name(node) == "chunk":
+        return  # a chunk count stays the same on the shard
+    dim = node.args[2] if len(node.args) > 2 else 0
+    if dim % len(shape_of(node.args[0])) != src_p.dim:
+        return
+    arg = node.args[1]
+    new = [a // tp_size for a in arg] if isinstance(arg, (list, tuple)) else arg // tp_size
+    node.args = (node.args[0], new, *node.args[2:])
+
+
+def _insert_copies(gm: fx.GraphModule, region: TpRegion, tp_size: int, counter: list) -> None:
+    by_input: dict[fx.Node, list[fx.Node]] = {}
+    for col in region.columns:
+        by_input.setdefault(col.args[0], []).append(col)
+    for src, cols in by_input.items():
+        name = f"tp_copy_{counter[0]}"
+        counter[0] += 1
+        gm.add_submodule(name, TpCopy(axis="tp", size=tp_size))
+        with gm.graph.inserting_before(min(cols, key=_order(gm))):
+            copy = gm.graph.call_module(name, (src,))
+        copy.meta.update({k: v for k, v in cols[0].meta.items() if k in ("nn_module_stack", MODULE)})
+        for col in cols:
+            col.args = (copy, *col.args[1:])
+
+
+def _order(gm: fx.GraphModule):
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return lambda n: index[n]
+
+
+def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) -> None:
+    x, weight = row.args[0], row.args[1]
+    bias = row.args[2] if len(row.args) > 2 else row.kwargs.get("bias")
+    name = f"tp_reduce_{counter[0]}"
+    counter[0] += 1
+    gm.add_submodule(name, TpReduce(axis="tp", size=tp_size))
+    keep = {k: v for k, v in row.meta.items() if k in ("nn_module_stack", MODULE)}
+    with gm.graph.inserting_after(row):
+        partial = gm.graph.call_function(aten.linear.default, (x, weight))
+    with gm.graph.inserting_after(partial):
+        reduced = gm.graph.call_module(name, (partial,))
+    out = reduced
+    if bias is not None:
+        with gm.graph.inserting_after(reduced):
+            out = gm.graph.call_function(aten.add.Tensor, (reduced, bias))
+    for n in (partial, reduced, out):
+        n.meta.update(keep)
+    set_meta(partial, TP_PLACEMENT, Placement("P"))
+    row.replace_all_uses_with(out)
+    gm.graph.erase_node(row)
+
+
+def _param_specs(region: TpRegion) -> dict[str, ShardSpec]:
+    specs = {}
+    for col in region.columns:
+        chunks = region.placements[col].chunks
+        specs[col.args[1].target] = ShardSpec(0, chunks)
+        bias = col.args[2] if len(col.args) > 2 else None
+        if isinstance(bias, fx.Node):
+            specs[bias.target] = ShardSpec(0, chunks)
+    for row in region.rows:
+        specs[row.args[1].target] = ShardSpec(1, 1)
+    return specs
+
+
+def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
+                          regions: list[TpRegion] | None = None):
+    """Shard every region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
+    regions = find_tp_regions(gm) if regions is None else regions
+    specs: dict[str, ShardSpec] = {}
+    counter = [0, 0]
+    for region in regions:
+        _check_divisible(region, tp_size)
+        specs.update(_param_specs(region))
+        for node, p in region.placements.items():
+            set_meta(node, TP_PLACEMENT, p)
+            if p.kind == "S":
+                _local_sizes(node, p, tp_size)
+                if op_name(node) in ("split", "split_with_sizes"):
+                    _rewrite_split(node, region.placements.get(node.args[0], REPLICATE), tp_size)
+        copies, reduces = [counter[0]], [counter[1]]
+        _insert_copies(gm, region, tp_size, copies)
+        for row in region.rows:
+            _rewrite_row(gm, row, tp_size, reduces)
+        counter = [copies[0], reduces[0]]
+    for target, spec in specs.items():
+        full = gm.get_parameter(target) if "." in target or hasattr(gm, target) else None
+        set_param(gm, target, shard_tensor(full.detach(), spec, rank=tp_rank, size=tp_size))
+    gm.graph.lint()
+    gm.recompile()
+    log.info("tensor parallel: %d regions, %d sharded parameters", len(regions), len(specs))
+    return gm, specs

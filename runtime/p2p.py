@@ -1,0 +1,171 @@
+"""Pipeline point-to-point transfers as graph nodes: :class:`SendActivation` / :class:`RecvActivation`.
+
+A value that crosses from stage a to stage b > a is one *edge*. Stage a's graph ends with a
+``send_<edge>`` node; stage b's graph starts with a ``recv_<edge>`` node. Both are differentiable:
+the backward of a recv sends the gradient back to stage a, and the backward of a send receives it.
+So a stage's backward is one ``torch.autograd.backward`` call on its send tokens, and the p2p of
+gradients happens inside it, in autograd's order, matched by tags (edge, microbatch, direction).
+
+The nodes talk through a :class:`P2PChannel` (bound by the runtime) that knows which global rank
+runs each stage; stages on the same rank hand values over locally.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import RuntimeCommError
+
+__all__ = ["P2PChannel", "SendActivation", "RecvActivation", "p2p_nodes"]
+
+log = logging.getLogger(__name__)
+_MB_BITS = 12
+
+
+def _tag(edge: int, microbatch: int, is_grad: bool) -> int:
+    return ((edge * 2 + int(is_grad)) << _MB_BITS) | microbatch
+
+
+class P2PChannel:
+    """One rank's pipeline transfers: stage->rank map, pending sends, local hand-overs."""
+
+    def __init__(self, *, rank: int, stage_to_rank: dict[int, int], group=None,
+                 timeout_s: float = 300.0):
+        self.rank = rank
+        self.stage_to_rank = dict(stage_to_rank)
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.microbatch = 0
+        self.action = "?"
+        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._local: dict[int, torch.Tensor] = {}
+
+    def send(self, tensor: torch.Tensor, *, stage: int, edge: int, microbatch: int, is_grad: bool):
+        tensor = tensor.detach().contiguous()
+        dst = self.stage_to_rank[stage]
+        tag = _tag(edge, microbatch, is_grad)
+        if dst == self.rank:
+            self._local[tag] = tensor
+            return
+        self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
+
+    def recv(self, shape, dtype, *, stage: int, edge: int, microbatch: int, is_grad: bool,
+             my_stage: int) -> torch.Tensor:
+        src = self.stage_to_rank[stage]
+        tag = _tag(edge, microbatch, is_grad)
+        if src == self.rank:
+            return self._local.pop(tag)
+        buffer = torch.empty(shape, dtype=dtype)
+        work = dist.irecv(buffer, src, group=self.group, tag=tag)
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer
+            what = "gradient" if is_grad else "activation"
+            raise RuntimeCommError(
+                f"waiting for the {what} of edge {edge}, microbatch {microbatch} failed: {exc}",
+                where=f"rank {self.rank}, stage {my_stage}, action {self.action}, peer rank {src} "
+                      f"(stage {stage})",
+                fix="check that the peer rank is alive and runs the same schedule; raise "
+                    "p2p_timeout_s if the peer is only slow") from exc
+        return buffer
+
+    def flush(self) -> None:
+        """Wait for every send of this step (their buffers stay alive until then)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class _SendFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module, ctx.microbatch = module, module.channel.microbatch
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        module.channel.send(x, stage=module.dst_stage, edge=module.edge, microbatch=ctx.microbatch,
+                            is_grad=False)
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        m = ctx.module
+        grad = m.channel.recv(ctx.shape, ctx.dtype, stage=m.dst_stage, edge=m.edge,
+                              microbatch=ctx.microbatch, is_grad=True, my_stage=m.src_stage)
+        return grad, None
+
+
+class _RecvFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, _anchor, module):
+        ctx.module, ctx.microbatch = module, module.channel.microbatch
+        return module.receive()
+
+    @staticmethod
+    def backward(ctx, grad):
+        m = ctx.module
+        m.channel.send(grad, stage=m.src_stage, edge=m.edge, microbatch=ctx.microbatch, is_grad=True)
+        return None, None
+
+
+class _P2PNode(nn.Module):
+    def __init__(self, *, edge: int, src_stage: int, dst_stage: int, shape, dtype, requires_grad):
+        super().__init__()
+        self.edge, self.src_stage, self.dst_stage = edge, src_stage, dst_stage
+        self.shape, self.dtype, self.requires_grad = tuple(shape), dtype, requires_grad
+        self.channel: P2PChannel | None = None
+
+    def bind(self, channel: P2PChannel) -> None:
+        self.channel = channel
+
+    def _require_channel(self) -> P2PChannel:
+        if self.channel is None:
+            raise RuntimeCommError(f"{type(self).__name__} of edge {self.edge} is not bound",
+                                   where=f"stage {self.src_stage} -> {self.dst_stage}",
+                                   fix="run stage graphs through autopar.compile(); plan() graphs are for reading")
+        return self.channel
+
+    def extra_repr(self) -> str:
+        return (f"edge={self.edge}, stage {self.src_stage} -> {self.dst_stage}, shape={list(self.shape)}, "
+                f"dtype={self.dtype}, grad={self.requires_grad}")
+
+
+class SendActivation(_P2PNode):
+    """Send a value to a later stage; returns a scalar token whose backward receives the grad."""
+
+    def forward(self, x):
+        channel = self._require_channel()
+        if self.requires_grad and torch.is_grad_enabled() and x.requires_grad:
+            return _SendFn.apply(x, self)
+        channel.send(x, stage=self.dst_stage, edge=self.edge, microbatch=channel.microbatch,
+                     is_grad=False)
+        return x.new_zeros(())
+
+    def meta_forward(self, x):
+        return x.new_zeros(())
+
+
+class RecvActivation(_P2PNode):
+    """Receive a value from an earlier stage; its backward sends the gradient back."""
+
+    def receive(self) -> torch.Tensor:
+        channel = self._require_channel()
+        return channel.recv(self.shape, self.dtype, stage=self.src_stage, edge=self.edge,
+                            microbatch=channel.microbatch, is_grad=False, my_stage=self.dst_stage)
+
+    def forward(self):
+        if self.requires_grad and torch.is_grad_enabled():
+            anchor = torch.zeros((), requires_grad=True)
+            return _RecvFn.apply(anchor, self)
+        return self.receive()
+
+    def meta_forward(self):
+        return torch.empty(self.shape, dtype=self.dtype)
+
+
+def p2p_nodes(gm) -> list:
+    """The send and recv call_module nodes of a stage graph."""
+    return [n for n in gm.graph.nodes if n.op == "call_module"
+            and isinstance(gm.get_submodule(n.target), _P2PNode)]

@@ -1,0 +1,170 @@
+"""One rank's compiled program: its stage graphs, schedule, process groups and optimizer.
+
+``train_step`` runs the schedule over this rank's data-parallel batch, sums tied-weight gradients
+across stages, averages gradients over dp, steps the (ZeRO-sharded) optimizer and returns the
+global mean loss on every rank. Calling the program (no loss) runs forward only.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from autopar.errors import PlanError
+from autopar.lowering import Lowered, user_name
+from autopar.mesh import MeshInfo
+from autopar.passes.meta_keys import PARAM, get_meta
+from autopar.passes.pipeline_split import StageGraph
+from autopar.runtime.collectives import bind_collectives
+from autopar.runtime.executor import run_actions
+from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
+from autopar.runtime.p2p import P2PChannel
+from autopar.runtime.schedules.action import ActionKind, Schedule
+from autopar.runtime.state import gather_full_state_dict
+from autopar.runtime.zero import ShardedOptimizer
+
+__all__ = ["RankProgram"]
+
+log = logging.getLogger(__name__)
+
+
+def _own_parameters(stages: list[StageGraph]) -> None:
+    """Give the stage graphs their own copies of the weights (ties between local stages kept)."""
+    copies: dict[int, torch.nn.Parameter] = {}
+    for stage in stages:
+        for target in stage.param_names:
+            param = stage.gm.get_parameter(target)
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+            owner, _, leaf = target.rpartition(".")
+            setattr(stage.gm.get_submodule(owner) if owner else stage.gm, leaf, copies[id(param)])
+
+
+class RankProgram:
+    """This rank's share of the parallel program."""
+
+    def __init__(self, *, lowered: Lowered, info: MeshInfo, schedule: Schedule, optimizer_factory,
+                 state_keys: tuple[str, ...], p2p_timeout_s: float):
+        self.plan = lowered.plan
+        self.info = info
+        self.schedule = schedule
+        self.captured = lowered.captured
+        self.state_keys = state_keys
+        pp_rank = info.coords["pp"]
+        mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == pp_rank]
+        _own_parameters(mine)
+        self.stages = {s.stage: s for s in mine}
+        self.stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
+        self.channel = P2PChannel(rank=info.rank, stage_to_rank=self.stage_ranks, group=info.groups["pp"],
+                                  timeout_s=p2p_timeout_s)
+        for stage in mine:
+            bind_collectives(stage.gm, info.groups)
+            for module in stage.gm.modules():
+                if hasattr(module, "bind") and hasattr(module, "edge"):
+                    module.bind(self.channel)
+        self.named_params = self._named_parameters()
+        self.optimizer = ShardedOptimizer(self.named_params, optimizer_factory, zero_stage=self.plan.zero_stage,
+                                          dp_group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"],
+                                          dp_rank=info.coords["dp"])
+        self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
+        self.aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
+                        for s in lowered.stages for n in s.gm.graph.nodes
+                        if n.op == "get_attr" and get_meta(n, PARAM) is not None}
+        self.events: list = []
+
+    # -- what a person reads -------------------------------------------------------------
+    @property
+    def graphs(self) -> dict[int, torch.fx.GraphModule]:
+        """This rank's rewritten stage graphs, by stage index."""
+        return {s: st.gm for s, st in sorted(self.stages.items())}
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        seen, named = set(), []
+        for stage in self.stages.values():
+            for target in stage.param_names:
+                p = stage.gm.get_parameter(target)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((user_name(target), p))
+        return named
+
+    # -- running ---------------------------------------------------------------------------
+    def _microbatches(self, tensors: tuple) -> list[dict]:
+        m = self.plan.pipeline.num_microbatches
+        local = self.plan.global_batch_size // self.plan.mesh.dp
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != local:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise PlanError(f"expected this rank's data-parallel batch of {local} rows, got {got}",
+                                where=f"rank {self.info.rank} (dp index {self.info.coords['dp']})",
+                                fix="pass global_batch[dp_index * local:(dp_index + 1) * local]; "
+                                    "program.shard_batch(global_batch) does it")
+        names = self.captured.input_names
+        chunks = [t.chunk(m, dim=0) for t in tensors]
+        return [{name: c[i] for name, c in zip(names, chunks)} for i in range(m)]
+
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's dp slice of a global batch."""
+        local = tensor.shape[0] // self.plan.mesh.dp
+        return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
+
+    def _sync_gradients(self) -> None:
+        shared = []
+        for name, stages in self.plan.shared_params.items():
+            ranks = sorted({self.stage_ranks[s] for s in stages})
+            if self.info.rank in ranks and len(ranks) > 1:
+                shared.append((dict(self.named_params)[name], ranks))
+        sum_shared_gradients(shared, rank=self.info.rank, group=self.info.groups["pp"])
+        average_gradients([p for _, p in self.named_params], group=self.info.groups["dp"],
+                          size=self.plan.mesh.dp)
+
+    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's dp batch; returns the global mean loss (every rank)."""
+        if not self.captured.has_loss:
+            raise PlanError("this program was compiled without a loss_fn", where="train_step",
+                            fix="pass loss_fn= (and example_target=) to autopar.compile")
+        batches = self._microbatches(tuple(inputs) + (target,))
+        self.optimizer.zero_grad()
+        self.events = []
+        results = run_actions(self.schedule.actions[self.info.coords["pp"]], stages=self.stages,
+                              microbatches=batches, channel=self.channel, train=True, events=self.events)
+        self._sync_gradients()
+        self.optimizer.step()
+        return self._global_loss(results)
+
+    def _global_loss(self, results: dict) -> torch.Tensor:
+        if results:
+            loss = torch.stack([results[i][0] if isinstance(results[i], (tuple, list)) else results[i]
+                                for i in sorted(results)]).mean()
+        else:
+            loss = torch.zeros(())
+        if self.plan.mesh.dp > 1:
+            dist.all_reduce(loss, group=self.info.groups["dp"])
+            loss /= self.plan.mesh.dp
+        if self.plan.mesh.pp > 1:
+            dist.broadcast(loss, src=self.last_stage_rank, group=self.info.groups["pp"])
+        return loss
+
+    @torch.no_grad()
+    def __call__(self, *inputs: torch.Tensor):
+        """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
+        batches = self._microbatches(tuple(inputs))
+        actions = tuple(a for a in self.schedule.actions[self.info.coords["pp"]] if a.kind is ActionKind.F)
+        actions = tuple(sorted(actions, key=lambda a: (a.microbatch, a.stage)))
+        results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,
+                              train=False)
+        payload = [None]
+        if results:
+            flat = [pytree.tree_flatten(results[i])[0] for i in sorted(results)]
+            payload = [[torch.cat(parts, dim=0) for parts in zip(*flat)]]
+        if self.plan.mesh.pp > 1:
+            dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.info.groups["pp"])
+        outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
+        return outputs
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights as the original (single-device) model names them, on every rank."""
+        return gather_full_state_dict(self.named_params, plan=self.plan, info=self.info, aliases=self.aliases,
+                                      keys=self.state_keys)

@@ -1,0 +1,40 @@
+"""Pipeline schedules as data: actions, generators, a validator and a simulator. No process group needed.
+
+    >>> from autopar.runtime.schedules import StageCosts, build_schedule, simulate
+    >>> schedule = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    >>> round(simulate(schedule, costs=StageCosts(forward=1, backward=1, weight=0)).mean_bubble, 4)
+    0.2727
+"""
+from autopar.runtime.schedules.action import Action, ActionKind, Schedule
+from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.gpipe import gpipe
+from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
+from autopar.runtime.schedules.naive import naive
+from autopar.runtime.schedules.one_f_one_b import one_f_one_b
+from autopar.runtime.schedules.registry import build_schedule, schedule_names
+from autopar.runtime.schedules.simulator import Event, SimResult, StageCosts, simulate
+from autopar.runtime.schedules.validator import validate
+from autopar.runtime.schedules.zb_v import zb_v
+from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "dependencies",
+    "naive",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zb_h1",
+    "zb_h2",
+    "zb_v",
+    "build_schedule",
+    "schedule_names",
+    "validate",
+    "StageCosts",
+    "SimResult",
+    "Event",
+    "simulate",
+]

@@ -1,0 +1,209 @@
+"""Pipeline schedules as data: an :class:`Action` is one step, a :class:`Schedule` one list of them per rank.
+
+An action prints as ``<stage><kind><microbatch>`` and parses back::
+
+    >>> from autopar.runtime.schedules.action import Action, ActionKind
+    >>> str(Action(1, ActionKind.F, 3))
+    '1F3'
+    >>> Action.parse("1F3") == Action(1, ActionKind.F, 3)
+    True
+
+A schedule round-trips through CSV (one row per rank, one cell per action), which is what golden
+tests compare against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Collection, Iterable, Sequence
+
+from autopar.errors import ScheduleError
+
+__all__ = ["ActionKind", "Action", "Schedule"]
+
+_ACTION_RE = re.compile(r"^(\d+)([A-Z])(\d+)$")
+_ACTION_FORMAT_FIX = "write an action as <stage><kind><microbatch>, e.g. '1F3'; kinds are F, B and W"
+
+
+class ActionKind(str, enum.Enum):
+    """What an action computes for its (stage, microbatch)."""
+
+    F = "F"
+    """Forward."""
+    B = "B"
+    """Backward: the full backward, or only the input gradient when the schedule splits backward."""
+    W = "W"
+    """Weight gradient; present only when the schedule splits backward."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One step of a schedule: compute ``kind`` for ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            try:
+                object.__setattr__(self, "kind", ActionKind(self.kind))
+            except ValueError:
+                raise ScheduleError(
+                    f"unknown action kind {self.kind!r}", fix=_ACTION_FORMAT_FIX
+                ) from None
+        for field in ("stage", "microbatch"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ScheduleError(
+                    f"action {field} must be an int >= 0, got {value!r}",
+                    where=f"Action(stage={self.stage!r}, kind={self.kind}, microbatch={self.microbatch!r})",
+                    fix=f"pass a non-negative integer {field}",
+                )
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the short form written by ``str(action)``, e.g. ``"1F3"``."""
+        match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
+        if match is None or match.group(2) not in ActionKind.__members__:
+            raise ScheduleError(f"cannot parse action {text!r}", fix=_ACTION_FORMAT_FIX)
+        return cls(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+
+
+def _as_tuple_of_ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    """Coerce ``values`` to a tuple of ints, or raise a ScheduleError naming ``name``."""
+    result = tuple(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in result):
+        raise ScheduleError(f"schedule {name} must hold ints, got {result!r}")
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered action lists plus the facts needed to check and run them.
+
+    ``stage_to_rank[s]`` is the rank that runs stage ``s``; ``actions[r]`` is rank ``r``'s actions in
+    execution order. Construction checks only the shape; :func:`~autopar.runtime.schedules.validator.validate`
+    checks counts, placement, order and deadlock freedom.
+    """
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    split_backward: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        for field in ("num_ranks", "num_stages", "num_microbatches"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ScheduleError(
+                    f"{field} must be an int >= 1, got {value!r}", where=f"schedule {self.name!r}"
+                )
+        if len(self.stage_to_rank) != self.num_stages:
+            raise ScheduleError(
+                f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages",
+                where=f"schedule {self.name!r}",
+                fix="give one owning rank per stage",
+            )
+        bad = [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]
+        if bad:
+            raise ScheduleError(
+                f"stage_to_rank names ranks {bad} outside 0..{self.num_ranks - 1}",
+                where=f"schedule {self.name!r}",
+            )
+        if len(self.actions) != self.num_ranks:
+            raise ScheduleError(
+                f"actions has {len(self.actions)} rows for {self.num_ranks} ranks",
+                where=f"schedule {self.name!r}",
+                fix="give one action list per rank",
+            )
+        if not all(isinstance(a, Action) for row in self.actions for a in row):
+            raise ScheduleError("every entry of actions must be an Action", where=f"schedule {self.name!r}")
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, in increasing order."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def format(self, *, marks: Collection[tuple[int, int]] = ()) -> str:
+        """A readable grid, one line per rank; ``marks`` holds (rank, index) cells to wrap in ``[ ]``."""
+        width = max((len(str(a)) for row in self.actions for a in row), default=3)
+        header = (
+            f"schedule {self.name!r}: {self.num_ranks} ranks, {self.num_stages} stages, "
+            f"{self.num_microbatches} microbatches" + (", split backward" if self.split_backward else "")
+        )
+        label_width = len(f"rank {self.num_ranks - 1}")
+        lines = [header]
+        for rank, row in enumerate(self.actions):
+            cells = []
+            for index, action in enumerate(row):
+                text = f"[{action}]" if (rank, index) in marks else f" {action} "
+                cells.append(text.rjust(width + 2))
+            lines.append(f"{f'rank {rank}'.ljust(label_width)} |{''.join(cells).rstrip()}")
+        return "\n".join(lines)
+
+    def to_csv(self) -> str:
+        """One row per rank, one cell per action string; read back with :meth:`from_csv`."""
+        return "".join(",".join(str(a) for a in row) + "\n" for row in self.actions)
+
+    @classmethod
+    def from_csv(cls, text: str, **meta: object) -> Schedule:
+        """Read :meth:`to_csv` output; ``meta`` may give any field, the rest is inferred from the actions.
+
+        Inferred: ``num_ranks`` (rows), ``num_stages`` and ``num_microbatches`` (largest index + 1),
+        ``stage_to_rank`` (the row each stage appears in), ``split_backward`` (any W present),
+        ``name`` ("custom").
+        """
+        known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
+        unknown = sorted(set(meta) - known)
+        if unknown:
+            raise ScheduleError(
+                f"unknown schedule fields {unknown}", where="Schedule.from_csv", fix=f"use only {sorted(known)}"
+            )
+        lines = text.strip("\n").split("\n") if text.strip() else []
+        rows = [tuple(Action.parse(c) for c in line.split(",") if c.strip()) for line in lines]
+        num_ranks = meta.get("num_ranks", len(rows))
+        rows += [()] * max(0, int(num_ranks) - len(rows))  # type: ignore[arg-type]
+        flat = [a for row in rows for a in row]
+        num_stages = meta.get("num_stages", max((a.stage for a in flat), default=0) + 1)
+        fields = {
+            "name": meta.get("name", "custom"),
+            "num_ranks": num_ranks,
+            "num_stages": num_stages,
+            "num_microbatches": meta.get("num_microbatches", max((a.microbatch for a in flat), default=0) + 1),
+            "split_backward": meta.get("split_backward", any(a.kind is ActionKind.W for a in flat)),
+        }
+        stage_to_rank = meta.get("stage_to_rank")
+        if stage_to_rank is None:
+            stage_to_rank = _infer_stage_to_rank(rows, int(num_stages))  # type: ignore[arg-type]
+        return cls(stage_to_rank=stage_to_rank, actions=tuple(rows), **fields)  # type: ignore[arg-type]
+
+
+def _infer_stage_to_rank(rows: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
+    """The one rank each stage appears on, or a ScheduleError asking for ``stage_to_rank``."""
+    owners: dict[int, set[int]] = {}
+    for rank, row in enumerate(rows):
+        for action in row:
+            owners.setdefault(action.stage, set()).add(rank)
+    result = []
+    for stage in range(num_stages):
+        ranks = owners.get(stage, set())
+        if len(ranks) != 1:
+            raise ScheduleError(
+                f"cannot infer the rank of stage {stage}: it appears on ranks {sorted(ranks)}",
+                where="Schedule.from_csv",
+                fix="pass stage_to_rank=... explicitly",
+            )
+        result.append(ranks.pop())
+    return tuple(result)

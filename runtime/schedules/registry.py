@@ -1,0 +1,86 @@
+"""Build a schedule by name: the one place that knows every schedule family and its options.
+
+    >>> build_schedule("1f1b", num_ranks=2, num_microbatches=4).name
+    '1f1b'
+    >>> schedule_names()
+    ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v')
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from autopar.errors import ScheduleError
+from autopar.runtime.schedules.action import Schedule
+from autopar.runtime.schedules.gpipe import gpipe
+from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
+from autopar.runtime.schedules.naive import naive
+from autopar.runtime.schedules.one_f_one_b import one_f_one_b
+from autopar.runtime.schedules.zb_v import zb_v
+from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
+
+__all__ = ["build_schedule", "schedule_names"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Family(NamedTuple):
+    """A generator and the stages per rank (``num_virtual``) it accepts."""
+
+    build: Callable[..., Schedule]
+    fixed: int | None  # the only num_virtual accepted, or None when it is an option
+    minimum: int = 1  # for an option: the least num_virtual
+    default: int | None = None  # for an option: used when num_virtual is not given
+
+
+_FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
+    "naive": _Family(naive, fixed=1),
+    "gpipe": _Family(gpipe, fixed=1),
+    "1f1b": _Family(one_f_one_b, fixed=1),
+    "interleaved_1f1b": _Family(interleaved_1f1b, fixed=None, minimum=2),
+    "looped_bfs": _Family(looped_bfs, fixed=None, minimum=1, default=1),
+    "zb_h1": _Family(zb_h1, fixed=1),
+    "zb_h2": _Family(zb_h2, fixed=1),
+    "zb_v": _Family(zb_v, fixed=2),
+})
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Every name :func:`build_schedule` accepts."""
+    return tuple(_FAMILIES)
+
+
+def build_schedule(
+    name: str, *, num_ranks: int, num_microbatches: int, num_virtual: int | None = None
+) -> Schedule:
+    """The ``name`` schedule for ``num_ranks`` ranks, ``num_microbatches`` microbatches.
+
+    ``num_virtual`` is the number of stages per rank. ``None`` means the family's own: 1, or 2 for
+    ``zb_v``, which only has a V of two; ``interleaved_1f1b`` needs it given, at least 2.
+    """
+    family = _FAMILIES.get(name)
+    if family is None:
+        raise ScheduleError(
+            f"unknown schedule {name!r}", fix=f"use one of {', '.join(schedule_names())}"
+        )
+    if family.fixed is not None:
+        if num_virtual not in (None, family.fixed):
+            others = "interleaved_1f1b or looped_bfs" if family.fixed == 1 else "interleaved_1f1b"
+            raise ScheduleError(
+                f"schedule {name!r} runs exactly {family.fixed} stage(s) per rank, got num_virtual={num_virtual}",
+                fix=f"drop num_virtual (or pass {family.fixed}), or use {others} for other stage counts",
+            )
+        logger.debug("building %s for %s ranks, %s microbatches", name, num_ranks, num_microbatches)
+        return family.build(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    virtual = family.default if num_virtual is None else num_virtual
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < family.minimum:
+        other = ", or use '1f1b' for one stage per rank" if name == "interleaved_1f1b" else ""
+        raise ScheduleError(
+            f"schedule {name!r} needs num_virtual >= {family.minimum} stages per rank, got {num_virtual!r}",
+            fix=f"pass num_virtual={family.minimum} or more{other}",
+        )
+    logger.debug("building %s for %s ranks, %s microbatches, %s stages per rank",
+                 name, num_ranks, num_microbatches, virtual)
+    return family.build(num_ranks=num_ranks, num_microbatches=num_microbatches, num_virtual=virtual)

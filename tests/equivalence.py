@@ -1,0 +1,158 @@
+"""The one equivalence harness: a strategy trains like a single device, or the test fails.
+
+:func:`run_cases` spawns one process group of ``world_size`` gloo ranks and runs many cases in
+it (start-up costs seconds). Each :class:`Case` trains the same model, data and seed for a few
+optimizer steps with ``autopar.compile`` on its mesh; :func:`reference_run` does the same on one
+device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
+
+The default optimizer is SGD with momentum: its update is linear in the gradient, so a parallel
+run's rounding differences (sums taken in another order) stay at rounding size. Adam divides each
+gradient by its own running magnitude, which turns the rounding noise of a near-zero gradient into
+an O(lr) step, so Adam cases can only be compared with a looser, documented tolerance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RTOL = 1e-5
+ATOL = 1e-6  # absolute floor for parameters near zero, ~fp32 rounding of O(0.1) weights
+
+
+@dataclass(frozen=True)
+class Case:
+    """One strategy to judge: model, mesh (dp, pp, tp) and compile options."""
+
+    model: str = "gpt_tiny"
+    mesh: tuple[int, int, int] = (1, 1, 1)
+    options: tuple = ()  # (key, value) pairs passed to autopar.compile
+    steps: int = 3
+    batch: int = 8
+    seq: int = 16
+    lr: float = 0.05
+    optimizer: str = "sgd"
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh[0] * self.mesh[1] * self.mesh[2]
+
+    def name(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}" + (f"-{opts}" if opts else "")
+
+
+def build(case: Case):
+    from autopar.models import build_model
+    torch.manual_seed(1234)
+    return build_model(case.model, seq_len=max(case.seq, 16))
+
+
+def make_optimizer(case: Case):
+    if case.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=case.lr, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=case.lr, weight_decay=0.01)
+
+
+def batches(case: Case, vocab: int):
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randint(0, vocab, (case.batch, case.seq), generator=g),
+             torch.randint(0, vocab, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+
+def reference_run(case: Case) -> dict:
+    """Single-device training: losses per step and the final state_dict."""
+    from autopar.models import lm_loss
+    model = build(case)
+    opt = make_optimizer(case)(list(model.parameters()))
+    losses = []
+    for idx, tgt in batches(case, model.cfg.vocab_size):
+        opt.zero_grad()
+        loss = lm_loss(model(idx), tgt)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def parallel_run(case: Case, mesh) -> dict:
+    """This rank's run of ``case`` under autopar; rank 0's result is the one compared."""
+    import autopar
+    from autopar.models import lm_loss
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case),
+                              p2p_timeout_s=120, **dict(case.options))
+    losses = []
+    for idx, tgt in data:
+        loss = program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt))
+        losses.append(loss.item())
+    state = program.full_state_dict()
+    return {"losses": losses, "state": state, "plan": program.plan.model_dump_json()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, fn_name: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    fn = globals()[fn_name]
+    try:
+        for i, case in enumerate(cases):
+            mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("dp", "pp", "tp"))
+            try:
+                result = fn(case, mesh)
+            except Exception as exc:  # report per case, keep the group going
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+                if rank == 0:
+                    import traceback
+                    result["traceback"] = traceback.format_exc()
+            if rank == 0:
+                torch.save(result, os.path.join(out_dir, f"case{i}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(cases: list[Case], *, fn_name: str = "parallel_run", timeout_s: float = 600) -> list[dict]:
+    """Run every case (all of one world size) in one spawned process group; rank 0's results."""
+    world = cases[0].world_size
+    assert all(c.world_size == world for c in cases)
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out_dir, fn_name),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"cases {[c.name() for c in cases]} did not finish in {timeout_s}s")
+        return [torch.load(os.path.join(out_dir, f"case{i}.pt"), weights_only=False)
+                for i in range(len(cases))]
+
+
+def assert_equivalent(case: Case, result: dict, reference: dict) -> None:
+    """Losses and every parameter equal to single-device training within fp32 rounding."""
+    assert "error" not in result, f"{case.name()} failed:\n{result.get('traceback', result['error'])}"
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
+                               rtol=RTOL, atol=0, msg=lambda m: f"{case.name()} losses: {m}")
+    assert set(result["state"]) == set(reference["state"]), (
+        f"{case.name()}: state keys differ: {set(result['state']) ^ set(reference['state'])}")
+    for key, expected in reference["state"].items():
+        torch.testing.assert_close(result["state"][key], expected, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=key: f"{case.name()} parameter {k}: {m}")

@@ -1,0 +1,123 @@
+"""Actions and schedules as data: short string form, CSV round trip, printing with marks."""
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.errors import ScheduleError
+from autopar.runtime.schedules import Action, ActionKind, Schedule, build_schedule, schedule_names
+
+actions = st.builds(
+    Action,
+    stage=st.integers(min_value=0, max_value=10_000),
+    kind=st.sampled_from(list(ActionKind)),
+    microbatch=st.integers(min_value=0, max_value=10_000),
+)
+
+
+def test_action_prints_short_form():
+    assert str(Action(1, ActionKind.F, 3)) == "1F3"
+    assert str(Action(12, ActionKind.W, 0)) == "12W0"
+    assert Action.parse("1F3") == Action(1, ActionKind.F, 3)
+    assert Action(0, "B", 2).kind is ActionKind.B  # a kind given as its letter is coerced
+
+
+@given(actions)
+@settings(max_examples=200, deadline=None)
+def test_action_parse_round_trips(action):
+    assert Action.parse(str(action)) == action
+
+
+@pytest.mark.parametrize("text", ["", "F3", "1F", "1X3", "-1F3", "1f3", "1F3x", "1 F 3", "1FB3", "1.0F3"])
+def test_action_parse_rejects_bad_strings(text):
+    with pytest.raises(ScheduleError, match="cannot parse action"):
+        Action.parse(text)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage=-1), dict(microbatch=-2), dict(stage=1.0), dict(stage=True)])
+def test_action_rejects_bad_fields(kwargs):
+    fields = dict(stage=0, kind=ActionKind.F, microbatch=0) | kwargs
+    with pytest.raises(ScheduleError, match="must be an int >= 0"):
+        Action(**fields)
+
+
+def test_action_rejects_unknown_kind():
+    with pytest.raises(ScheduleError, match="unknown action kind"):
+        Action(0, "X", 0)
+
+
+def test_schedule_checks_its_shape():
+    row = (Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0))
+    base = dict(name="x", num_ranks=1, num_stages=1, num_microbatches=1, stage_to_rank=(0,), actions=(row,))
+    Schedule(**base)
+    with pytest.raises(ScheduleError, match="stage_to_rank has 2 entries for 1 stages"):
+        Schedule(**base | dict(stage_to_rank=(0, 0)))
+    with pytest.raises(ScheduleError, match="outside 0..0"):
+        Schedule(**base | dict(stage_to_rank=(1,)))
+    with pytest.raises(ScheduleError, match="actions has 1 rows for 2 ranks"):
+        Schedule(**base | dict(num_ranks=2))
+    with pytest.raises(ScheduleError, match="num_microbatches must be an int >= 1"):
+        Schedule(**base | dict(num_microbatches=0))
+    with pytest.raises(ScheduleError, match="must be an Action"):
+        Schedule(**base | dict(actions=(("0F0",),)))
+
+
+def test_schedule_coerces_lists_to_tuples_and_lists_stages_of_rank():
+    schedule = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=2, num_virtual=3)
+    assert schedule.stages_of_rank(0) == (0, 2, 4)
+    assert schedule.stages_of_rank(1) == (1, 3, 5)
+    listed = Schedule(name="x", num_ranks=1, num_stages=1, num_microbatches=1, stage_to_rank=[0],
+                      actions=[[Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0)]])
+    assert isinstance(listed.actions, tuple) and isinstance(listed.actions[0], tuple)
+    assert listed.stage_to_rank == (0,)
+    hash(listed)  # frozen and made of tuples, so usable as a key
+
+
+def test_format_is_one_aligned_line_per_rank_with_marks():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    assert schedule.format() == (
+        "schedule '1f1b': 2 ranks, 2 stages, 2 microbatches\n"
+        "rank 0 | 0F0  0F1  0B0  0B1\n"
+        "rank 1 | 1F0  1B0  1F1  1B1"
+    )
+    marked = schedule.format(marks={(1, 2)})
+    assert marked.splitlines()[2] == "rank 1 | 1F0  1B0 [1F1] 1B1"
+    assert "[" not in marked.splitlines()[1]
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_csv_round_trips_every_generator(name):
+    num_virtual = 2 if name in ("interleaved_1f1b", "looped_bfs", "zb_v") else None
+    schedule = build_schedule(name, num_ranks=3, num_microbatches=6, num_virtual=num_virtual)
+    text = schedule.to_csv()
+    assert len(text.splitlines()) == 3
+    back = Schedule.from_csv(text, name=name)
+    assert back == schedule  # everything else is inferred from the actions
+
+
+def test_from_csv_takes_meta_and_rejects_unknown_fields():
+    text = "0F0,0B0\n\n"
+    one = Schedule.from_csv(text, num_ranks=2, num_stages=2, stage_to_rank=(0, 1), name="partial")
+    assert one.actions == ((Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0)), ())
+    assert one.split_backward is False and one.num_microbatches == 1
+    with pytest.raises(ScheduleError, match="unknown schedule fields"):
+        Schedule.from_csv(text, num_layers=3)
+    with pytest.raises(ScheduleError, match="cannot infer the rank of stage 1"):
+        Schedule.from_csv(text, num_stages=2)
+    with pytest.raises(ScheduleError, match="cannot parse action"):
+        Schedule.from_csv("0F0,0Q0\n")
+    assert Schedule.from_csv(" 0F0 , 0B0 ,\n").actions == one.actions[:1]
+
+
+MODULES = ["action", "deps", "naive", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "zb_v",
+           "registry", "simulator", "validator"]
+
+
+@pytest.mark.parametrize("module", ["autopar.runtime.schedules"] + [f"autopar.runtime.schedules.{m}" for m in MODULES])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0

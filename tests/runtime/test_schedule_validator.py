@@ -1,0 +1,169 @@
+"""The validator rejects broken schedules and prints them with the bad steps marked."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.errors import ScheduleError
+from autopar.runtime.schedules import Action, Schedule, build_schedule, schedule_names, validate
+
+BASES = [
+    ("1f1b", 3, 4, None),
+    ("gpipe", 2, 3, None),
+    ("interleaved_1f1b", 2, 2, 2),
+    ("looped_bfs", 2, 3, 2),
+    ("zb_h1", 3, 4, None),
+    ("zb_h2", 3, 5, None),
+    ("zb_v", 2, 3, None),
+    ("naive", 3, 2, None),
+]
+bases = st.sampled_from(BASES).map(
+    lambda b: build_schedule(b[0], num_ranks=b[1], num_microbatches=b[2], num_virtual=b[3])
+)
+
+
+def _with_rows(schedule: Schedule, rows) -> Schedule:
+    return dataclasses.replace(schedule, actions=tuple(tuple(row) for row in rows))
+
+
+def _error(schedule: Schedule) -> ScheduleError:
+    with pytest.raises(ScheduleError) as info:
+        validate(schedule)
+    return info.value
+
+
+def _grid(message: str) -> str:
+    """The schedule printed at the end of an error message."""
+    return message[message.rindex("\nschedule "):]
+
+
+@pytest.mark.parametrize("base", BASES, ids=lambda b: b[0])
+def test_generated_schedules_pass(base):
+    validate(build_schedule(base[0], num_ranks=base[1], num_microbatches=base[2], num_virtual=base[3]))
+
+
+@given(bases, st.data())
+@settings(max_examples=60, deadline=None)
+def test_dropped_action_is_reported_missing(schedule, data):
+    rank = data.draw(st.sampled_from([r for r, row in enumerate(schedule.actions) if row]))
+    index = data.draw(st.integers(0, len(schedule.actions[rank]) - 1))
+    dropped = schedule.actions[rank][index]
+    rows = [list(row) for row in schedule.actions]
+    del rows[rank][index]
+    error = _error(_with_rows(schedule, rows))
+    assert "does not run every action exactly once" in str(error)
+    assert f"{dropped} is missing (it belongs on rank {rank})" in str(error)
+    assert schedule.format().splitlines()[0] in str(error)  # the schedule is printed
+
+
+@given(bases, st.data())
+@settings(max_examples=60, deadline=None)
+def test_duplicated_action_is_marked(schedule, data):
+    rank = data.draw(st.sampled_from([r for r, row in enumerate(schedule.actions) if row]))
+    index = data.draw(st.integers(0, len(schedule.actions[rank]) - 1))
+    copy = schedule.actions[rank][index]
+    rows = [list(row) for row in schedule.actions]
+    rows[rank].insert(index + 1, copy)
+    message = str(_error(_with_rows(schedule, rows)))
+    assert f"rank {rank} step {index + 1}: {copy} repeats rank {rank} step {index}" in message
+    grid_line = next(line for line in message.splitlines() if line.startswith(f"rank {rank} |"))
+    assert f" {copy} [{copy}]" in grid_line
+
+
+@given(bases, st.data())
+@settings(max_examples=60, deadline=None)
+def test_action_on_the_wrong_rank_is_marked(schedule, data):
+    if schedule.num_ranks < 2:
+        return
+    rank = data.draw(st.sampled_from([r for r, row in enumerate(schedule.actions) if row]))
+    index = data.draw(st.integers(0, len(schedule.actions[rank]) - 1))
+    other = data.draw(st.sampled_from([r for r in range(schedule.num_ranks) if r != rank]))
+    rows = [list(row) for row in schedule.actions]
+    moved = rows[rank].pop(index)
+    rows[other].append(moved)
+    message = str(_error(_with_rows(schedule, rows)))
+    assert f"{moved} belongs to rank {rank}" in message
+    grid_line = next(line for line in message.splitlines() if line.startswith(f"rank {other} |"))
+    assert grid_line.endswith(f"[{moved}]")
+
+
+@given(bases, st.data())
+@settings(max_examples=100, deadline=None)
+def test_swapped_actions_either_stay_valid_or_are_marked(schedule, data):
+    rank = data.draw(st.sampled_from([r for r, row in enumerate(schedule.actions) if len(row) > 1]))
+    i = data.draw(st.integers(0, len(schedule.actions[rank]) - 2))
+    j = data.draw(st.integers(i + 1, len(schedule.actions[rank]) - 1))
+    rows = [list(row) for row in schedule.actions]
+    rows[rank][i], rows[rank][j] = rows[rank][j], rows[rank][i]
+    try:
+        validate(_with_rows(schedule, rows))
+    except ScheduleError as error:  # counts and placement are intact, so order or deadlock failed
+        message = str(error)
+        assert "orders actions before" in message or "deadlocks" in message
+        assert "[" in _grid(message)  # a step is marked
+
+
+def test_backward_before_its_forward_is_marked():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    rows = [list(row) for row in schedule.actions]
+    rows[1][0], rows[1][1] = rows[1][1], rows[1][0]  # 1B0 before 1F0
+    message = str(_error(_with_rows(schedule, rows)))
+    assert "rank 1 step 0: 1B0 runs before 1F0 (step 1), which it needs" in message
+    assert "rank 1 |[1B0] 1F0  1F1  1B1" in message
+
+
+def test_weight_before_its_backward_is_marked():
+    schedule = build_schedule("zb_h1", num_ranks=1, num_microbatches=1)
+    assert schedule.to_csv() == "0F0,0B0,0W0\n"
+    message = str(_error(Schedule.from_csv("0F0,0W0,0B0", name="zb")))
+    assert "0W0 runs before 0B0" in message and "rank 0 | 0F0 [0W0] 0B0" in message
+
+
+def test_deadlock_names_each_blocked_rank_and_what_it_waits_on():
+    # Rank 0 runs microbatches one by one while rank 1 wants both forwards first: each waits on the other.
+    schedule = Schedule.from_csv("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n", name="crossed")
+    error = _error(schedule)
+    message = str(error)
+    assert "schedule 'crossed' deadlocks" in message
+    assert "rank 0 is blocked at 0B0 (step 1) waiting on 1B0 (rank 1 step 2" in message
+    assert "rank 1 is blocked at 1F1 (step 1) waiting on 0F1 (rank 0 step 2" in message
+    assert message.endswith(
+        "schedule 'crossed': 2 ranks, 2 stages, 2 microbatches\n"
+        "rank 0 | 0F0 [0B0] 0F1  0B1\n"
+        "rank 1 | 1F0 [1F1] 1B0  1B1"
+    )
+    assert "reorder" in error.fix
+
+
+def test_v_shape_deadlock_across_three_ranks():
+    # ZB-V with the up-leg forward of rank 1 moved before the down-leg forward it transitively needs.
+    schedule = build_schedule("zb_v", num_ranks=2, num_microbatches=1)
+    assert schedule.to_csv() == "0F0,3F0,3B0,3W0,0B0,0W0\n1F0,2F0,2B0,2W0,1B0,1W0\n"
+    rows = [list(row) for row in schedule.actions]
+    rows[0] = [rows[0][1], rows[0][0], *rows[0][2:]]  # 3F0 before 0F0: same rank, needs 0F0 via 1F0, 2F0
+    message = str(_error(_with_rows(schedule, rows)))
+    assert "deadlocks" in message and "rank 0 is blocked at 3F0 (step 0) waiting on 2F0" in message
+
+
+def test_actions_outside_the_schedule_are_marked():
+    schedule = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
+    rows = [list(row) for row in schedule.actions]
+    rows[0].append(Action.parse("0F7"))
+    rows[1].append(Action.parse("1W0"))
+    message = str(_error(_with_rows(schedule, rows)))
+    assert "0F7 is outside stages 0..1 or microbatches 0..1" in message
+    assert "1W0 is a W in a schedule that does not split backward" in message
+    assert "[0F7]" in message and "[1W0]" in message
+
+
+def test_split_schedule_needs_every_weight_gradient():
+    schedule = build_schedule("zb_h2", num_ranks=2, num_microbatches=2)
+    rows = [[a for a in row if str(a) != "1W1"] for row in schedule.actions]
+    assert "1W1 is missing" in str(_error(_with_rows(schedule, rows)))
+
+
+def test_every_registry_name_is_covered_by_the_mutation_bases():
+    assert {b[0] for b in BASES} == set(schedule_names())
