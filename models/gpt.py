@@ -173,11 +173,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape
-        if t > self.cfg.seq_len:
-            raise ValueError(
-                f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}; "
-                "shorten the input or build the model with a larger seq_len"
-            )
+        # torch._assert (not `if`): symbolic_trace can capture it, and eager still raises
+        torch._assert(t <= self.cfg.seq_len,
+                      f"sequence length exceeds GPTConfig.seq_len={self.cfg.seq_len}; "
+                      "shorten the input or build the model with a larger seq_len")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:

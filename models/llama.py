@@ -258,11 +258,10 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape
-        if t > self.cfg.seq_len:
-            raise ValueError(
-                f"sequence length {t} exceeds LlamaConfig.seq_len={self.cfg.seq_len}; "
-                "shorten the input or build the model with a larger seq_len"
-            )
+        # torch._assert (not `if`): symbolic_trace can capture it, and eager still raises
+        torch._assert(t <= self.cfg.seq_len,
+                      f"sequence length exceeds LlamaConfig.seq_len={self.cfg.seq_len}; "
+                      "shorten the input or build the model with a larger seq_len")
         x = self.embed_tokens(idx)
         for layer in self.layers:
             x = layer(x)

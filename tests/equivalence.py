@@ -5,10 +5,10 @@ it (start-up costs seconds). Each :class:`Case` trains the same model, data and 
 optimizer steps with ``autopar.compile`` on its mesh; :func:`reference_run` does the same on one
 device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
 
-The default optimizer is SGD with momentum: its update is linear in the gradient, so a parallel
-run's rounding differences (sums taken in another order) stay at rounding size. Adam divides each
-gradient by its own running magnitude, which turns the rounding noise of a near-zero gradient into
-an O(lr) step, so Adam cases can only be compared with a looser, documented tolerance.
+The optimizer is SGD with momentum: its update is linear in the gradient, so a parallel run's
+rounding differences (sums taken in another order) stay at rounding size. Adam divides each
+gradient by its own running magnitude, which turns the rounding noise of a near-zero gradient
+(an embedding row no token used) into an O(lr) step: no fp32 tolerance could judge it.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class Case:
     seq: int = 16
     lr: float = 0.05
     optimizer: str = "sgd"
+    kind: str = "train"  # "train": losses and weights; "infer": forward outputs (no loss_fn)
 
     @property
     def world_size(self) -> int:
@@ -46,7 +47,8 @@ class Case:
 
     def name(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return f"{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}" + (f"-{opts}" if opts else "")
+        return (f"{self.kind}-{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}"
+                + (f"-{opts}" if opts else ""))
 
 
 def build(case: Case):
@@ -96,7 +98,28 @@ def parallel_run(case: Case, mesh) -> dict:
         loss = program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt))
         losses.append(loss.item())
     state = program.full_state_dict()
-    return {"losses": losses, "state": state, "plan": program.plan.model_dump_json()}
+    return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
+            "optimizer_state_bytes": program.optimizer.local_state_bytes()}
+
+
+def inference_run(case: Case, mesh) -> dict:
+    """Forward only: compile without a loss and return this rank's outputs for each batch."""
+    import autopar
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120,
+                              **dict(case.options))
+    outputs = [program(program.shard_batch(idx)) for idx, _ in data]
+    return {"outputs": outputs, "dp_index": program.info.coords["dp"]}
+
+
+def reference_outputs(case: Case) -> list:
+    model = build(case)
+    with torch.no_grad():
+        return [model(idx) for idx, _ in batches(case, model.cfg.vocab_size)]
+
+
+_RUNNERS = {"train": parallel_run, "infer": inference_run}
 
 
 def _free_port() -> int:
@@ -105,18 +128,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, fn_name: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    fn = globals()[fn_name]
     try:
         for i, case in enumerate(cases):
             mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("dp", "pp", "tp"))
             try:
-                result = fn(case, mesh)
+                result = _RUNNERS[case.kind](case, mesh)
             except Exception as exc:  # report per case, keep the group going
                 result = {"error": f"{type(exc).__name__}: {exc}"}
                 if rank == 0:
@@ -129,12 +151,12 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, fn_name
         dist.destroy_process_group()
 
 
-def run_cases(cases: list[Case], *, fn_name: str = "parallel_run", timeout_s: float = 600) -> list[dict]:
+def run_cases(cases: list[Case], *, timeout_s: float = 600) -> list[dict]:
     """Run every case (all of one world size) in one spawned process group; rank 0's results."""
     world = cases[0].world_size
     assert all(c.world_size == world for c in cases)
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out_dir, fn_name),
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out_dir),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1):

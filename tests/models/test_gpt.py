@@ -51,7 +51,7 @@ def test_attention_matches_written_out_causal_attention():
 
 
 def test_too_long_sequence_is_refused():
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(AssertionError, match="seq_len"):
         GPT(TINY)(torch.zeros(1, 17, dtype=torch.long))
 
 
