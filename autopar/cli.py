@@ -20,7 +20,7 @@ import torch.nn as nn
 from autopar.errors import AutoparError, PlanError
 from autopar.plan_model import MESH_AXES, SCHEDULE_NAMES, MeshShape
 
-__all__ = ["main", "build_parser", "parse_mesh", "load_target"]
+__all__ = ["main", "build_parser", "parse_mesh", "positive_int", "load_target"]
 
 _DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "float32": torch.float32,
            "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +55,17 @@ examples:
   autopar inspect autopar.models.examples:llama_tiny --mesh dp=2,pp=2,tp=1 --schedule gpipe --all-ranks
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=1 --json > plan.json
   autopar inspect autopar.models.examples:gpt_tiny_model --mesh pp=2 --input-shape 8x32 --input-dtype long"""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def parse_mesh(text: str) -> MeshShape:
@@ -173,7 +184,7 @@ def _add_inspect(sub) -> None:
     p.add_argument("target", metavar="TARGET", help="MODULE:CALLABLE returning a model or (model, inputs, ...)")
     p.add_argument("--mesh", required=True, help="mesh degrees, e.g. dp=2,pp=2,tp=1 (axes left out are 1)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule (default 1f1b)")
-    p.add_argument("--microbatches", type=int, default=None, metavar="N",
+    p.add_argument("--microbatches", type=positive_int, default=None, metavar="N",
                    help="microbatches per step (default: chosen by autopar)")
     p.add_argument("--capture", default="export", choices=("export", "symbolic_trace"),
                    help="graph capture (default export; symbolic_trace is faster on huge models)")

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from autopar.plan_model import SCHEDULE_NAMES
+from autopar.plan_model import SCHEDULE_NAMES, UserModel
 
 __all__ = ["CompileOptions"]
 
 
-class CompileOptions(BaseModel):
-    """Knobs a user may set; everything left ``None`` is decided by autopar."""
+class CompileOptions(UserModel):
+    """Knobs a user may set; everything left ``None`` is decided by autopar.
+
+    They arrive as keyword options of :func:`autopar.compile` / :func:`autopar.plan`; a bad or
+    unknown one raises :class:`autopar.PlanError` naming the option.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -27,5 +31,5 @@ class CompileOptions(BaseModel):
     @classmethod
     def _known(cls, value: str) -> str:
         if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; known: {', '.join(SCHEDULE_NAMES)}")
+            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(SCHEDULE_NAMES)}")
         return value

@@ -9,16 +9,91 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from autopar.errors import PlanError
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
-           "SCHEDULE_NAMES"]
+           "SCHEDULE_NAMES", "UserModel", "plan_error_from"]
 
 MESH_AXES = ("dp", "pp", "tp")
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v")
 
 
-class _Frozen(BaseModel):
+def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
+    """One pydantic error as (what is wrong, what to do); our validators write 'problem; fix'."""
+    msg = error["msg"]
+    if error["type"] == "value_error":
+        problem, _, fix = msg.removeprefix("Value error, ").partition("; ")
+        return problem, fix or f"change {field!r}"
+    if error["type"] == "extra_forbidden":
+        known_text = f" (known: {', '.join(known)})" if known else ""
+        return f"unknown field {field!r}", f"remove {field!r} or fix its spelling{known_text}"
+    if error["type"] == "json_invalid":
+        return msg, "pass the JSON text written by plan.model_dump_json(), edited by hand"
+    if error["type"] == "missing":
+        return msg, f"give {field!r}"
+    return msg, f"set {field!r} so that: {msg[:1].lower()}{msg[1:]}"
+
+
+def plan_error_from(exc: ValidationError, model: type[BaseModel]) -> PlanError:
+    """pydantic's ValidationError as a PlanError naming every bad field, its value and a fix."""
+    owner = model.__name__
+    what, where, fix = [], [], []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "<root>"
+        top_level = list(model.model_fields) if len(error["loc"]) == 1 else []
+        problem, remedy = _what_and_fix(error, field, top_level)
+        what.append(f"{field}: {problem}")
+        where.append(f"{owner}.{field} (got {repr(error.get('input'))[:60]})")
+        fix.append(remedy)
+    return PlanError(f"invalid {owner}: " + "; ".join(what), where=", ".join(where), fix="; ".join(fix))
+
+
+class _RaisesPlanError(type(BaseModel)):
+    """Metaclass: constructing a model converts pydantic's ValidationError into a PlanError.
+
+    (Overriding ``__init__`` instead would make pydantic call it for every nested model, which
+    loses the path of a nested field such as ``Plan.pipeline.schedule``.)
+    """
+
+    def __call__(cls, /, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as exc:
+            raise plan_error_from(exc, cls) from None
+
+
+class UserModel(BaseModel, metaclass=_RaisesPlanError):
+    """A pydantic model users build or load: invalid input raises :class:`PlanError`, not pydantic's error.
+
+    Construction and ``model_validate`` / ``model_validate_json`` / ``model_validate_strings`` are
+    all covered; pydantic still does the validating.
+    """
+
+    @classmethod
+    def model_validate(cls, *args, **kwargs):
+        try:
+            return super().model_validate(*args, **kwargs)
+        except ValidationError as exc:
+            raise plan_error_from(exc, cls) from None
+
+    @classmethod
+    def model_validate_json(cls, *args, **kwargs):
+        try:
+            return super().model_validate_json(*args, **kwargs)
+        except ValidationError as exc:
+            raise plan_error_from(exc, cls) from None
+
+    @classmethod
+    def model_validate_strings(cls, *args, **kwargs):
+        try:
+            return super().model_validate_strings(*args, **kwargs)
+        except ValidationError as exc:
+            raise plan_error_from(exc, cls) from None
+
+
+class _Frozen(UserModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -49,7 +124,7 @@ class PipelinePlan(_Frozen):
     @classmethod
     def _known_schedule(cls, value: str) -> str:
         if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; known: {', '.join(SCHEDULE_NAMES)}")
+            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(SCHEDULE_NAMES)}")
         return value
 
 
@@ -85,12 +160,18 @@ class Plan(_Frozen):
     def _consistent(self) -> "Plan":
         pp, m = self.mesh.pp, self.pipeline.num_microbatches
         starts = self.pipeline.stage_starts
-        if starts and len(starts) != pp * self.pipeline.num_virtual - 1:
-            raise ValueError(f"{len(starts)} stage starts given for "
-                             f"{pp * self.pipeline.num_virtual} stages; need one fewer than the stages")
+        stages = pp * self.pipeline.num_virtual
+        if starts and len(starts) != stages - 1:
+            raise PlanError(f"{len(starts)} stage starts given for {stages} stages",
+                            where="Plan.pipeline.stage_starts",
+                            fix=f"give exactly {stages - 1} unit names (one per stage after the first), "
+                                f"or () to let autopar choose")
         if self.global_batch_size % (self.mesh.dp * m) != 0:
-            raise ValueError(f"global batch {self.global_batch_size} is not divisible by "
-                             f"dp={self.mesh.dp} x microbatches={m}")
+            raise PlanError(f"global batch {self.global_batch_size} is not divisible by "
+                            f"dp={self.mesh.dp} x microbatches={m}",
+                            where="Plan.global_batch_size, Plan.mesh.dp, Plan.pipeline.num_microbatches",
+                            fix=f"use a global batch that is a multiple of {self.mesh.dp * m}, "
+                                f"or change num_microbatches or dp")
         return self
 
     @property

@@ -38,11 +38,29 @@ def _tensor_info(value) -> TensorInfo:
     return TensorInfo(None, None, 0)
 
 
+def _attention_flops(node: fx.Node, value) -> int:
+    """Forward FLOPs of scaled_dot_product_attention, which the CPU flop counter misses.
+
+    Two batched matmuls, QK^T and PV: 4·b·h·s_q·s_k·d (torch's convention for sdpa kernels).
+    """
+    q, k = node.args[0].meta.get("val"), node.args[1].meta.get("val")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return 0
+    *batch, s_q, d = q.shape
+    s_k = k.shape[-2]
+    b = 1
+    for size in batch:
+        b *= size
+    return 4 * b * s_q * s_k * d
+
+
 def annotate_tensors(gm: fx.GraphModule, *, example_inputs: tuple) -> fx.GraphModule:
     """Write ``autopar.tensor`` and ``autopar.cost`` on every node by running the graph on meta."""
 
     def record(node: fx.Node, value, flops: int) -> None:
         info = _tensor_info(value)
+        if flops == 0 and node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            flops = _attention_flops(node, value)
         set_meta(node, TENSOR, info)
         is_activation = node.op in ("call_function", "call_module", "call_method")
         set_meta(node, COST, NodeCost(int(flops), info.nbytes if is_activation else 0))
