@@ -1,7 +1,7 @@
 """The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT.
 
     autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
-    autopar train --mesh dp=1,pp=2,tp=2 --steps 40
+    autopar train --mesh dp=1,pp=2,tp=2 --steps 60
 
 ``python -m autopar`` is the same command. Errors in what was asked (a bad ``--mesh``, a module
 that does not import, a model that does not fit the mesh) print autopar's message and exit 2.
@@ -29,7 +29,7 @@ _MAIN_EPILOG = """\
 examples:
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
   autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1 --json
-  autopar train --mesh dp=1,pp=2,tp=2 --steps 40
+  autopar train --mesh dp=1,pp=2,tp=2 --steps 60
 
 run 'autopar COMMAND --help' for the options of one command."""
 

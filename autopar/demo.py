@@ -1,6 +1,6 @@
 """Train a small GPT on the built-in text corpus over a dp x pp x tp mesh of CPU processes.
 
-    python -m autopar.demo --mesh dp=1,pp=2,tp=2 --steps 40      # spawns its own 4 workers
+    python -m autopar.demo --mesh dp=1,pp=2,tp=2 --steps 60      # spawns its own 4 workers
     autopar train --mesh dp=2,pp=1,tp=2                            # the same, as a subcommand
     torchrun --nproc-per-node 4 -m autopar.demo --mesh dp=2,pp=2,tp=1   # or under torchrun
 
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--mesh", default=DEFAULT_MESH,
                         help=f"mesh degrees; their product is the number of processes (default {DEFAULT_MESH})")
-    parser.add_argument("--steps", type=positive_int, default=40, help="optimizer steps (default 40)")
+    parser.add_argument("--steps", type=positive_int, default=60, help="optimizer steps (default 60)")
     parser.add_argument("--batch", type=positive_int, default=16, help="global batch size (default 16)")
     parser.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default 4)")
@@ -96,12 +96,12 @@ def train(args: argparse.Namespace, shape: MeshShape) -> dict:
                         seq_len=args.seq_len)
     batches = iter(TextBatches(seq_len=args.seq_len, batch_size=args.batch, seed=args.seed))
     x, y = next(batches)
-    lr = args.lr
+    lr, t0 = args.lr, time.perf_counter()
     program = autopar.compile(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                               optimizer=lambda params: torch.optim.AdamW(params, lr=lr), schedule=args.schedule,
                               num_microbatches=args.microbatches, p2p_timeout_s=args.timeout)
     if rank == 0:
-        print(program.plan.summary(), flush=True)
+        print(f"{program.plan.summary()}\ncompiled in {time.perf_counter() - t0:.1f} s", flush=True)
     losses, tokens, start = [], args.batch * args.seq_len, time.perf_counter()
     bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress,
                dynamic_ncols=True, file=sys.stderr)

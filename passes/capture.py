@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import sysconfig
 import traceback
 from dataclasses import dataclass
 
@@ -62,11 +64,27 @@ class CapturedGraph:
     mode: str
 
 
+def _is_user_file(filename: str) -> bool:
+    """False for generated code and for files of torch, autopar's compiler or the standard library."""
+    import autopar
+    import autopar.passes
+    import autopar.runtime
+
+    if filename.startswith("<"):  # generated code (fx, exec)
+        return False
+    path = os.path.abspath(filename)
+    compiler = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                     for m in (torch, autopar, autopar.passes, autopar.runtime))
+    paths = sysconfig.get_paths()
+    installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
+    in_stdlib = path.startswith(os.path.abspath(paths["stdlib"]) + os.sep) and not path.startswith(installed)
+    return not path.startswith(compiler) and not in_stdlib
+
+
 def _user_frame(exc: BaseException) -> str | None:
-    """The innermost traceback frame outside torch: where the user's code failed."""
+    """The innermost traceback frame of real source outside torch, the stdlib and autopar's compiler."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename
-            and "/passes/" not in f.filename]
+    user = [f for f in frames if _is_user_file(f.filename)]
     if not user:
         return None
     frame = user[-1]
@@ -77,11 +95,16 @@ def _capture_error(model: nn.Module, mode: str, exc: Exception) -> CaptureError:
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     where = _user_frame(exc) or f"model {type(model).__name__}"
     other = "symbolic_trace" if mode == "export" else "export"
+    text = f"{type(exc).__name__}: {first_line}"
+    if "control flow" in text or "data-dependent" in text or "DataDependent" in text:
+        remedy = ("remove data-dependent Python control flow at that line (use torch.where / torch.cond), "
+                  "turn off caches that return Python objects")
+    else:
+        remedy = "rewrite that line with plain torch ops the tracer can follow"
     return CaptureError(
-        f"{mode} could not capture {type(model).__name__}: {type(exc).__name__}: {first_line[:300]}",
+        f"{mode} could not capture {type(model).__name__}: {text[:300]}",
         where=where,
-        fix=(f"remove data-dependent Python control flow at that line (use torch.where / torch.cond), "
-             f"turn off caches that return Python objects, or try capture='{other}'"),
+        fix=f"{remedy}, or try capture='{other}'",
     )
 
 
