@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import os
 import sys
 import textwrap
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 from autopar.errors import AutoparError, PlanError
 from autopar.plan_model import MESH_AXES, SCHEDULE_NAMES, MeshShape
 
-__all__ = ["main", "build_parser", "parse_mesh", "positive_int", "load_target"]
+__all__ = ["main", "build_parser", "parse_mesh", "positive_int", "add_schedule_arguments", "load_target"]
 
 _DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "float32": torch.float32,
            "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +66,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """--schedule, --microbatches and --virtual, shared by inspect and train."""
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, metavar="NAME",
+                        help=f"pipeline schedule, one of {', '.join(SCHEDULE_NAMES)} (default 1f1b)")
+    parser.add_argument("--microbatches", type=positive_int, default=None, metavar="N",
+                        help="microbatches per step (default: chosen by autopar)")
+    parser.add_argument("--virtual", type=positive_int, default=1, metavar="V",
+                        help="pipeline stages per pp rank (default 1; interleaved_1f1b needs 2 or more)")
 
 
 def parse_mesh(text: str) -> MeshShape:
@@ -163,11 +173,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
         raise PlanError(f"rank {args.rank} is outside the mesh {shape} (ranks 0..{shape.world_size - 1})",
                         where="--rank", fix=f"pick a rank below {shape.world_size}")
     kwargs = _unpack(load_target(args.target), args)
-    options = {"schedule": args.schedule, "num_microbatches": args.microbatches, "capture": args.capture,
-               "tensor_parallel": not args.no_tensor_parallel}
+    options = {"schedule": args.schedule, "num_microbatches": args.microbatches, "num_virtual": args.virtual,
+               "capture": args.capture, "tensor_parallel": not args.no_tensor_parallel}
     result = autopar.plan(kwargs.pop("model"), shape, **kwargs, **options)
     if args.json:
-        print(json.dumps(json.loads(result.plan.model_dump_json()), indent=2))
+        print(result.plan.model_dump_json(indent=2))
         return 0
     print(result.summary())
     ranks = sorted(result.ranks) if args.all_ranks else [args.rank or 0]
@@ -183,9 +193,7 @@ def _add_inspect(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help="MODULE:CALLABLE returning a model or (model, inputs, ...)")
     p.add_argument("--mesh", required=True, help="mesh degrees, e.g. dp=2,pp=2,tp=1 (axes left out are 1)")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule (default 1f1b)")
-    p.add_argument("--microbatches", type=positive_int, default=None, metavar="N",
-                   help="microbatches per step (default: chosen by autopar)")
+    add_schedule_arguments(p)
     p.add_argument("--capture", default="export", choices=("export", "symbolic_trace"),
                    help="graph capture (default export; symbolic_trace is faster on huge models)")
     p.add_argument("--no-tensor-parallel", action="store_true", help="keep every weight whole along tp")
@@ -227,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except AutoparError as exc:
         print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `autopar inspect ... | head`: stop quietly, as other Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

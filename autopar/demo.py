@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from autopar.errors import AutoparError
-from autopar.plan_model import SCHEDULE_NAMES, MeshShape
+from autopar.plan_model import MeshShape
 
 __all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "run", "train", "main"]
 
@@ -51,7 +51,7 @@ examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, shared by ``autopar train`` and ``python -m autopar.demo``."""
-    from autopar.cli import positive_int
+    from autopar.cli import add_schedule_arguments, positive_int
 
     parser.add_argument("--mesh", default=DEFAULT_MESH,
                         help=f"mesh degrees; their product is the number of processes (default {DEFAULT_MESH})")
@@ -61,9 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default 4)")
     parser.add_argument("--hidden", type=positive_int, default=64, help="model width (default 64)")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--microbatches", type=positive_int, default=None, metavar="N",
-                        help="microbatches per step (default: chosen by autopar)")
+    add_schedule_arguments(parser)
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -99,7 +97,8 @@ def train(args: argparse.Namespace, shape: MeshShape) -> dict:
     lr, t0 = args.lr, time.perf_counter()
     program = autopar.compile(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                               optimizer=lambda params: torch.optim.AdamW(params, lr=lr), schedule=args.schedule,
-                              num_microbatches=args.microbatches, p2p_timeout_s=args.timeout)
+                              num_microbatches=args.microbatches, num_virtual=args.virtual,
+                              p2p_timeout_s=args.timeout)
     if rank == 0:
         print(f"{program.plan.summary()}\ncompiled in {time.perf_counter() - t0:.1f} s", flush=True)
     losses, tokens, start = [], args.batch * args.seq_len, time.perf_counter()

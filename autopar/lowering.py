@@ -24,6 +24,7 @@ from autopar.passes.pass_manager import PassStep, run_passes
 from autopar.passes.pipeline_split import StageGraph, split_pipeline
 from autopar.passes.tensor_parallel import ShardSpec, shard_tensor_parallel
 from autopar.passes.tp_regions import TpRegion, find_tp_regions
+from autopar.passes.weight_grad_split import expose_weight_uses
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
 
 __all__ = ["Lowered", "lower", "choose_microbatches", "user_name"]
@@ -87,6 +88,17 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
     return tuple(steps)
 
 
+def stages_per_rank(schedule: str, requested: int | None) -> int:
+    """Virtual stages per pp rank: as requested, else 2 for the looping schedules, else 1."""
+    if requested is not None:
+        return requested
+    return 2 if schedule in ("interleaved_1f1b", "looped_bfs", "zb_v") else 1
+
+
+def _splits_backward(schedule: str) -> bool:
+    return schedule in ("zb_h1", "zb_h2", "zb_v")
+
+
 def _slice_batch(tensors: tuple, size: int) -> tuple:
     return tuple(t[:size] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in tensors)
 
@@ -119,6 +131,7 @@ def lower(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_inputs: tu
                                              "num_microbatches": plan.pipeline.num_microbatches,
                                              "num_virtual": plan.pipeline.num_virtual,
                                              "zero_stage": plan.zero_stage, "capture": plan.capture})
+    options = options.model_copy(update={"num_virtual": stages_per_rank(options.schedule, options.num_virtual)})
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     batch = example_inputs[0].shape[0]
     m = choose_microbatches(batch=batch, dp=mesh.dp, pp=mesh.pp, requested=options.num_microbatches)
@@ -139,6 +152,9 @@ def lower(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_inputs: tu
                         found=found)
     gm = run_passes(gm, steps, example_inputs=all_args)
     stages = split_pipeline(gm, num_stages=mesh.pp * options.num_virtual)
+    if loss_fn is not None and _splits_backward(options.schedule):
+        # zero-bubble schedules run B and W apart: every weight use gets its own alias and output
+        stages = [expose_weight_uses(s) for s in stages]
     shared = {user_name(name): tuple(s.stage for s in stages if name in s.param_names)
               for name in {n for s in stages for n in s.param_names}}
     new_plan = Plan(

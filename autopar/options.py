@@ -21,7 +21,7 @@ class CompileOptions(UserModel):
 
     schedule: str = "1f1b"
     num_microbatches: int | None = Field(None, ge=1)
-    num_virtual: int = Field(1, ge=1)
+    num_virtual: int | None = Field(None, ge=1)  # stages per pp rank; None: the schedule's own
     zero_stage: int = Field(1, ge=0, le=3)
     capture: Literal["export", "symbolic_trace"] = "export"
     tensor_parallel: bool = True

@@ -44,6 +44,7 @@ class StageGraph:
     sends: list[Edge] = field(default_factory=list)
     recvs: list[Edge] = field(default_factory=list)
     is_last: bool = False
+    weight_uses: object = None  # a WeightUses layout once the stage is prepared for split backward
 
 
 def needs_grad(gm: fx.GraphModule):

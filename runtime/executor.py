@@ -3,7 +3,9 @@
 F runs a stage graph on a microbatch (recv/send nodes inside it do the p2p); B runs autograd
 backward from the stage's outputs: the last stage's loss (scaled by 1/num_microbatches), or the
 send tokens of an inner stage, whose backward receives the gradient from the next stage.
-Only validated schedules run (the caller validates); W actions need split backward support.
+When the schedule splits backward (zero bubble), B computes activation gradients only and W the
+weight gradients, from what :func:`autopar.passes.weight_grad_split.expose_weight_uses` exposed.
+Only validated schedules run (the caller validates).
 """
 from __future__ import annotations
 
@@ -31,20 +33,55 @@ def _forward(stage: StageGraph, batch: dict, channel: P2PChannel, microbatch: in
     return stage.gm(*[batch[name] for name in stage.input_names])
 
 
-def _backward(stage: StageGraph, out, num_microbatches: int) -> None:
+def _roots(stage: StageGraph, primary, num_microbatches: int):
+    """What backward starts from: the scaled loss, or the send tokens that carry a gradient."""
     if stage.is_last:
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        (loss / num_microbatches).backward()
-        return
-    tokens = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tokens:
-        torch.autograd.backward(tokens, [torch.ones_like(t) for t in tokens])
+        loss = primary[0] if isinstance(primary, (tuple, list)) else primary
+        return [loss / num_microbatches], [None]
+    tokens = [t for t in primary if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tokens, [torch.ones_like(t) for t in tokens]
+
+
+def _backward(stage: StageGraph, out, num_microbatches: int) -> None:
+    roots, grads = _roots(stage, out, num_microbatches)
+    if roots:
+        torch.autograd.backward(roots, [g for g in grads] if grads[0] is not None else None)
+
+
+def _backward_input(stage: StageGraph, out, num_microbatches: int, channel: P2PChannel, microbatch: int):
+    """Split backward, B: activation gradients only; returns what W needs."""
+    layout = stage.weight_uses
+    n_primary, n_recv, k = layout.num_primary, layout.num_received, len(layout.params)
+    received = list(out[n_primary:n_primary + n_recv])
+    uses = list(out[n_primary + n_recv:n_primary + n_recv + k])
+    aliases = list(out[n_primary + n_recv + k:])
+    roots, grads = _roots(stage, out[:n_primary], num_microbatches)
+    wanted = received + uses
+    found = torch.autograd.grad(roots, wanted, grads if grads and grads[0] is not None else None,
+                                retain_graph=True, allow_unused=True) if roots and wanted else [None] * len(wanted)
+    edges = [e for e in stage.recvs if e.requires_grad]
+    for edge, value, grad in zip(edges, received, found[:n_recv]):
+        channel.send(grad if grad is not None else torch.zeros_like(value), stage=edge.src, edge=edge.index,
+                     microbatch=microbatch, is_grad=True)
+    return uses, aliases, list(found[n_recv:])
+
+
+def _backward_weight(stage: StageGraph, saved) -> None:
+    """Split backward, W: each parameter use's weight gradient, from the gradient B kept."""
+    uses, aliases, grads = saved
+    for use, alias, grad, target in zip(uses, aliases, grads, stage.weight_uses.params):
+        if grad is None:
+            continue
+        (dw,) = torch.autograd.grad(use, alias, grad, retain_graph=True)
+        param = stage.gm.get_parameter(target)
+        param.grad = dw if param.grad is None else param.grad + dw
 
 
 def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], microbatches: list[dict],
                 channel: P2PChannel, train: bool, events: list | None = None) -> dict[int, object]:
     """Run ``actions`` in order; returns the last stage's output per microbatch (if this rank has it)."""
     held: dict[tuple[int, int], object] = {}
+    saved: dict[tuple[int, int], object] = {}
     results: dict[int, object] = {}
     start = time.perf_counter()
     for action in actions:
@@ -58,11 +95,18 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
             if stage.is_last:
                 results[action.microbatch] = _detach(out)
         elif action.kind is ActionKind.B and train:
-            _backward(stage, held.pop((action.stage, action.microbatch)), len(microbatches))
-        elif action.kind is ActionKind.W:
-            raise ScheduleError(f"action {action} is a separate weight-gradient step",
-                                where=f"stage {action.stage}",
-                                fix="choose a schedule without split backward (gpipe, 1f1b, interleaved_1f1b)")
+            out = held.pop((action.stage, action.microbatch))
+            if stage.weight_uses is None:
+                _backward(stage, out, len(microbatches))
+            else:
+                saved[(action.stage, action.microbatch)] = _backward_input(
+                    stage, out, len(microbatches), channel, action.microbatch)
+        elif action.kind is ActionKind.W and train:
+            if stage.weight_uses is None:
+                raise ScheduleError(f"action {action} computes weight gradients, but stage {action.stage} "
+                                    f"was not prepared for split backward", where=f"stage {action.stage}",
+                                    fix="compile with the schedule that contains W actions")
+            _backward_weight(stage, saved.pop((action.stage, action.microbatch)))
         if events is not None:
             events.append(ActionEvent((str(action), t0 - start, time.perf_counter() - start)))
     channel.flush()

@@ -116,6 +116,7 @@ class _P2PNode(nn.Module):
         self.edge, self.src_stage, self.dst_stage = edge, src_stage, dst_stage
         self.shape, self.dtype, self.requires_grad = tuple(shape), dtype, requires_grad
         self.channel: P2PChannel | None = None
+        self.grad_by_executor = False  # split backward: the executor sends this value's gradient
 
     def bind(self, channel: P2PChannel) -> None:
         self.channel = channel
@@ -157,6 +158,8 @@ class RecvActivation(_P2PNode):
 
     def forward(self):
         if self.requires_grad and torch.is_grad_enabled():
+            if self.grad_by_executor:
+                return self.receive().requires_grad_()
             anchor = torch.zeros((), requires_grad=True)
             return _RecvFn.apply(anchor, self)
         return self.receive()

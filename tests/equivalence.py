@@ -40,6 +40,7 @@ class Case:
     lr: float = 0.05
     optimizer: str = "sgd"
     kind: str = "train"  # "train": losses and weights; "infer": forward outputs (no loss_fn)
+    overrides: tuple = ()  # (field, value) pairs for the model config, e.g. (("num_layers", 4),)
 
     @property
     def world_size(self) -> int:
@@ -47,14 +48,15 @@ class Case:
 
     def name(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
+        over = ",".join(f"{k}={v}" for k, v in self.overrides)
         return (f"{self.kind}-{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}"
-                + (f"-{opts}" if opts else ""))
+                + (f"-{opts}" if opts else "") + (f"-{over}" if over else ""))
 
 
 def build(case: Case):
     from autopar.models import build_model
     torch.manual_seed(1234)
-    return build_model(case.model, seq_len=max(case.seq, 16))
+    return build_model(case.model, **{"seq_len": max(case.seq, 16), **dict(case.overrides)})
 
 
 def make_optimizer(case: Case):

@@ -1,0 +1,175 @@
+"""passes/capture.py: export and symbolic_trace capture, module paths, input names, meta models, errors."""
+from __future__ import annotations
+
+import resource
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import autopar
+from autopar.models import build_model, lm_loss
+from autopar.passes.annotate import annotate
+from autopar.passes.capture import capture
+from autopar.passes.meta_keys import MODULE, get_meta
+
+from graph_runner import example_batch, tiny_model
+
+LINEARS_PER_LAYER = {"gpt_tiny": 4, "llama_tiny": 7}
+# llama's rotary tables are buffers sliced by the traced length (``self.cos[:t]``): fx.symbolic_trace
+# leaves buffers unproxied, so slicing one by a Proxy fails. capture could trace with
+# ``proxy_buffer_attributes = True`` on its fx.Tracer (reported; see the test report).
+LLAMA_SYMBOLIC = pytest.mark.xfail(raises=autopar.CaptureError, strict=True,
+                                   reason="symbolic_trace does not proxy buffers: llama's cos[:t] fails")
+
+
+def _ops(gm) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _capture(name: str, mode: str, *, with_loss: bool = True):
+    model = tiny_model(name)
+    x, y = example_batch(model.cfg.vocab_size, batch=2)
+    if with_loss:
+        return model, (x, y), capture(model, (x,), loss_fn=lm_loss, example_target=y, mode=mode)
+    return model, (x,), capture(model, (x,), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
+def test_capture_gives_aten_linear_per_projection(name, mode, request):
+    if name == "llama_tiny" and mode == "symbolic_trace":
+        request.applymarker(LLAMA_SYMBOLIC)
+    model, args, captured = _capture(name, mode)
+    ops = _ops(captured.gm)
+    assert ops["aten.linear.default"] == LINEARS_PER_LAYER[name] * model.cfg.num_layers + 1  # + lm_head
+    assert captured.has_loss and captured.mode == mode
+    with torch.no_grad():  # the captured graph computes the same loss as the model
+        loss = pytree.tree_unflatten(list(captured.gm(*args)), captured.out_spec)
+        torch.testing.assert_close(loss, lm_loss(model(args[0]), args[1]))
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
+def test_export_keeps_module_paths_in_nn_module_stack_and_autopar_module(name):
+    model, args, captured = _capture(name, "export")
+    linears = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    expected = [f"model.{path}" for path, m in model.named_modules() if isinstance(m, nn.Linear)]
+    innermost = [list(n.meta["nn_module_stack"].values())[-1][0] for n in linears]
+    assert innermost == expected
+    gm = annotate(captured.gm, example_inputs=args, model=model)
+    assert [get_meta(n, MODULE).path for n in linears] == expected
+    blocks = "blocks" if name == "gpt_tiny" else "layers"
+    # every op inside a transformer block (views, attention, residual adds) knows its block
+    sdpa = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert [get_meta(n, MODULE).unit for n in sdpa] == [f"model.{blocks}.{i}"
+                                                        for i in range(model.cfg.num_layers)]
+    assert all(get_meta(n, MODULE).path.endswith(".attn") for n in sdpa)
+
+
+def test_symbolic_trace_keeps_module_paths_of_leaf_modules():
+    model, args, captured = _capture("gpt_tiny", "symbolic_trace")
+    gm = annotate(captured.gm, example_inputs=args, model=model)
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    expected = [f"model.{path}" for path, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert [get_meta(n, MODULE).path for n in linears] == expected
+
+
+@pytest.mark.xfail(strict=True, reason="symbolic_trace mode loses the module path of ops in non-leaf "
+                   "modules (views, sdpa, residual adds get path ''), so pipeline cuts can fall mid-block")
+def test_symbolic_trace_keeps_module_paths_of_every_block_op():
+    model, args, captured = _capture("gpt_tiny", "symbolic_trace")
+    gm = annotate(captured.gm, example_inputs=args, model=model)
+    sdpa = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert [get_meta(n, MODULE).unit for n in sdpa] == ["model.blocks.0", "model.blocks.1"]
+
+
+@pytest.mark.parametrize("mode", ["export", "symbolic_trace"])
+def test_placeholders_follow_the_forward_signature(mode):
+    _, _, with_loss = _capture("gpt_tiny", mode)
+    assert with_loss.input_names == ("idx", "target")
+    _, _, inference = _capture("gpt_tiny", mode, with_loss=False)
+    assert inference.input_names == ("idx",)
+    assert [n.name for n in inference.gm.graph.nodes if n.op == "placeholder"] == ["idx"]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, features, bias_term):
+        return self.proj(features) + bias_term
+
+
+def test_placeholders_of_a_two_input_model_are_named_after_its_parameters():
+    x, b = torch.randn(2, 4), torch.randn(2, 4)
+    captured = capture(TwoInputs(), (x, b), loss_fn=nn.functional.mse_loss, example_target=torch.randn(2, 4))
+    assert captured.input_names == ("features", "bias_term", "target")
+
+
+def test_meta_model_is_captured_and_planned_without_allocating():
+    peak_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.device("meta"):  # 7B-wide layers: 2.7 GB of fp32 weights if anything allocated them
+        model = build_model("llama2_7b", num_layers=2)
+    x, y = example_batch(model.cfg.vocab_size, batch=2, seq=32)
+    result = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+    grown_gb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kb) / 1e6
+    assert grown_gb < 1.0, f"planning a meta model raised peak memory by {grown_gb:.2f} GB"
+    assert all(p.is_meta for p in model.parameters())
+    seen = 0
+    for rank in result.ranks.values():
+        for stage in rank.stages:
+            tensors = list(stage.gm.parameters()) + list(stage.gm.buffers())
+            assert tensors and all(t.is_meta for t in tensors), (rank.rank, stage.stage)
+            seen += len(tensors)
+    assert seen > 0 and len(result.ranks) == 4
+    assert result.plan.num_parameters == sum(p.numel() for p in model.parameters())
+    # the tensor-parallel shards are local even on meta: q_proj holds half the heads
+    names = result.ranks[0].stages[0].param_names
+    q = dict(zip(names, [result.ranks[0].stages[0].gm.get_parameter(n) for n in names]))
+    assert tuple(q["model.layers.0.attn.q_proj.weight"].shape) == (4096 // 2, 4096)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent Python control flow: no tracer can follow it
+            return self.proj(x)
+        return x
+
+
+def _line_of(text: str) -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(DataDependent.forward)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("mode", ["export", "symbolic_trace"])
+def test_untraceable_model_raises_capture_error_naming_file_and_line(mode):
+    with pytest.raises(autopar.CaptureError) as info:
+        capture(DataDependent(), (torch.randn(2, 4),), mode=mode)
+    err = info.value
+    assert f"{__file__}:{_line_of('if x.sum() > 0')}" in err.where
+    assert "if x.sum() > 0" in err.where
+    assert "DataDependent" in err.what and mode in err.what
+    assert "control flow" in err.fix and "torch.where" in err.fix
+    other = "symbolic_trace" if mode == "export" else "export"
+    assert f"capture='{other}'" in err.fix
+
+
+def test_plan_reports_capture_errors_with_the_chosen_mode():
+    with pytest.raises(autopar.CaptureError, match="symbolic_trace could not capture DataDependent"):
+        autopar.plan(DataDependent(), {"dp": 1}, example_inputs=(torch.randn(2, 4),), capture="symbolic_trace")
+
+
+def test_unknown_capture_mode_and_missing_target_are_capture_errors():
+    with pytest.raises(autopar.CaptureError, match="unknown capture mode") as info:
+        capture(TwoInputs(), (torch.randn(2, 4), torch.randn(2, 4)), mode="jit")
+    assert info.value.fix and info.value.where
+    with pytest.raises(autopar.CaptureError, match="without an example target"):
+        capture(TwoInputs(), (torch.randn(2, 4), torch.randn(2, 4)), loss_fn=nn.functional.mse_loss)
