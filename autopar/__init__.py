@@ -9,8 +9,8 @@ rewritten graphs in a plain process.
 """
 from autopar.compile import compile, default_optimizer
 from autopar.errors import (
-    AutoparError, CaptureError, CheckpointError, PassError, PlanError, RuntimeCommError, ScheduleError,
-    ShardingError,
+    AutoparError, CaptureError, CheckpointError, NumericsError, PassError, PlanError, RuntimeCommError,
+    ScheduleError, ShardingError,
 )
 from autopar.mesh import init_mesh
 from autopar.options import CompileOptions
@@ -20,6 +20,6 @@ from autopar.planning import PlanResult, plan
 __all__ = [
     "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
-    "RuntimeCommError", "CheckpointError", "PassError",
+    "RuntimeCommError", "NumericsError", "CheckpointError", "PassError",
 ]
 __version__ = "0.1.0"

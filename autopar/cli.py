@@ -1,7 +1,7 @@
 """The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT.
 
     autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
-    autopar train --mesh dp=1,pp=2,tp=2 --steps 60
+    autopar train --mesh dp=1,pp=2,tp=2 --steps 100
 
 ``python -m autopar`` is the same command. Errors in what was asked (a bad ``--mesh``, a module
 that does not import, a model that does not fit the mesh) print autopar's message and exit 2.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
-import textwrap
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,8 @@ _MAIN_EPILOG = """\
 examples:
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
   autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1 --json
-  autopar train --mesh dp=1,pp=2,tp=2 --steps 60
+  autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
+  autopar train --mesh dp=1,pp=2,tp=2 --steps 100
 
 run 'autopar COMMAND --help' for the options of one command."""
 
@@ -44,6 +45,8 @@ TARGET is MODULE:CALLABLE. The callable takes no arguments and returns one of
   (model, example_inputs, loss_fn, example_target)
 where example_inputs is one global batch (a tensor or a tuple of tensors, batch on dim 0).
 Models built under torch.device("meta") plan without allocating their weights.
+--html PATH also writes all of it as one self-contained web page (with the schedule's
+timeline and memory per rank); --diff prints what the compiler changed in rank R's graph.
 
 A callable that returns a bare model gets random example inputs of --input-shape
 (e.g. 8x32) and --input-dtype; integer inputs are drawn from [0, --vocab), which defaults
@@ -54,7 +57,9 @@ examples:
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
   autopar inspect autopar.models.examples:llama_tiny --mesh dp=2,pp=2,tp=1 --schedule gpipe --all-ranks
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=1 --json > plan.json
-  autopar inspect autopar.models.examples:gpt_tiny_model --mesh pp=2 --input-shape 8x32 --input-dtype long"""
+  autopar inspect autopar.models.examples:gpt_tiny_model --mesh pp=2 --input-shape 8x32 --input-dtype long
+  autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=2 --html report.html
+  autopar inspect autopar.models.examples:gpt_tiny --mesh pp=2,tp=2 --diff --rank 3"""
 
 
 def positive_int(text: str) -> int:
@@ -107,6 +112,8 @@ def load_target(target: str):
     fix = "give TARGET as MODULE:CALLABLE, e.g. autopar.models.examples:gpt_tiny"
     if not sep or not module_name or not attr:
         raise PlanError(f"target {target!r} is not of the form MODULE:CALLABLE", where="TARGET", fix=fix)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does: modules of this directory
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -168,6 +175,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     """`autopar inspect`: plan in this process and print the summary and graphs (or the Plan JSON)."""
     import autopar
 
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     shape = parse_mesh(args.mesh)
     if args.rank is not None and not 0 <= args.rank < shape.world_size:
         raise PlanError(f"rank {args.rank} is outside the mesh {shape} (ranks 0..{shape.world_size - 1})",
@@ -176,10 +184,19 @@ def _run_inspect(args: argparse.Namespace) -> int:
     options = {"schedule": args.schedule, "num_microbatches": args.microbatches, "num_virtual": args.virtual,
                "capture": args.capture, "tensor_parallel": not args.no_tensor_parallel}
     result = autopar.plan(kwargs.pop("model"), shape, **kwargs, **options)
+    if args.html:
+        from autopar.report import write_report
+        print(f"wrote the report to {write_report(result, args.html)}", file=sys.stderr)
     if args.json:
         print(result.plan.model_dump_json(indent=2))
         return 0
+    if args.diff:
+        from autopar.report import graph_diff
+        print(graph_diff(result, args.rank or 0))
+        return 0
     print(result.summary())
+    if args.html and args.rank is None and not args.all_ranks:  # the graphs are in the report
+        return 0
     ranks = sorted(result.ranks) if args.all_ranks else [args.rank or 0]
     for rank in ranks:
         print()
@@ -195,12 +212,19 @@ def _add_inspect(sub) -> None:
     p.add_argument("--mesh", required=True, help="mesh degrees, e.g. dp=2,pp=2,tp=1 (axes left out are 1)")
     add_schedule_arguments(p)
     p.add_argument("--capture", default="export", choices=("export", "symbolic_trace"),
-                   help="graph capture (default export; symbolic_trace is faster on huge models)")
+                   help="how the model is captured as a graph (default export)")
     p.add_argument("--no-tensor-parallel", action="store_true", help="keep every weight whole along tp")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, default=None, metavar="R", help="print rank R's graphs (default 0)")
     which.add_argument("--all-ranks", action="store_true", help="print every rank's graphs")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON instead (autopar.Plan)")
+    p.add_argument("--diff", action="store_true",
+                   help="print the captured graph against rank R's rewritten graphs instead (+ inserted, "
+                        "- removed, ~ changed)")
+    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report: the Plan, the "
+                   "schedule's timeline, memory per rank and every rewritten graph (autopar.report)")
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level of autopar's messages on stderr (default WARNING)")
     bare = p.add_argument_group("example inputs for a target that returns a bare model")
     bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
     bare.add_argument("--input-dtype", default="long", choices=sorted(_DTYPES), help="its dtype (default long)")
@@ -219,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="autopar parallelises PyTorch models over dp x pp x tp meshes by rewriting their graphs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_inspect(sub)
+    from autopar.planner.cli import add_plan_command
+    add_plan_command(sub)  # autopar plan: the planner's ranked table and reasons (autopar/planner/cli.py)
     train = sub.add_parser("train", help="train a small GPT on a dp x pp x tp mesh of CPU processes (demo)",
-                           description=textwrap.dedent(demo.DESCRIPTION), epilog=demo.EPILOG,
+                           description=demo.DESCRIPTION, epilog=demo.EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(train)
     train.set_defaults(func=demo.run)

@@ -13,6 +13,7 @@ from autopar.mesh import mesh_info
 from autopar.options import CompileOptions
 from autopar.plan_model import Plan
 from autopar.runtime.program import RankProgram
+from autopar.runtime.mixed_precision import masters_for_rank
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
 
@@ -26,15 +27,24 @@ def default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def compile(model: nn.Module, mesh: DeviceMesh, *, example_inputs, loss_fn=None, example_target=None,
-            optimizer=None, plan: Plan | None = None, **options) -> RankProgram:
+def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
+            optimizer=None, plan: Plan | str | None = None, cluster=None, **options) -> RankProgram:
     """Parallelise ``model`` over ``mesh`` and return this rank's :class:`RankProgram`.
 
     ``example_inputs`` is one global batch (a tensor or a tuple of tensors, batch on dim 0);
     ``loss_fn(output, target)`` turns it into a training program (``program.train_step``),
     without it the program runs inference (``program(*inputs)``). ``optimizer`` is a factory
     ``params -> torch.optim.Optimizer``. Options: see :class:`autopar.options.CompileOptions`.
+    ``plan="auto"``: the planner (autopar/planner) chooses for ``cluster`` (default: this machine);
+    with ``mesh=None`` it also chooses dp, pp and tp and builds the mesh (options given pin decisions).
     """
+    report = None
+    if isinstance(plan, str):  # the planner's Plan (and mesh, when none was given)
+        from autopar.planner.auto import plan_for_compile
+        report, mesh = plan_for_compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn,
+                                        example_target=example_target, mode=plan, cluster=cluster,
+                                        optimizer=optimizer, options=options)
+        plan = report.plan
     if not isinstance(mesh, DeviceMesh):
         raise PlanError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}", where="compile(mesh=...)",
                         fix="build one with autopar.init_mesh(dp=..., pp=..., tp=...)")
@@ -43,6 +53,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, example_inputs, loss_fn=None,
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
+    if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
+        from autopar.runtime.data_parallel import compile_data_parallel
+        return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
+                                     example_target=example_target, loss_fn=loss_fn,
+                                     optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
     p = lowered.plan.pipeline
@@ -50,8 +65,18 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, example_inputs, loss_fn=None,
                               num_virtual=p.num_virtual)
     validate(schedule)
     state_keys = tuple(model.state_dict().keys())
-    program = RankProgram(lowered=lowered, info=info, schedule=schedule,
-                          optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
-                          p2p_timeout_s=opts.p2p_timeout_s)
+    masters = (masters_for_rank(model, lowered, schedule=schedule, info=info)
+               if lowered.plan.precision == "bf16" else None)  # fp32 masters of the bf16 graphs
+    program_class, extra = RankProgram, {}
+    if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
+        from autopar.runtime.async_pipeline import AsyncProgram
+        program_class, extra = AsyncProgram, {"options": opts}
+    program = program_class(lowered=lowered, info=info, schedule=schedule,
+                            optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
+                            p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
+                            **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
+    program.planner = report  # the planner's table and reasons when plan="auto"
+    program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,
+                                example_target=example_target, optimizer=optimizer, options=options)  # rebalance
     return program

@@ -12,6 +12,7 @@ __all__ = [
     "ShardingError",
     "ScheduleError",
     "RuntimeCommError",
+    "NumericsError",
     "CheckpointError",
     "PassError",
     "format_error",
@@ -56,6 +57,10 @@ class ScheduleError(AutoparError):
 
 class RuntimeCommError(AutoparError):
     """A failure while training: a collective timed out, a peer failed, a NaN appeared."""
+
+
+class NumericsError(RuntimeCommError):
+    """A NaN or inf in the loss or the gradients; names the step, the stage and the tensor."""
 
 
 class CheckpointError(AutoparError):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.elastic import restart_safe_rendezvous
 from autopar.errors import PlanError
 from autopar.plan_model import MESH_AXES, MeshShape
 
@@ -48,7 +49,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
                                                f"(or change dp/pp/tp so their product is {world})")
     device = "cuda" if torch.cuda.is_available() and backend != "gloo" else "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"))
+        # a prefix per torchrun attempt: a restarted job must not read the dead workers' addresses
+        dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"), **restart_safe_rendezvous())
     return init_device_mesh(device, (dp, pp, tp), mesh_dim_names=MESH_AXES)
 
 
@@ -72,7 +74,8 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in MESH_AXES]
     if not names or unknown:
-        raise PlanError(f"mesh dim names {list(names)} include unknown {unknown or 'none given'}",
+        raise PlanError(f"mesh dim names {list(names)} include unknown {unknown}" if names
+                        else "the DeviceMesh has no mesh_dim_names",
                         where="the DeviceMesh passed to compile",
                         fix=f"build it with mesh_dim_names drawn from {MESH_AXES}, e.g. autopar.init_mesh()")
     if mesh.size() != dist.get_world_size():

@@ -23,9 +23,21 @@ class CompileOptions(UserModel):
     num_microbatches: int | None = Field(None, ge=1)
     num_virtual: int | None = Field(None, ge=1)  # stages per pp rank; None: the schedule's own
     zero_stage: int = Field(1, ge=0, le=3)
+    data_parallel: Literal["ddp", "dataparallel"] = "ddp"  # dataparallel: the rank-0 baseline (pp=1)
+    bucket_mb: float = Field(25.0, gt=0)  # DDP/ZeRO-1/2 gradient bucket size, reduced while backward runs
     capture: Literal["export", "symbolic_trace"] = "export"
     tensor_parallel: bool = True
+    vocab_parallel: bool = True  # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary
+    sequence_parallel: bool = False  # with tensor_parallel: norms/dropout/residuals sharded on the sequence
     p2p_timeout_s: float = Field(300.0, gt=0)
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation on every stage
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
+    # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
+    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
+    block_capture: Literal["auto", "once", "every"] = "auto"
+    max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
+    pipemare_lr_warmup_updates: int = Field(100, ge=0)  # PipeMare: updates until the lr is no longer cut by delay
+    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1)  # PipeMare: decay of the weight-velocity average
 
     @field_validator("schedule")
     @classmethod

@@ -17,7 +17,8 @@ __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "M
            "SCHEDULE_NAMES", "UserModel", "plan_error_from"]
 
 MESH_AXES = ("dp", "pp", "tp")
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v")
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "chimera",
+                  "pipedream", "pipedream_2bw", "pipemare")
 
 
 def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
@@ -151,10 +152,16 @@ class Plan(_Frozen):
     pipeline: PipelinePlan = PipelinePlan()
     tp_regions: tuple[TpRegionPlan, ...] = ()
     param_shards: dict[str, ParamShard] = {}
+    vocab_parallel: tuple[str, ...] = ()  # module paths of the embedding(s) and LM head sharded on the vocabulary
+    sequence_parallel: bool = False
     shared_params: dict[str, tuple[int, ...]] = {}
     zero_stage: int = Field(1, ge=0, le=3)
+    data_parallel: Literal["ddp", "dataparallel"] = "ddp"
+    bucket_mb: float = Field(25.0, gt=0)
     capture: Literal["export", "symbolic_trace"] = "export"
     num_parameters: int = Field(0, ge=0)
+    recompute: tuple[Literal["none", "selective", "full"], ...] = ()  # per stage; () = "none" everywhere
+    precision: Literal["fp32", "bf16"] = "fp32"
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -166,6 +173,11 @@ class Plan(_Frozen):
                             where="Plan.pipeline.stage_starts",
                             fix=f"give exactly {stages - 1} unit names (one per stage after the first), "
                                 f"or () to let autopar choose")
+        if self.recompute and len(self.recompute) != stages:
+            raise PlanError(f"{len(self.recompute)} recompute modes given for {stages} stages",
+                            where="Plan.recompute",
+                            fix=f"give exactly {stages} modes (one per stage: none, selective or full), "
+                                f"or () for none")
         if self.global_batch_size % (self.mesh.dp * m) != 0:
             raise PlanError(f"global batch {self.global_batch_size} is not divisible by "
                             f"dp={self.mesh.dp} x microbatches={m}",
@@ -188,9 +200,14 @@ class Plan(_Frozen):
             f"x {self.microbatch_size}",
             f"  pipeline: {p.schedule}, {self.mesh.pp * p.num_virtual} stages"
             + (f", stages start at {', '.join(p.stage_starts)}" if p.stage_starts else ""),
-            f"  tensor parallel: {len(self.tp_regions)} regions, {len(self.param_shards)} sharded parameters",
-            f"  ZeRO stage {self.zero_stage} over dp; capture with {self.capture}",
+            f"  tensor parallel: {len(self.tp_regions)} regions, {len(self.param_shards)} sharded parameters"
+            + (f"; vocabulary-parallel {', '.join(self.vocab_parallel)}" if self.vocab_parallel else "")
+            + ("; sequence parallel" if self.sequence_parallel else ""),
+            f"  ZeRO stage {self.zero_stage} over dp ({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
+            f"capture with {self.capture}",
         ]
+        if self.recompute or self.precision != "fp32":
+            lines.append(f"  recompute per stage: {', '.join(self.recompute) or 'none'}; precision {self.precision}")
         if self.shared_params:
             shared = ", ".join(f"{k} on stages {list(v)}" for k, v in self.shared_params.items())
             lines.append(f"  shared across stages (gradients summed): {shared}")

@@ -1,16 +1,20 @@
 """``autopar.plan``: the Plan and every rank's rewritten graphs, in one plain process.
 
-No process group is created. Graphs are identical across dp replicas, so they are built once
-per tensor-parallel rank and shared by every rank with that tp index.
+No process group is created. The model is captured and analysed once; each tensor-parallel rank
+lowers its own copy of that graph. Graphs are identical across dp replicas, so they are built once
+per tensor-parallel rank and shared by every rank with that tp index. ``ranks=[r]`` builds only the
+graphs rank ``r`` runs (one rank of a 1,024-rank plan); :meth:`PlanResult.rank_program` builds any
+other rank's on demand. ``plan="auto"`` lets the planner (:mod:`autopar.planner`) choose the Plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.lowering import Lowered, lower
+from autopar.lowering import Captured, Lowered, capture_and_annotate, lower_captured
+from autopar.errors import PlanError
 from autopar.mesh import parse_mesh_shape
 from autopar.options import CompileOptions
 from autopar.passes.pipeline_split import StageGraph
@@ -19,7 +23,7 @@ from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
 
-__all__ = ["plan", "PlanResult", "RankGraphs", "rank_of"]
+__all__ = ["plan", "PlanResult", "RankGraphs", "rank_of", "coords_of"]
 
 
 def rank_of(*, dp: int, pp: int, tp: int, shape) -> int:
@@ -38,16 +42,40 @@ class RankGraphs:
 
 @dataclass
 class PlanResult:
-    """What :func:`plan` returns: the Plan, the schedule and every rank's graphs."""
+    """What :func:`plan` returns: the Plan, the schedule and every rank's graphs (or the ones asked for).
+
+    ``lowered``: {tp rank: Lowered} of the tp ranks built in full. ``planner``: the planner's
+    report (ranked candidates and reasons) when the Plan was chosen with ``plan="auto"``.
+    """
 
     plan: Plan
     schedule: Schedule
     ranks: dict[int, RankGraphs]
     lowered: dict[int, Lowered]
+    captured: Captured | None = None
+    planner: object = None
+    _parts: dict = field(default_factory=dict, repr=False)  # (tp, pp) -> stages built for one rank
+
+    def rank_program(self, rank: int) -> RankGraphs:
+        """Rank ``rank``'s coordinates and stage graphs, built now if :func:`plan` did not build them."""
+        if rank in self.ranks:
+            return self.ranks[rank]
+        shape = self.plan.mesh
+        if not 0 <= rank < shape.world_size:
+            raise PlanError(f"rank {rank} is outside the mesh {shape}", where="PlanResult.rank_program",
+                            fix=f"pick a rank in 0..{shape.world_size - 1}")
+        coords = coords_of(rank, shape)
+        key = (coords["tp"], coords["pp"])
+        if key not in self._parts:
+            mine = _stages_of(self.schedule, {coords["pp"]})
+            lowered = lower_captured(self.captured, tp_rank=coords["tp"], stages=mine)
+            self._parts[key] = [s for s in lowered.stages if self.schedule.stage_to_rank[s.stage] == coords["pp"]]
+        self.ranks[rank] = RankGraphs(rank, coords, self._parts[key])
+        return self.ranks[rank]
 
     def graph(self, rank: int, stage: int | None = None) -> fx.GraphModule:
         """The rewritten graph of ``rank`` (its first stage unless ``stage`` is given)."""
-        stages = self.ranks[rank].stages
+        stages = self.rank_program(rank).stages
         return next(s.gm for s in stages if stage is None or s.stage == stage)
 
     def summary(self) -> str:
@@ -55,7 +83,7 @@ class PlanResult:
 
     def describe_rank(self, rank: int) -> str:
         """A readable listing of one rank's program: coordinates, then each stage's code."""
-        r = self.ranks[rank]
+        r = self.rank_program(rank)
         lines = [f"# rank {rank}: dp={r.coords['dp']} pp={r.coords['pp']} tp={r.coords['tp']}"]
         for s in r.stages:
             lines.append(f"## stage {s.stage}: inputs {list(s.input_names)}, "
@@ -66,24 +94,51 @@ class PlanResult:
         return "\n".join(lines)
 
 
-def plan(model: nn.Module, mesh_shape, *, example_inputs, loss_fn=None, example_target=None,
-         plan: Plan | None = None, **options) -> PlanResult:
-    """Plan ``model`` for a mesh of ``mesh_shape`` ({'dp':..,'pp':..,'tp':..} or (dp, pp, tp))."""
+def coords_of(rank: int, shape) -> dict[str, int]:
+    """Mesh coordinates of global ``rank`` (the inverse of :func:`rank_of`)."""
+    return {"dp": rank // (shape.pp * shape.tp), "pp": rank // shape.tp % shape.pp, "tp": rank % shape.tp}
+
+
+def _stages_of(schedule: Schedule, pp_ranks) -> list[int]:
+    return [s for s, q in enumerate(schedule.stage_to_rank) if q in pp_ranks]
+
+
+def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, example_target=None,
+         plan: Plan | str | None = None, ranks=None, cluster=None, **options) -> PlanResult:
+    """Plan ``model`` for a mesh of ``mesh_shape`` ({'dp':..,'pp':..,'tp':..} or (dp, pp, tp)).
+
+    ``ranks``: build only these ranks' graphs (default: every rank). ``plan="auto"``: the planner
+    chooses the Plan for ``cluster`` (a :class:`autopar.planner.Cluster` or a preset name);
+    ``mesh_shape`` may then be a world size, a partial shape such as ``{"tp": 8}``, or None.
+    """
+    report = None
+    if isinstance(plan, str):
+        from autopar.planner.auto import choose_plan
+        report = choose_plan(model, mesh_shape, example_inputs=example_inputs, loss_fn=loss_fn,
+                             example_target=example_target, mode=plan, cluster=cluster, options=options)
+        plan = report.plan
     shape = parse_mesh_shape(mesh_shape if plan is None else plan.mesh)
     opts = CompileOptions(**options)
-    lowered = {t: lower(model, mesh=shape, tp_rank=t, example_inputs=example_inputs,
-                        example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
-               for t in range(shape.tp)}
-    the_plan = lowered[0].plan
-    p = the_plan.pipeline
-    schedule = build_schedule(p.schedule, num_ranks=shape.pp, num_microbatches=p.num_microbatches,
-                              num_virtual=p.num_virtual)
+    cap = capture_and_annotate(model, mesh=shape, example_inputs=example_inputs, example_target=example_target,
+                               loss_fn=loss_fn, options=opts, plan=plan)
+    o = cap.options
+    schedule = build_schedule(o.schedule, num_ranks=shape.pp, num_microbatches=cap.num_microbatches,
+                              num_virtual=o.num_virtual)
     validate(schedule)
-    ranks = {}
-    for d in range(shape.dp):
-        for q in range(shape.pp):
-            for t in range(shape.tp):
-                rank = rank_of(dp=d, pp=q, tp=t, shape=shape)
-                stages = [s for s in lowered[t].stages if schedule.stage_to_rank[s.stage] == q]
-                ranks[rank] = RankGraphs(rank, {"dp": d, "pp": q, "tp": t}, stages)
-    return PlanResult(plan=the_plan, schedule=schedule, ranks=ranks, lowered=lowered)
+    wanted = range(shape.world_size) if ranks is None else sorted(set(ranks))
+    for rank in wanted:
+        if not 0 <= rank < shape.world_size:
+            raise PlanError(f"rank {rank} is outside the mesh {shape}", where="plan(ranks=...)",
+                            fix=f"pick ranks in 0..{shape.world_size - 1}")
+    coords = {r: coords_of(r, shape) for r in wanted}
+    tps = sorted({c["tp"] for c in coords.values()})
+    pps = {c["pp"] for c in coords.values()}
+    only = None if ranks is None else _stages_of(schedule, pps)
+    lowered = {t: lower_captured(cap, tp_rank=t, stages=only) for t in tps}
+    the_plan = lowered[tps[0]].plan
+    result = PlanResult(plan=the_plan, schedule=schedule, ranks={}, lowered=lowered if ranks is None else {},
+                        captured=cap, planner=report)
+    for rank, c in coords.items():
+        stages = [s for s in lowered[c["tp"]].stages if schedule.stage_to_rank[s.stage] == c["pp"]]
+        result.ranks[rank] = RankGraphs(rank, c, stages)
+    return result

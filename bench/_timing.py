@@ -22,7 +22,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Contender", "Timing", "measure", "ratio_summary"]
+__all__ = ["DEFAULTS", "Contender", "Timing", "measure", "ratio_summary", "row_cells"]
+
+#: Default rounds / steps per round / warmup steps: short rounds pair the contenders' steps closely.
+DEFAULTS = dict(rounds=16, steps_per_round=1, warmup=3)
 
 
 @dataclass
@@ -99,3 +102,15 @@ def ratio_summary(mine: Timing, peer: Timing) -> dict:
         "round_q1": q1,
         "round_q3": q3,
     }
+
+
+def row_cells(mine: Timing, peer: Timing) -> dict:
+    """The timing and loss cells of a result row (see ``_report.COLUMNS``)."""
+    r = ratio_summary(mine, peer)
+    return dict(
+        autopar=mine.name, peer=peer.name, autopar_s=mine.median_s, peer_s=peer.median_s,
+        ratio=r["ratio"], round_iqr=f"{r['round_q1']:.2f}-{r['round_q3']:.2f}",
+        cpu=f"{mine.cpu_median_s:.3f} / {peer.cpu_median_s:.3f}", cpu_ratio=r["cpu_ratio"],
+        loss1=f"{mine.first_loss:.5f} / {peer.first_loss:.5f}",
+        loss_last=f"{mine.last_loss:.5f} / {peer.last_loss:.5f}", steps=mine.num_steps,
+    )

@@ -29,7 +29,7 @@ from torch import nn
 
 from _report import console_table, markdown_table, run_note, stamped, update_section
 from _spawn import spawn
-from _timing import Contender, measure, ratio_summary
+from _timing import DEFAULTS, Contender, measure, row_cells
 
 __all__ = ["MODEL", "run", "section", "main"]
 
@@ -155,23 +155,14 @@ def body(rank: int, world: int, schedules: tuple[str, ...], rounds: int, steps_p
         split = _split_index(program.plan.pipeline.stage_starts)
         peer = _peer_contender(model, data, schedule, split, rank)
         mine, theirs = measure([ap, peer], rounds=rounds, steps_per_round=steps_per_round, warmup=warmup)
-        rows.append(dict(
-            case=f"GPT 8x256 pp=2 {schedule}, {NUM_MICROBATCHES} mb, split at blocks.{split}",
-            autopar=ap.name, peer=peer.name, autopar_s=mine.median_s, peer_s=theirs.median_s,
-            **_ratio_cells(mine, theirs), steps=mine.num_steps,
-            loss1=f"{mine.first_loss:.5f} / {theirs.first_loss:.5f}",
-            loss_last=f"{mine.last_loss:.5f} / {theirs.last_loss:.5f}",
-            compile_s=program.compile_s, events=list(program.events), split=split))
+        rows.append(dict(case=f"GPT 8x256 pp=2 {schedule}, {NUM_MICROBATCHES} mb", **row_cells(mine, theirs),
+                         compile_s=program.compile_s, events=list(program.events), split=split))
         del program
     return rows
 
 
-def _ratio_cells(mine, theirs) -> dict:
-    r = ratio_summary(mine, theirs)
-    return {"ratio": r["ratio"], "round_range": f"{r['round_ratio_min']:.3f}-{r['round_ratio_max']:.3f}"}
-
-
-def run(*, schedules=("1f1b", "gpipe"), rounds: int = 6, steps_per_round: int = 4, warmup: int = 3) -> list[dict]:
+def run(*, schedules=("1f1b", "gpipe"), rounds: int = DEFAULTS["rounds"],
+        steps_per_round: int = DEFAULTS["steps_per_round"], warmup: int = DEFAULTS["warmup"]) -> list[dict]:
     """Spawn 2 gloo ranks, run the benchmark, return rank 0's rows (stamped with date and load)."""
     return stamped(spawn, body, world_size=2, args=(tuple(schedules), rounds, steps_per_round, warmup),
                    timeout_s=600)
@@ -202,9 +193,9 @@ def section(rows: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=sorted(PEER_SCHEDULES))
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps-per-round", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=DEFAULTS["rounds"])
+    parser.add_argument("--steps-per-round", type=int, default=DEFAULTS["steps_per_round"])
+    parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"])
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     rows = run(schedules=args.schedules, rounds=args.rounds, steps_per_round=args.steps_per_round,

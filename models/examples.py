@@ -5,11 +5,11 @@ batch), or a bare model where its name says so; weights and data are seeded, and
 state is left as it was. Example::
 
     autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
-    autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1 --capture symbolic_trace
+    autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1
     autopar inspect autopar.models.examples:gpt_tiny_model --mesh pp=2 --input-shape 8x32 --input-dtype long
 
     >>> model, (tokens,), loss_fn, targets = gpt_tiny()
-    >>> tuple(tokens.shape), float(loss_fn(model(tokens), targets)) > 0
+    >>> tuple(tokens.shape), loss_fn(model(tokens), targets).item() > 0
     ((8, 32), True)
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def mlp_tiny_model() -> nn.Module:
 def llama2_70b_meta():
     """Llama 2 70B on the meta device (no weights allocated) with a meta batch of 8 x 128 tokens.
 
-    Planning captures about 4,900 nodes: tens of seconds with ``--capture export``, each tp degree
-    lowered separately; ``--capture symbolic_trace`` is quicker.
+    Planning exports about 4,900 nodes, which takes tens of seconds per tensor-parallel rank
+    (``autopar.plan`` lowers each tp rank separately); symbolic_trace cannot capture this Llama.
     """
     with torch.device("meta"):
         model = build_model("llama2_70b")

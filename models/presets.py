@@ -25,6 +25,7 @@ from autopar.models.corpus import CharTokenizer
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.plain import PlainConfig, PlainLM
 
 __all__ = [
     "gpt_tiny",
@@ -36,12 +37,13 @@ __all__ = [
     "llama2_70b",
     "llama3_70b",
     "mlp_tiny",
+    "plain_tiny",
     "get_config",
     "build_model",
     "preset_names",
 ]
 
-ModelConfig = GPTConfig | LlamaConfig | MLPConfig
+ModelConfig = GPTConfig | LlamaConfig | MLPConfig | PlainConfig
 
 
 def gpt_tiny() -> GPTConfig:
@@ -89,6 +91,12 @@ def llama3_70b() -> LlamaConfig:
                        num_kv_heads=8, hidden=8192, intermediate=28672, rope_theta=500000.0)
 
 
+def plain_tiny() -> PlainConfig:
+    """A 2-layer, 32-wide decoder written unlike GPT and Llama (hand-written attention, see models/plain.py)."""
+    return PlainConfig(vocab_size=CharTokenizer().vocab_size, seq_len=32, num_layers=2, num_heads=4,
+                       hidden=32, ffn=64)
+
+
 def mlp_tiny() -> MLPConfig:
     """A 3-layer, 32-wide MLP from 16 features to 8."""
     return MLPConfig(in_features=16, hidden=32, num_layers=3, out_features=8)
@@ -104,12 +112,14 @@ _PRESETS: tuple[tuple[str, Callable[[], ModelConfig]], ...] = (
     ("llama2_70b", llama2_70b),
     ("llama3_70b", llama3_70b),
     ("mlp_tiny", mlp_tiny),
+    ("plain_tiny", plain_tiny),
 )
 
 _MODEL_OF_CONFIG: tuple[tuple[type, type[nn.Module]], ...] = (
     (GPTConfig, GPT),
     (LlamaConfig, Llama),
     (MLPConfig, MLP),
+    (PlainConfig, PlainLM),
 )
 
 

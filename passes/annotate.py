@@ -54,6 +54,20 @@ def _attention_flops(node: fx.Node, value) -> int:
     return 4 * b * s_q * s_k * d
 
 
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze",
+                       "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "alias",
+                       "detach", "as_strided", "narrow", "getitem", "flatten", "unflatten"})
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Ops whose output aliases their input: they hold no activation memory of their own."""
+    import operator
+    if node.target is operator.getitem:
+        return True
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet is not None and packet.__name__ in _VIEW_OPS
+
+
 def annotate_tensors(gm: fx.GraphModule, *, example_inputs: tuple) -> fx.GraphModule:
     """Write ``autopar.tensor`` and ``autopar.cost`` on every node by running the graph on meta."""
 
@@ -62,7 +76,7 @@ def annotate_tensors(gm: fx.GraphModule, *, example_inputs: tuple) -> fx.GraphMo
         if flops == 0 and node.target is torch.ops.aten.scaled_dot_product_attention.default:
             flops = _attention_flops(node, value)
         set_meta(node, TENSOR, info)
-        is_activation = node.op in ("call_function", "call_module", "call_method")
+        is_activation = node.op in ("call_function", "call_module", "call_method") and not _is_view(node)
         set_meta(node, COST, NodeCost(int(flops), info.nbytes if is_activation else 0))
         node.meta["val"] = value if isinstance(value, torch.Tensor) else node.meta.get("val")
 
@@ -92,11 +106,29 @@ def _unit_of(path: str) -> str:
 
 def annotate_modules(gm: fx.GraphModule) -> fx.GraphModule:
     """Write ``autopar.module``: each call node's module path and its pipeline unit."""
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_module", "call_method"):
-            path = module_path_of(node)
-            set_meta(node, MODULE, ModuleInfo(path=path, unit=_unit_of(path)))
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
+    units = [_unit_of(module_path_of(n)) for n in calls]
+    for node, unit in zip(calls, _fill_block_gaps(units)):
+        set_meta(node, MODULE, ModuleInfo(path=module_path_of(node), unit=unit))
     return gm
+
+
+def _fill_block_gaps(units: list[str]) -> list[str]:
+    """Nodes between two nodes of the same block belong to that block.
+
+    symbolic_trace records module paths only for leaf modules, so a block's own code (views,
+    attention, residual adds) comes back as root-level; its neighbours say which block it is in.
+    """
+    filled = list(units)
+    last_block: dict[str, int] = {}
+    for i, unit in enumerate(units):
+        if _INDEX.match(unit.rsplit(".", 1)[-1] if unit else ""):
+            j = last_block.get(unit)
+            if j is not None and all(not _INDEX.match(u.rsplit(".", 1)[-1] if u else "")
+                                     for u in units[j + 1:i]):
+                filled[j + 1:i] = [unit] * (i - j - 1)
+            last_block[unit] = i
+    return filled
 
 
 def _alias_groups(module: nn.Module, prefix: str) -> dict[str, tuple[str, ...]]:

@@ -108,6 +108,17 @@ def _capture_error(model: nn.Module, mode: str, exc: Exception) -> CaptureError:
     )
 
 
+class _BufferProxyTracer(fx.Tracer):
+    """symbolic_trace that proxies buffers, so slicing a buffer by a traced size (rotary tables) works."""
+
+    proxy_buffer_attributes = True
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    graph = _BufferProxyTracer().trace(model)
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
 def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop export's guard call and pytree codegen so the graph reads as plain positional code."""
     for node in list(gm.graph.nodes):
@@ -159,7 +170,7 @@ def capture(
     # distinct tensors for distinct inputs: export merges inputs that are the same object
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     try:
-        traced = fx.symbolic_trace(model) if mode == "symbolic_trace" else model
+        traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
         root = _WithLoss(traced, loss_fn) if has_loss else _Inference(traced)
         exported = torch.export.export(root, args, strict=False)
     except CaptureError:

@@ -119,17 +119,17 @@ class MetaKey:
 META_KEYS = MappingProxyType(
     {
         TENSOR: MetaKey(TENSOR, TensorInfo, "passes.annotate.annotate_tensors",
-                        ("passes.pipeline_split", "passes.tensor_parallel", "runtime.p2p")),
-        COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_costs",
-                      ("passes.partition", "autopar.memory")),
+                        ("passes.pipeline_split", "passes.tensor_parallel", "runtime.p2p", "passes.zero3")),
+        COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_tensors",
+                      ("passes.partition", "autopar.planner")),
         PARAM: MetaKey(PARAM, ParamInfo, "passes.annotate.annotate_params",
                        ("passes.tensor_parallel", "passes.pipeline_split", "autopar.planning")),
         MODULE: MetaKey(MODULE, ModuleInfo, "passes.annotate.annotate_modules",
-                        ("passes.partition", "passes.tensor_parallel", "autopar.report")),
+                        ("passes.partition", "passes.tensor_parallel", "passes.tp_regions", "passes.zero3")),
         STAGE: MetaKey(STAGE, StageInfo, "passes.partition.assign_stages",
                        ("passes.pipeline_split",)),
         TP_PLACEMENT: MetaKey(TP_PLACEMENT, Placement, "passes.tensor_parallel.shard_tensor_parallel",
-                              ("autopar.report",)),
+                              ("passes.sequence_parallel", "passes.tp_random")),  # vocab/SP passes write it too
     }
 )
 

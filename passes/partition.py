@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.passes.capture import MODEL_PREFIX
 from autopar.passes.meta_keys import COST, MODULE, STAGE, StageInfo, get_meta, set_meta
 
 __all__ = ["Segment", "pipeline_segments", "balanced_cuts", "assign_stages"]
@@ -54,7 +55,28 @@ def pipeline_segments(gm: fx.GraphModule) -> list[Segment]:
         cost = get_meta(node, COST)
         segments[-1].nodes.append(node)
         segments[-1].cost += (cost.flops if cost else 0) + _NODE_COST
-    return segments
+    return _merge_sandwiched(segments)
+
+
+def _merge_sandwiched(segments: list[Segment]) -> list[Segment]:
+    """Fold [block A][other][block A] into one segment of A.
+
+    symbolic_trace records module paths only for leaf modules, so a block's views, attention and
+    residual adds come back as root-level code between its linears; a stage must not begin there.
+    """
+    merged: list[Segment] = []
+    for segment in segments:
+        if (len(merged) >= 2 and merged[-2].is_block and merged[-2].unit == segment.unit
+                and not merged[-1].is_block):
+            middle = merged.pop()
+            merged[-1].nodes += middle.nodes + segment.nodes
+            merged[-1].cost += middle.cost + segment.cost
+        elif merged and merged[-1].unit == segment.unit:
+            merged[-1].nodes += segment.nodes
+            merged[-1].cost += segment.cost
+        else:
+            merged.append(segment)
+    return merged
 
 
 def _allowed_starts(segments: list[Segment]) -> list[int]:
@@ -85,9 +107,12 @@ def balanced_cuts(costs: list[float], num_stages: int, allowed: list[int]) -> li
             if candidates:
                 best[(k, end)] = min(candidates, key=lambda c: c[0])
     if (num_stages, n) not in best:
+        most = len(starts)  # every stage begins at one of these
         raise PlanError(
-            f"the model has {len(allowed) + 1} places to cut at most, too few for pp={num_stages} stages",
-            where="pipeline partitioning", fix="lower the 'pp' mesh degree or give the model more blocks")
+            f"the model splits into at most {most} pipeline stages (a stage begins at a block or right "
+            f"after the last block), not {num_stages}",
+            where="pipeline partitioning: stages = mesh dim 'pp' x num_virtual",
+            fix=f"lower 'pp' (or num_virtual) so that pp x num_virtual <= {most}, or give the model more blocks")
     return best[(num_stages, n)][1]
 
 
@@ -114,12 +139,18 @@ def _cuts_from_names(segments, allowed, names, num_stages) -> list[int]:
                         where="Plan.pipeline.stage_starts", fix=f"give exactly {num_stages - 1} unit names")
     by_unit = {segments[i].unit: i for i in reversed(allowed)}
     missing = [n for n in names if n not in by_unit]
-    if missing:
-        raise PlanError(f"stage starts {missing} are not places the model can be cut",
+    if missing:  # shown as the Plan names them: module paths of the user's model, without the prefix
+        raise PlanError(f"stage starts {[_plan_name(n) for n in missing]} are not places the model can be cut",
                         where="Plan.pipeline.stage_starts",
-                        fix=f"use units from {[segments[i].unit for i in allowed][:12]}")
+                        fix=f"use units from {[_plan_name(segments[i].unit) for i in allowed][:12]}")
     cuts = [by_unit[n] for n in names]
     if cuts != sorted(set(cuts)):
         raise PlanError("stage starts are not in model order", where="Plan.pipeline.stage_starts",
                         fix="list them in the order the model runs them")
     return cuts
+
+
+def _plan_name(unit: str) -> str:
+    """A unit as Plan.pipeline.stage_starts spells it (``model.blocks.3`` -> ``blocks.3``)."""
+    prefix = MODEL_PREFIX + "."
+    return unit[len(prefix):] if unit.startswith(prefix) else unit

@@ -145,7 +145,10 @@ def _is_param(gm, target: str) -> bool:
     return isinstance(_fetch(gm, target), torch.nn.Parameter)
 
 
-def split_pipeline(gm: fx.GraphModule, *, num_stages: int) -> list[StageGraph]:
-    """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs."""
+def split_pipeline(gm: fx.GraphModule, *, num_stages: int, only=None) -> list[StageGraph]:
+    """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs.
+
+    ``only``: build just these stages (one rank's program of a large plan); all when None.
+    """
     edges = _edges(gm, num_stages)
-    return [_build_stage(gm, s, num_stages, edges) for s in range(num_stages)]
+    return [_build_stage(gm, s, num_stages, edges) for s in range(num_stages) if only is None or s in only]

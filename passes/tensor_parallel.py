@@ -28,7 +28,7 @@ from autopar.passes.tp_regions import TpRegion, find_tp_regions
 from autopar.passes.tp_rules import REPLICATE, op_name, shape_of
 from autopar.runtime.collectives import TpCopy, TpReduce
 
-__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param"]
+__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -60,7 +60,8 @@ def set_param(gm: nn.Module, target: str, value: torch.Tensor) -> None:
         owner.register_buffer(leaf, value)
 
 
-def _where(node: fx.Node) -> str:
+def node_where(node: fx.Node) -> str:
+    """'node N (module M)' for error messages."""
     info = get_meta(node, MODULE)
     return f"node {node.name} (module {info.path or '<root>'})" if info else f"node {node.name}"
 
@@ -74,12 +75,12 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
             raise ShardingError(
                 f"dim {p.dim} of {op_name(node)} output {tuple(shape_of(node))} has size {size}, "
                 f"not divisible by tp={tp_size}" + (f" x {p.chunks} blocks" if p.chunks > 1 else ""),
-                where=_where(node),
+                where=node_where(node),
                 fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
                     f"(mesh dim 'tp'), or set tp=1")
 
 
-def _local_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
+def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     """Rewrite sizes baked into view/expand/split args to this rank's shard."""
     name = op_name(node)
     if name in ("view", "reshape", "_unsafe_view", "expand"):
@@ -167,7 +168,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
         for node, p in region.placements.items():
             set_meta(node, TP_PLACEMENT, p)
             if p.kind == "S":
-                _local_sizes(node, p, tp_size)
+                localize_sizes(node, p, tp_size)
                 if op_name(node) in ("split", "split_with_sizes"):
                     _rewrite_split(node, region.placements.get(node.args[0], REPLICATE), tp_size)
         copies, reduces = [counter[0]], [counter[1]]

@@ -184,10 +184,13 @@ def _solve_from(seeds: list[fx.Node], taken: set) -> TpRegion:
     return region
 
 
-def find_tp_regions(gm: fx.GraphModule) -> list[TpRegion]:
-    """Every region that shards cleanly, in graph order; failed candidates are logged and skipped."""
+def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
+    """Every region that shards cleanly, in graph order; failed candidates are logged and skipped.
+
+    Linears in ``skip`` (an LM head the vocabulary pass shards) are neither columns nor rows.
+    """
     regions: list[TpRegion] = []
-    taken: set[fx.Node] = set()
+    taken: set[fx.Node] = set(skip)
     for node in gm.graph.nodes:
         if node in taken or not is_param_linear(node):
             continue

@@ -2,13 +2,25 @@
 
 Each module names the mesh axis it communicates over; the runtime binds the axis to a process
 group before the graph runs (:func:`bind_collectives`). Unbound (a plan read in a plain process),
-calling one raises. ``meta_forward`` gives the output's shape for shape propagation.
+calling one raises. ``meta_forward`` gives the output's shape for shape propagation, and
+``comm(in_bytes, out_bytes)`` says what the node sends (for the collective audit).
 
 Megatron's pair for tensor parallelism:
 - :class:`TpCopy` ("f"): identity forward, all-reduce of the gradient backward.
 - :class:`TpReduce` ("g"): all-reduce forward, identity backward.
+
+Their sequence-parallel forms, and the two conversions between a replicated and a dim-sharded
+value outside the tensor-parallel regions:
+- :class:`SpAllGather` (f with sequence parallelism): all-gather on ``dim`` forward,
+  reduce-scatter of the gradient backward.
+- :class:`SpReduceScatter` (g with sequence parallelism): reduce-scatter on ``dim`` forward,
+  all-gather of the gradient backward.
+- :class:`TpGather`: all-gather on ``dim`` forward, keep this rank's slice of the gradient backward.
+- :class:`TpScatter`: keep this rank's slice forward, all-gather the gradient backward.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,7 +28,47 @@ import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
 
-__all__ = ["GraphCollective", "TpCopy", "TpReduce", "bind_collectives", "collective_nodes"]
+__all__ = ["GraphCollective", "TpCopy", "TpReduce", "SpAllGather", "SpReduceScatter", "TpGather",
+           "TpScatter", "Comm", "bind_collectives", "collective_nodes", "all_gather_dim",
+           "reduce_scatter_dim", "split_dim"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective a node runs: direction ('forward'/'backward'), op, bytes of the full tensor."""
+
+    direction: str
+    op: str
+    nbytes: int
+    recompute: bool = False
+
+
+# -- tensor-dim collectives over one process group -----------------------------------------------
+def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    size = dist.get_world_size(group)
+    x = x.contiguous()
+    flat = x.reshape(-1)
+    buf = torch.empty(size * flat.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(buf, flat, group=group)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return buf.view((size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
+    size = dist.get_world_size(group)
+    stacked = torch.stack(x.chunk(size, dim=dim), dim=0).contiguous()
+    out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, stacked.reshape(-1), group=group)
+    return out.view(stacked.shape[1:])
+
+
+def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (no communication)."""
+    piece = x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -44,6 +96,21 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _DimCollective(torch.autograd.Function):
+    """Forward op / backward op pair on one tensor dim, chosen by name."""
+
+    _OPS = {"all_gather": all_gather_dim, "reduce_scatter": reduce_scatter_dim, "split": split_dim}
+
+    @staticmethod
+    def forward(ctx, x, dim, group, fwd, bwd):
+        ctx.dim, ctx.group, ctx.bwd = dim, group, bwd
+        return _DimCollective._OPS[fwd](x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _DimCollective._OPS[ctx.bwd](grad, ctx.dim, ctx.group), None, None, None, None
+
+
 class GraphCollective(nn.Module):
     """Base of every communication node: knows its mesh axis, runs once bound to a group."""
 
@@ -69,6 +136,10 @@ class GraphCollective(nn.Module):
     def meta_forward(self, x):
         return torch.empty_like(x)
 
+    def comm(self, in_bytes: int, out_bytes: int) -> list[Comm]:
+        """The collectives this node runs for one call, with the bytes of the full tensor."""
+        return []
+
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, size={self.size}"
 
@@ -81,6 +152,9 @@ class TpCopy(GraphCollective):
     def forward(self, x):
         return _CopyToRegion.apply(x, self._require_group())
 
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("backward", "all_reduce", in_bytes)]
+
 
 class TpReduce(GraphCollective):
     """g: forward all-reduces partial sums over the tp axis; backward is the identity."""
@@ -89,6 +163,66 @@ class TpReduce(GraphCollective):
 
     def forward(self, x):
         return _ReduceFromRegion.apply(x, self._require_group())
+
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("forward", "all_reduce", out_bytes)]
+
+
+class _DimModule(GraphCollective):
+    """A collective on tensor dim ``dim``: forward op ``fwd``, backward op ``bwd``."""
+
+    fwd = bwd = ""
+
+    def __init__(self, *, axis: str, size: int, dim: int):
+        super().__init__(axis=axis, size=size)
+        self.dim = dim
+
+    def forward(self, x):
+        return _DimCollective.apply(x, self.dim, self._require_group(), self.fwd, self.bwd)
+
+    def meta_forward(self, x):
+        shape = list(x.shape)
+        if self.fwd == "all_gather":
+            shape[self.dim] *= self.size
+        else:
+            shape[self.dim] //= self.size
+        return x.new_empty(shape)
+
+    def comm(self, in_bytes, out_bytes):
+        full = max(in_bytes, out_bytes)
+        return [Comm(d, op, full) for d, op in (("forward", self.fwd), ("backward", self.bwd))
+                if op != "split"]
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, size={self.size}, dim={self.dim}"
+
+
+class SpAllGather(_DimModule):
+    """f under sequence parallelism: all-gather on ``dim``; backward reduce-scatters the gradient."""
+
+    kind = "all_gather(forward)+reduce_scatter(backward)"
+    fwd, bwd = "all_gather", "reduce_scatter"
+
+
+class SpReduceScatter(_DimModule):
+    """g under sequence parallelism: reduce-scatter on ``dim``; backward all-gathers the gradient."""
+
+    kind = "reduce_scatter(forward)+all_gather(backward)"
+    fwd, bwd = "reduce_scatter", "all_gather"
+
+
+class TpGather(_DimModule):
+    """All-gather on ``dim`` for replicated consumers; backward keeps this rank's gradient slice."""
+
+    kind = "all_gather(forward)"
+    fwd, bwd = "all_gather", "split"
+
+
+class TpScatter(_DimModule):
+    """Keep this rank's slice on ``dim``; backward all-gathers the gradient."""
+
+    kind = "all_gather(backward)"
+    fwd, bwd = "split", "all_gather"
 
 
 def collective_nodes(gm, kind: type | None = None):

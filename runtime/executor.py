@@ -25,7 +25,20 @@ log = logging.getLogger(__name__)
 
 
 class ActionEvent(tuple):
-    """(action string, start, end) in seconds since the step began."""
+    """(action string, start, end) in seconds since the step began.
+
+    ``wait_s``: the part of it spent blocked on a peer's transfer; ``origin``: the step's start
+    (``time.perf_counter()``), which lines up the events of ranks on one host (runtime/trace.py).
+    """
+
+    wait_s = 0.0
+    origin = 0.0
+
+    @classmethod
+    def timed(cls, action: str, t0: float, t1: float, *, origin: float, wait_s: float) -> ActionEvent:
+        event = cls((action, t0 - origin, t1 - origin))
+        event.wait_s, event.origin = wait_s, origin
+        return event
 
 
 def _forward(stage: StageGraph, batch: dict, channel: P2PChannel, microbatch: int):
@@ -86,7 +99,7 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     start = time.perf_counter()
     for action in actions:
         channel.action = str(action)
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), channel.wait_s
         stage = stages[action.stage]
         if action.kind is ActionKind.F:
             out = _forward(stage, microbatches[action.microbatch], channel, action.microbatch)
@@ -108,7 +121,8 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
                                     fix="compile with the schedule that contains W actions")
             _backward_weight(stage, saved.pop((action.stage, action.microbatch)))
         if events is not None:
-            events.append(ActionEvent((str(action), t0 - start, time.perf_counter() - start)))
+            events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
+                                            wait_s=channel.wait_s - waited))
     channel.flush()
     return results
 

@@ -1,16 +1,29 @@
-"""Gradient synchronisation after a step's backward passes.
+"""Gradient synchronisation of a training step: over dp while backward runs, across stages after it.
 
-- Parameters that live on several pipeline stages (a tied embedding and LM head) have their
-  gradients summed across the ranks holding them, by a p2p exchange inside the pp group.
-- Data parallelism: gradients are averaged over the dp group in flat buckets (all-reduce).
+:class:`GradientSync` is what the program calls: ``begin`` before the schedule runs, ``finish``
+after it, before the optimizer steps.
+
+- Data parallelism (DDP, ZeRO-1/2): gradients are reduced over the dp group in buckets *while
+  backward runs* (:class:`autopar.runtime.ddp_buckets.GradBuckets`): all-reduced (DDP) or reduced
+  to the parameter's owner (ZeRO-1/2). ZeRO-3 reduce-scatters inside the graph's backward
+  (:mod:`autopar.passes.zero3`), so nothing is left to do here.
+- Parameters that live on several pipeline stages (a tied embedding and LM head) first have
+  their gradients summed across the ranks holding them, by a p2p exchange inside the pp group,
+  so they are left out of the overlapped buckets and reduced over dp after that exchange.
 Tensor-parallel replicated parameters need nothing: Megatron's f/g make their gradients equal.
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["sum_shared_gradients", "average_gradients", "flat_buckets"]
+from autopar.runtime.comm_audit import CommLog
+from autopar.runtime.ddp_buckets import GradBuckets
+
+__all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -69,3 +82,51 @@ def sum_shared_gradients(shared: list[tuple[torch.nn.Parameter, list[int]]], *, 
         for _, g in contributions[1:]:
             total.add_(g)
         param.grad.copy_(total)
+
+
+class GradientSync:
+    """This rank's gradient synchronisation, as the plan's data-parallel mode and ZeRO stage ask."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, shared: list, plan, info,
+                 owners: dict[str, int] | None, uses: dict[str, int], comm_log: CommLog | None = None,
+                 current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = ()):
+        self.shared, self.info = shared, info
+        self.zero3_runtimes = zero3_runtimes
+        self._t0 = time.perf_counter()
+        mode = getattr(plan, "data_parallel", "ddp")
+        self.active = plan.mesh.dp > 1 and mode == "ddp" and plan.zero_stage != 3
+        self.buckets = self.post = None
+        if not self.active:
+            return
+        shared_ids = {id(p) for p, _ in shared}
+        named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
+        common = dict(group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"], dp_rank=info.coords["dp"],
+                      bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
+                      keep_unowned=plan.zero_stage <= 1, comm_log=comm_log, current_action=current_action)
+        self.buckets = GradBuckets([(n, p) for n, p in named_params if id(p) not in shared_ids],
+                                   overlap=True, uses=uses, **common)
+        self.post = GradBuckets([(n, p) for n, p in named_params if id(p) in shared_ids],
+                                overlap=False, **common)
+
+    def begin(self, num_microbatches: int) -> None:
+        """Arm the overlapped buckets for a step of ``num_microbatches`` backward passes per stage."""
+        self._t0 = time.perf_counter()
+        if self.active:
+            self.buckets.begin(num_microbatches)
+
+    def finish(self) -> None:
+        """Wait for the overlapped reductions; sum tied weights across stages; reduce those over dp."""
+        if self.active:
+            self.buckets.finish()
+        for runtime in self.zero3_runtimes:
+            runtime.drain()
+        sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"])
+        if self.active:
+            self.post.begin(1)
+            self.post.finish()
+
+    def launch_log(self) -> list[tuple[int, str, float]]:
+        """(bucket, action running at launch, seconds since ``begin``) of the last step's overlapped buckets."""
+        if not self.active:
+            return []
+        return [(b, action, t - self._t0) for b, action, t in self.buckets.launch_log()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ class P2PChannel:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.microbatch = 0
         self.action = "?"
+        self.wait_s = 0.0  # seconds spent blocked on peers' transfers so far (traces subtract it)
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._local: dict[int, torch.Tensor] = {}
 
@@ -61,8 +63,10 @@ class P2PChannel:
             return self._local.pop(tag)
         buffer = torch.empty(shape, dtype=dtype)
         work = dist.irecv(buffer, src, group=self.group, tag=tag)
+        began = time.perf_counter()
         try:
             work.wait(self.timeout)
+            self.wait_s += time.perf_counter() - began
         except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer
             what = "gradient" if is_grad else "activation"
             raise RuntimeCommError(
@@ -72,6 +76,10 @@ class P2PChannel:
                 fix="check that the peer rank is alive and runs the same schedule; raise "
                     "p2p_timeout_s if the peer is only slow") from exc
         return buffer
+
+    def prune(self) -> None:
+        """Forget the sends that have completed; the rest stay pending (a pipeline that never drains)."""
+        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
 
     def flush(self) -> None:
         """Wait for every send of this step (their buffers stay alive until then)."""

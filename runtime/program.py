@@ -18,12 +18,21 @@ from autopar.mesh import MeshInfo
 from autopar.passes.meta_keys import PARAM, get_meta
 from autopar.passes.pipeline_split import StageGraph
 from autopar.runtime.collectives import bind_collectives
+from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import run_actions
-from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
+from autopar.runtime.mixed_precision import MasterWeights
+from autopar.runtime.comm_audit import CommLog
+from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.p2p import P2PChannel
-from autopar.runtime.schedules.action import ActionKind, Schedule
+from autopar.runtime.schedules.action import Schedule
+from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
+from autopar.runtime.tp_grad_sync import sum_partial_gradients
 from autopar.runtime.zero import ShardedOptimizer
+from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from autopar.runtime.rank_tensors import model_buffers
+from autopar.runtime.numerics import check_finite
+from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
 
 __all__ = ["RankProgram"]
 
@@ -46,7 +55,8 @@ class RankProgram:
     """This rank's share of the parallel program."""
 
     def __init__(self, *, lowered: Lowered, info: MeshInfo, schedule: Schedule, optimizer_factory,
-                 state_keys: tuple[str, ...], p2p_timeout_s: float):
+                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None,
+                 max_grad_norm: float | None = None):
         self.plan = lowered.plan
         self.info = info
         self.schedule = schedule
@@ -55,6 +65,9 @@ class RankProgram:
         pp_rank = info.coords["pp"]
         mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == pp_rank]
         _own_parameters(mine)
+        if self.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
+            shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+        self.comm_log = CommLog()  # this step's dp collectives (runtime/comm_audit.py)
         self.stages = {s.stage: s for s in mine}
         self.stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
         self.channel = P2PChannel(rank=info.rank, stage_to_rank=self.stage_ranks, group=info.groups["pp"],
@@ -64,15 +77,37 @@ class RankProgram:
             for module in stage.gm.modules():
                 if hasattr(module, "bind") and hasattr(module, "edge"):
                     module.bind(self.channel)
+        zero3 = [bind_zero3(s.gm, group=info.groups["dp"], size=info.shape.dp, comm_log=self.comm_log) for s in mine]
         self.named_params = self._named_parameters()
+        compute_ids = {n: id(p) for n, p in self.named_params}
+        self.mixed = MasterWeights(self.named_params, masters) if masters is not None else None
+        if self.mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
+            self.named_params = self.mixed.named
+        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
+        partial = {user_name(t) for t in lowered.tp_partial_grads}  # sequence parallelism: summed over tp
+        self.tp_partial_params = [p for n, p in self.named_params if n in partial]
         self.optimizer = ShardedOptimizer(self.named_params, optimizer_factory, zero_stage=self.plan.zero_stage,
                                           dp_group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"],
-                                          dp_rank=info.coords["dp"])
+                                          dp_rank=info.coords["dp"], comm_log=self.comm_log)
+        uses: dict[int, int] = {}
+        for stage in mine:
+            for p in {id(stage.gm.get_parameter(t)) for t in stage.param_names}:
+                uses[p] = uses.get(p, 0) + 1
+        self.grad_sync = GradientSync(self.named_params, shared=self._shared_params(), plan=self.plan, info=info,
+                                      owners=self.optimizer.owner_of(), comm_log=self.comm_log,
+                                      uses={n: uses[compute_ids[n]] for n, _ in self.named_params},
+                                      current_action=lambda: self.channel.action,
+                                      zero3_runtimes=tuple(r for r in zero3 if r is not None))
         self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
+        # ranks whose stages compute the loss (two for Chimera: one per replica)
+        self.loss_ranks = sorted({self.stage_ranks[s.stage] for s in lowered.stages if s.is_last})
+        self.inference_schedule = forward_only(schedule)  # replica 0's stages, depth first, F only
+        self.output_rank = self.stage_ranks[schedule.parts - 1]
         self.aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
                         for s in lowered.stages for n in s.gm.graph.nodes
                         if n.op == "get_attr" and get_meta(n, PARAM) is not None}
         self.events: list = []
+        self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
 
     # -- what a person reads -------------------------------------------------------------
     @property
@@ -110,15 +145,18 @@ class RankProgram:
         local = tensor.shape[0] // self.plan.mesh.dp
         return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
 
-    def _sync_gradients(self) -> None:
+    def _shared_params(self) -> list:
+        """(parameter, global ranks holding a copy) of the weights tied across pipeline ranks."""
         shared = []
         for name, stages in self.plan.shared_params.items():
             ranks = sorted({self.stage_ranks[s] for s in stages})
             if self.info.rank in ranks and len(ranks) > 1:
                 shared.append((dict(self.named_params)[name], ranks))
-        sum_shared_gradients(shared, rank=self.info.rank, group=self.info.groups["pp"])
-        average_gradients([p for _, p in self.named_params], group=self.info.groups["dp"],
-                          size=self.plan.mesh.dp)
+        return shared
+
+    def _sync_gradients(self) -> None:
+        """Wait for the dp reductions started during backward; tied weights across stages (grad_sync.py)."""
+        self.grad_sync.finish()
 
     def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's dp batch; returns the global mean loss (every rank)."""
@@ -128,22 +166,37 @@ class RankProgram:
         batches = self._microbatches(tuple(inputs) + (target,))
         self.optimizer.zero_grad()
         self.events = []
+        self.comm_log.reset()
+        self.grad_sync.begin(len(batches))
         results = run_actions(self.schedule.actions[self.info.coords["pp"]], stages=self.stages,
                               microbatches=batches, channel=self.channel, train=True, events=self.events)
+        if self.mixed is not None:
+            self.mixed.collect()
         self._sync_gradients()
+        sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"])
+        check_finite(self, results)  # runtime/numerics.py: a NaN/inf stops the step on every rank
+        if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
+            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
         self.optimizer.step()
+        if self.mixed is not None:
+            self.mixed.publish()
+        self.step_count += 1
         return self._global_loss(results)
 
     def _global_loss(self, results: dict) -> torch.Tensor:
         if results:
             loss = torch.stack([results[i][0] if isinstance(results[i], (tuple, list)) else results[i]
-                                for i in sorted(results)]).mean()
+                                for i in sorted(results)]).float().mean()  # fp32 on every rank (bf16 graphs)
         else:
             loss = torch.zeros(())
+        if len(self.loss_ranks) > 1:  # Chimera: each replica's last stage holds its microbatches' losses
+            total = loss * len(results) if results else torch.zeros(())
+            dist.all_reduce(total, group=self.info.groups["pp"])
+            loss = total / self.plan.pipeline.num_microbatches
         if self.plan.mesh.dp > 1:
             dist.all_reduce(loss, group=self.info.groups["dp"])
             loss /= self.plan.mesh.dp
-        if self.plan.mesh.pp > 1:
+        if self.plan.mesh.pp > 1 and len(self.loss_ranks) == 1:
             dist.broadcast(loss, src=self.last_stage_rank, group=self.info.groups["pp"])
         return loss
 
@@ -151,8 +204,7 @@ class RankProgram:
     def __call__(self, *inputs: torch.Tensor):
         """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
         batches = self._microbatches(tuple(inputs))
-        actions = tuple(a for a in self.schedule.actions[self.info.coords["pp"]] if a.kind is ActionKind.F)
-        actions = tuple(sorted(actions, key=lambda a: (a.microbatch, a.stage)))
+        actions = self.inference_schedule.actions[self.info.coords["pp"]]
         results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,
                               train=False)
         payload = [None]
@@ -160,11 +212,31 @@ class RankProgram:
             flat = [pytree.tree_flatten(results[i])[0] for i in sorted(results)]
             payload = [[torch.cat(parts, dim=0) for parts in zip(*flat)]]
         if self.plan.mesh.pp > 1:
-            dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.info.groups["pp"])
+            dist.broadcast_object_list(payload, src=self.output_rank, group=self.info.groups["pp"])
         outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
         return outputs
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
-        return gather_full_state_dict(self.named_params, plan=self.plan, info=self.info, aliases=self.aliases,
-                                      keys=self.state_keys)
+        named = full_parameters(self.named_params, [s.gm for s in self.stages.values()],
+                                group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
+                                      aliases=self.aliases, keys=self.state_keys)
+
+    # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
+    def save_checkpoint(self, root: str) -> str:
+        """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
+        return save_checkpoint(self, root)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
+        step = load_checkpoint(self, path)
+        if self.mixed is not None:
+            self.mixed.publish()
+        return step
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
+        load_full_state_dict(self, state_dict)
+        if self.mixed is not None:
+            self.mixed.publish()

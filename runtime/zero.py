@@ -1,10 +1,17 @@
-"""Optimizer-state sharding across the dp axis (ZeRO stage 1) for any torch.optim optimizer.
+"""The optimizer, with its state sharded across the dp axis (ZeRO) for any torch.optim optimizer.
 
-Parameters are partitioned whole (greedy by size, in name order) among the dp ranks, so the
-update is exactly the one the unsharded optimizer computes, whatever the optimizer. Each rank
-builds the user's optimizer over the parameters it owns, steps them, then every owner
-broadcasts its updated parameters (one flat buffer per owner) to the dp group.
-With ``zero_stage=0`` (or dp=1) it is the plain optimizer over all parameters.
+- ZeRO-0: the plain optimizer over every local parameter.
+- ZeRO-1 and ZeRO-2: parameters are *owned whole* by one dp rank each (greedy by size, ties by
+  name), so the update is exactly the one the unsharded optimizer computes, whatever the
+  optimizer (Adafactor's factored rows, LAMB's per-tensor trust ratio and a factory that picks
+  parameter groups by shape all see whole tensors). Gradients are reduced to the owner
+  (:mod:`autopar.runtime.ddp_buckets`); each rank steps the user's optimizer over the parameters
+  it owns; then every owner broadcasts its updated parameters (one flat buffer per owner).
+- ZeRO-3: the parameters themselves are flat 1/N shards (:mod:`autopar.passes.zero3`), so each
+  rank steps its shards and nothing is broadcast. An optimizer on flat shards computes the
+  unsharded update only if it treats every element on its own, so ZeRO-3 accepts the
+  element-wise optimizers of torch.optim (:data:`ELEMENTWISE`) and refuses others with a
+  :class:`~autopar.errors.PlanError` that says to use ZeRO-2.
 """
 from __future__ import annotations
 
@@ -12,11 +19,17 @@ import logging
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["ShardedOptimizer", "partition_params"]
+from autopar.errors import PlanError
+from autopar.runtime import comm_audit as comm
+
+__all__ = ["ShardedOptimizer", "partition_params", "ELEMENTWISE", "check_elementwise"]
 
 log = logging.getLogger(__name__)
+
+#: torch.optim optimizers whose update of an element depends on that element alone.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+               "ASGD", "Rprop")
 
 
 def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int) -> list[list[str]]:
@@ -30,23 +43,53 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
     return parts
 
 
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Raise PlanError unless ``optimizer`` is one of torch.optim's element-wise optimizers."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE:
+        return
+    raise PlanError(f"zero_stage=3 steps flat 1/N shards of every parameter, which is exact only for "
+                    f"element-wise optimizers; {cls.__module__}.{cls.__name__} is not one of "
+                    f"torch.optim's {', '.join(ELEMENTWISE)}",
+                    where="compile(optimizer=...) with zero_stage=3",
+                    fix="use zero_stage=2 (whole parameters per rank: exact for any optimizer) "
+                        "or an element-wise optimizer")
+
+
 class ShardedOptimizer:
-    """The user's optimizer, with its state sharded over dp when ``zero_stage >= 1``."""
+    """The user's optimizer over this rank's share of the parameters (``zero_stage`` 0-3)."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  factory: Callable[[list], torch.optim.Optimizer], *, zero_stage: int,
-                 dp_group, dp_ranks: list[int], dp_rank: int):
+                 dp_group, dp_ranks: list[int], dp_rank: int, comm_log: comm.CommLog | None = None):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.zero_stage = zero_stage
         self.dp_group, self.dp_ranks, self.dp_rank = dp_group, dp_ranks, dp_rank
-        sharded = zero_stage >= 1 and len(dp_ranks) > 1
+        self.comm_log = comm_log
+        sharded = zero_stage in (1, 2) and len(dp_ranks) > 1
         self.owners = partition_params(self.named, len(dp_ranks)) if sharded else [[n for n, _ in self.named]]
         by_name = dict(self.named)
         mine = self.owners[dp_rank] if sharded else self.owners[0]
         self.local_names = mine
         self.sharded = sharded
         self.optimizer = factory([by_name[n] for n in mine]) if mine else None
+        if zero_stage == 3 and len(dp_ranks) > 1 and self.optimizer is not None:
+            check_elementwise(self.optimizer)
         self._by_name = by_name
+
+    def owner_of(self) -> dict[str, int] | None:
+        """{parameter name: dp index that owns it} under ZeRO-1/2; None when nothing is owned whole."""
+        if not self.sharded:
+            return None
+        return {n: k for k, names in enumerate(self.owners) for n in names}
+
+    def owned_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose (dp-reduced) gradient this rank holds and steps.
+
+        Every parameter under ZeRO-0; the owned ones under ZeRO-1/2; the local shards under ZeRO-3.
+        A global gradient norm sums the squares of exactly these over dp.
+        """
+        return [self._by_name[n] for n in self.local_names]
 
     def zero_grad(self) -> None:
         for _, p in self.named:
@@ -64,7 +107,8 @@ class ShardedOptimizer:
                 continue
             tensors = [self._by_name[n].data for n in names]
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=self.dp_ranks[owner_index], group=self.dp_group)
+            comm.broadcast(flat, src=self.dp_ranks[owner_index], group=self.dp_group, size=len(self.dp_ranks),
+                           log=self.comm_log, purpose="param_broadcast")
             if owner_index != self.dp_rank:
                 offset = 0
                 for t in tensors:
@@ -80,3 +124,35 @@ class ShardedOptimizer:
             return 0
         return sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                    for v in s.values() if isinstance(v, torch.Tensor))
+
+    # -- checkpoints (autopar.runtime.checkpoint): the state of each parameter this rank steps, by name --
+    def stepped_names(self) -> list[str]:
+        """Names of the parameters this rank's optimizer steps (their state lives here)."""
+        return list(self.local_names) if self.optimizer is not None else []
+
+    def named_state(self) -> dict[str, dict]:
+        """{parameter name: its optimizer state ({'exp_avg': tensor, 'step': tensor, ...})}."""
+        if self.optimizer is None:
+            return {}
+        return {n: dict(self.optimizer.state[self._by_name[n]]) for n in self.local_names
+                if self._by_name[n] in self.optimizer.state}
+
+    def hyperparameters(self) -> list[dict]:
+        """Each parameter group's settings (lr, betas, ...) without its parameters."""
+        if self.optimizer is None:
+            return []
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_named_state(self, states: dict[str, dict], hyperparameters: list[dict] | None = None) -> None:
+        """Set the state of the parameters this rank steps from ``named_state``'s form (through the
+        optimizer's own ``load_state_dict``); group settings too when the group counts agree."""
+        if self.optimizer is None:
+            return
+        current = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        groups = current["param_groups"]
+        if hyperparameters and len(hyperparameters) == len(groups):
+            groups = [{**g, **{k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in h.items()}}
+                      for g, h in zip(groups, hyperparameters)]
+        state = {index[id(self._by_name[n])]: s for n, s in states.items() if n in self.local_names}
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -41,6 +41,7 @@ class Case:
     optimizer: str = "sgd"
     kind: str = "train"  # "train": losses and weights; "infer": forward outputs (no loss_fn)
     overrides: tuple = ()  # (field, value) pairs for the model config, e.g. (("num_layers", 4),)
+    extra: tuple = ()  # (key, value) pairs a runner kind reads for itself (not passed to compile)
 
     @property
     def world_size(self) -> int:
@@ -50,12 +51,16 @@ class Case:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         over = ",".join(f"{k}={v}" for k, v in self.overrides)
         return (f"{self.kind}-{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}"
-                + (f"-{opts}" if opts else "") + (f"-{over}" if over else ""))
+                + (f"-{opts}" if opts else "") + (f"-{over}" if over else "")
+                + ("-" + ",".join(f"{k}={v}" for k, v in self.extra) if self.extra else ""))
 
 
 def build(case: Case):
     from autopar.models import build_model
     torch.manual_seed(1234)
+    if case.model.startswith("hf_"):  # a transformers family (autopar.models.hf)
+        from autopar.models.hf import build_hf_model
+        return build_hf_model(case.model, **{"seq_len": max(case.seq, 16), **dict(case.overrides)})
     return build_model(case.model, **{"seq_len": max(case.seq, 16), **dict(case.overrides)})
 
 
@@ -67,6 +72,10 @@ def make_optimizer(case: Case):
 
 def batches(case: Case, vocab: int):
     g = torch.Generator().manual_seed(99)
+    if case.model.startswith("hf_"):  # token ids, or images and labels for the vision families
+        from autopar.models.hf import hf_batch
+        return [hf_batch(case.model, batch=case.batch, seq=case.seq, vocab=vocab, generator=g)
+                for _ in range(case.steps)]
     return [(torch.randint(0, vocab, (case.batch, case.seq), generator=g),
              torch.randint(0, vocab, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
 
@@ -81,6 +90,8 @@ def reference_run(case: Case) -> dict:
         opt.zero_grad()
         loss = lm_loss(model(idx), tgt)
         loss.backward()
+        if dict(case.options).get("max_grad_norm"):  # torch's clipping is the reference for autopar's
+            torch.nn.utils.clip_grad_norm_(model.parameters(), dict(case.options)["max_grad_norm"])
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
@@ -124,6 +135,15 @@ def reference_outputs(case: Case) -> list:
 _RUNNERS = {"train": parallel_run, "infer": inference_run}
 
 
+def _runner(kind: str):
+    """A registered kind, or ``"module:function"`` imported in the worker (tests/ is on its path)."""
+    if kind in _RUNNERS:
+        return _RUNNERS[kind]
+    import importlib
+    module, _, function = kind.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,7 +160,7 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None
         for i, case in enumerate(cases):
             mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("dp", "pp", "tp"))
             try:
-                result = _RUNNERS[case.kind](case, mesh)
+                result = _runner(case.kind)(case, mesh)
             except Exception as exc:  # report per case, keep the group going
                 result = {"error": f"{type(exc).__name__}: {exc}"}
                 if rank == 0:

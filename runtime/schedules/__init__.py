@@ -6,13 +6,17 @@
     0.2727
 """
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
+from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
+from autopar.runtime.schedules.chimera import chimera
 from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
 from autopar.runtime.schedules.naive import naive
 from autopar.runtime.schedules.one_f_one_b import one_f_one_b
 from autopar.runtime.schedules.registry import build_schedule, schedule_names
 from autopar.runtime.schedules.simulator import Event, SimResult, StageCosts, simulate
+from autopar.runtime.schedules.staleness import StalenessRule
 from autopar.runtime.schedules.validator import validate
 from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
@@ -30,6 +34,13 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "zb_v",
+    "chimera",
+    "pipedream",
+    "pipedream_2bw",
+    "pipemare",
+    "ASYNC_SCHEDULES",
+    "StalenessRule",
+    "forward_only",
     "build_schedule",
     "schedule_names",
     "validate",

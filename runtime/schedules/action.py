@@ -92,6 +92,14 @@ class Schedule:
     ``stage_to_rank[s]`` is the rank that runs stage ``s``; ``actions[r]`` is rank ``r``'s actions in
     execution order. Construction checks only the shape; :func:`~autopar.runtime.schedules.validator.validate`
     checks counts, placement, order and deadlock freedom.
+
+    ``num_replicas > 1`` (Chimera) means the model is held that many times: the stages form
+    ``num_replicas`` chains of ``num_stages // num_replicas`` stages (replica ``k`` is stages
+    ``k * parts .. (k + 1) * parts - 1``, stage ``s`` running model part ``s % parts``), and
+    microbatch ``i`` goes through the chain of replica ``microbatch_replica[i]`` only.
+    ``forward_only`` schedules (inference) hold F actions only. ``staleness`` is set on the
+    asynchronous schedules: the weight-version rule (a
+    :class:`~autopar.runtime.schedules.staleness.StalenessRule`) their runtime follows.
     """
 
     name: str
@@ -101,10 +109,16 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
+    num_replicas: int = 1
+    microbatch_replica: tuple[int, ...] = ()
+    forward_only: bool = False
+    staleness: object = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        object.__setattr__(self, "microbatch_replica",
+                           _as_tuple_of_ints("microbatch_replica", self.microbatch_replica))
         for field in ("num_ranks", "num_stages", "num_microbatches"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -131,6 +145,39 @@ class Schedule:
             )
         if not all(isinstance(a, Action) for row in self.actions for a in row):
             raise ScheduleError("every entry of actions must be an Action", where=f"schedule {self.name!r}")
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1 \
+                or self.num_stages % self.num_replicas:
+            raise ScheduleError(
+                f"num_replicas must be an int >= 1 dividing num_stages={self.num_stages}, got {self.num_replicas!r}",
+                where=f"schedule {self.name!r}",
+            )
+        routes = self.microbatch_replica
+        if routes and (len(routes) != self.num_microbatches or any(not 0 <= k < self.num_replicas for k in routes)):
+            raise ScheduleError(
+                f"microbatch_replica must give one replica in 0..{self.num_replicas - 1} per microbatch, "
+                f"got {routes!r}",
+                where=f"schedule {self.name!r}",
+            )
+        if self.num_replicas > 1 and not routes:
+            raise ScheduleError(f"a schedule with {self.num_replicas} replicas needs microbatch_replica",
+                                where=f"schedule {self.name!r}", fix="give the replica each microbatch goes through")
+
+    @property
+    def parts(self) -> int:
+        """Stages per replica: the number of pieces the model is cut into."""
+        return self.num_stages // self.num_replicas
+
+    def replica_of(self, microbatch: int) -> int:
+        """The replica (chain of stages) ``microbatch`` goes through."""
+        return self.microbatch_replica[microbatch] if self.microbatch_replica else 0
+
+    def chain(self, microbatch: int) -> range:
+        """The stages ``microbatch`` goes through, in forward order."""
+        start = self.replica_of(microbatch) * self.parts
+        return range(start, start + self.parts)
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` runs, in increasing order."""
@@ -142,6 +189,8 @@ class Schedule:
         header = (
             f"schedule {self.name!r}: {self.num_ranks} ranks, {self.num_stages} stages, "
             f"{self.num_microbatches} microbatches" + (", split backward" if self.split_backward else "")
+            + (f", {self.num_replicas} replicas" if self.num_replicas > 1 else "")
+            + (", forward only" if self.forward_only else "")
         )
         label_width = len(f"rank {self.num_ranks - 1}")
         lines = [header]
@@ -163,7 +212,8 @@ class Schedule:
 
         Inferred: ``num_ranks`` (rows), ``num_stages`` and ``num_microbatches`` (largest index + 1),
         ``stage_to_rank`` (the row each stage appears in), ``split_backward`` (any W present),
-        ``name`` ("custom").
+        ``name`` ("custom"); ``num_replicas``, ``microbatch_replica``, ``forward_only`` and
+        ``staleness`` keep their defaults unless given.
         """
         known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
         unknown = sorted(set(meta) - known)
@@ -184,6 +234,8 @@ class Schedule:
             "num_microbatches": meta.get("num_microbatches", max((a.microbatch for a in flat), default=0) + 1),
             "split_backward": meta.get("split_backward", any(a.kind is ActionKind.W for a in flat)),
         }
+        fields.update({k: meta[k] for k in ("num_replicas", "microbatch_replica", "forward_only", "staleness")
+                       if k in meta})
         stage_to_rank = meta.get("stage_to_rank")
         if stage_to_rank is None:
             stage_to_rank = _infer_stage_to_rank(rows, int(num_stages))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The dependency rule shared by the validator, the simulator and the executor.
+"""The dependency rule shared by the validator, the simulator and the schedule generators.
 
 Stages form one chain ``0 .. num_stages - 1`` in the model's layer order:
 
@@ -6,11 +6,15 @@ Stages form one chain ``0 .. num_stages - 1`` in the model's layer order:
 - ``B(s, i)`` needs ``F(s, i)`` and ``B(s+1, i)`` (the last stage needs only its forward);
 - ``W(s, i)`` needs ``B(s, i)``.
 
+With ``num_replicas`` model replicas (Chimera) there are that many chains of
+``num_stages // num_replicas`` stages each, and "first" and "last" refer to a stage's own chain.
 A dependency on another rank costs one p2p transfer; one on the same rank costs nothing.
 
     >>> from autopar.runtime.schedules.action import Action
     >>> [str(a) for a in dependencies(Action.parse("1B3"), num_stages=4)]
     ['1F3', '2B3']
+    >>> [str(a) for a in dependencies(Action.parse("2F0"), num_stages=4, num_replicas=2)]  # stage 2 starts replica 1
+    []
 """
 from __future__ import annotations
 
@@ -19,14 +23,14 @@ from autopar.runtime.schedules.action import Action, ActionKind
 __all__ = ["dependencies"]
 
 
-def dependencies(action: Action, *, num_stages: int) -> tuple[Action, ...]:
+def dependencies(action: Action, *, num_stages: int, num_replicas: int = 1) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` may start."""
     stage, mb = action.stage, action.microbatch
+    parts = num_stages // num_replicas
+    first, last = stage % parts == 0, stage % parts == parts - 1
     if action.kind is ActionKind.F:
-        return (Action(stage - 1, ActionKind.F, mb),) if stage > 0 else ()
+        return () if first else (Action(stage - 1, ActionKind.F, mb),)
     if action.kind is ActionKind.B:
         own = Action(stage, ActionKind.F, mb)
-        if stage + 1 < num_stages:
-            return (own, Action(stage + 1, ActionKind.B, mb))
-        return (own,)
+        return (own,) if last else (own, Action(stage + 1, ActionKind.B, mb))
     return (Action(stage, ActionKind.B, mb),)

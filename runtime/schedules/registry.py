@@ -2,8 +2,12 @@
 
     >>> build_schedule("1f1b", num_ranks=2, num_microbatches=4).name
     '1f1b'
-    >>> schedule_names()
-    ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v')
+    >>> schedule_names()  # doctest: +NORMALIZE_WHITESPACE
+    ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v', 'chimera',
+     'pipedream', 'pipedream_2bw', 'pipemare')
+    >>> schedule_names(asynchronous=False)[-1]
+    'chimera'
+
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import NamedTuple
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Schedule
+from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
+from autopar.runtime.schedules.chimera import chimera
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
 from autopar.runtime.schedules.naive import naive
@@ -44,12 +50,16 @@ _FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
     "zb_h1": _Family(zb_h1, fixed=1),
     "zb_h2": _Family(zb_h2, fixed=1),
     "zb_v": _Family(zb_v, fixed=2),
+    "chimera": _Family(chimera, fixed=1),  # one stage per rank in each of its two replicas
+    "pipedream": _Family(pipedream, fixed=1),
+    "pipedream_2bw": _Family(pipedream_2bw, fixed=1),
+    "pipemare": _Family(pipemare, fixed=1),
 })
 
 
-def schedule_names() -> tuple[str, ...]:
-    """Every name :func:`build_schedule` accepts."""
-    return tuple(_FAMILIES)
+def schedule_names(*, asynchronous: bool = True) -> tuple[str, ...]:
+    """Every name :func:`build_schedule` accepts (only the synchronous ones if ``asynchronous=False``)."""
+    return tuple(n for n in _FAMILIES if asynchronous or n not in ASYNC_SCHEDULES)
 
 
 def build_schedule(
@@ -57,8 +67,10 @@ def build_schedule(
 ) -> Schedule:
     """The ``name`` schedule for ``num_ranks`` ranks, ``num_microbatches`` microbatches.
 
-    ``num_virtual`` is the number of stages per rank. ``None`` means the family's own: 1, or 2 for
-    ``zb_v``, which only has a V of two; ``interleaved_1f1b`` needs it given, at least 2.
+    ``num_virtual`` is the number of stages per rank (per replica, for ``chimera``). ``None`` means
+    the family's own: 1, or 2 for ``zb_v``, which only has a V of two; ``interleaved_1f1b`` needs
+    it given, at least 2. The asynchronous schedules build a stream of one batch here; see
+    :mod:`autopar.runtime.schedules.asynchronous` for longer streams.
     """
     family = _FAMILIES.get(name)
     if family is None:
@@ -68,6 +80,8 @@ def build_schedule(
     if family.fixed is not None:
         if num_virtual not in (None, family.fixed):
             others = "interleaved_1f1b or looped_bfs" if family.fixed == 1 else "interleaved_1f1b"
+            if name == "zb_v":
+                others = "zb_h1 or zb_h2 for one stage per rank, interleaved_1f1b for more"
             raise ScheduleError(
                 f"schedule {name!r} runs exactly {family.fixed} stage(s) per rank, got num_virtual={num_virtual}",
                 fix=f"drop num_virtual (or pass {family.fixed}), or use {others} for other stage counts",

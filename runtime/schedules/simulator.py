@@ -12,7 +12,7 @@ Dependencies follow :mod:`autopar.runtime.schedules.deps`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Union
 
 from autopar.errors import ScheduleError
@@ -98,7 +98,9 @@ class SimResult:
     equals its busy time (every generator here under uniform costs), and an upper bound otherwise.
     ``steady_bubble``: mean over ranks of ``1 - busy / steady_step_time``.
     ``events``: per rank, (action, start, end) in execution order.
-    ``weight_versions``: how many weight versions a rank keeps; 1 for every synchronous schedule.
+    ``weight_versions``: the most weight versions any rank keeps at once; 1 for every synchronous
+    schedule, more for the asynchronous ones that stash (``weight_versions_per_rank`` per rank).
+    A forward-only schedule keeps no activations for backward: its ``peak_activations`` are 0.
     """
 
     step_time: float
@@ -110,16 +112,22 @@ class SimResult:
     steady_bubble: float
     events: tuple[tuple[Event, ...], ...]
     weight_versions: int = 1
+    weight_versions_per_rank: tuple[int, ...] = ()
 
 
-def simulate(schedule: Schedule, *, costs: StageCosts) -> SimResult:
-    """Validate ``schedule``, then time it under ``costs``."""
+def simulate(schedule: Schedule, *, costs: StageCosts, durations: Mapping[Action, float] | None = None) -> SimResult:
+    """Validate ``schedule``, then time it under ``costs``.
+
+    ``durations`` overrides the cost of individual actions (a replay of measured times, as
+    :func:`autopar.runtime.trace.replay` does); ``costs.p2p`` still applies.
+    """
     validate(schedule)
-    events = _run(schedule, costs)
+    events = _run(schedule, costs, durations or {})
     step_time = max((row[-1].end for row in events if row), default=0.0)
     busy = tuple(sum(e.end - e.start for e in row) for row in events)
     bubble = _bubbles(busy, step_time)
     steady_step_time = max((row[-1].end - row[0].start for row in events if row), default=0.0)
+    versions = tuple(_weight_versions(row, schedule.staleness) for row in schedule.actions)
     return SimResult(
         step_time=step_time,
         per_rank_busy=busy,
@@ -127,8 +135,11 @@ def simulate(schedule: Schedule, *, costs: StageCosts) -> SimResult:
         mean_bubble=sum(bubble) / len(bubble),
         steady_step_time=steady_step_time,
         steady_bubble=sum(_bubbles(busy, steady_step_time)) / len(busy),
-        peak_activations=tuple(_peak_activations(row, schedule.split_backward) for row in schedule.actions),
+        peak_activations=tuple(0 if schedule.forward_only else _peak_activations(row, schedule.split_backward)
+                               for row in schedule.actions),
         events=events,
+        weight_versions=max(versions, default=1),
+        weight_versions_per_rank=versions,
     )
 
 
@@ -137,7 +148,7 @@ def _bubbles(busy: Sequence[float], step_time: float) -> tuple[float, ...]:
     return tuple(1.0 - b / step_time if step_time > 0 else 0.0 for b in busy)
 
 
-def _run(schedule: Schedule, costs: StageCosts) -> tuple[tuple[Event, ...], ...]:
+def _run(schedule: Schedule, costs: StageCosts, durations: Mapping[Action, float]) -> tuple[tuple[Event, ...], ...]:
     """Event-driven timing of a validated schedule."""
     num_stages, owner = schedule.num_stages, schedule.stage_to_rank
     end: dict[Action, float] = {}
@@ -149,14 +160,15 @@ def _run(schedule: Schedule, costs: StageCosts) -> tuple[tuple[Event, ...], ...]
         for rank, row in enumerate(schedule.actions):
             while len(timeline[rank]) < len(row):
                 action = row[len(timeline[rank])]
-                deps = dependencies(action, num_stages=num_stages)
+                deps = dependencies(action, num_stages=num_stages, num_replicas=schedule.num_replicas)
                 if not all(d in end for d in deps):
                     break
                 ready = [end[d] + (costs.p2p if owner[d.stage] != rank else 0.0) for d in deps]
                 start = max([free[rank], *ready])
-                free[rank] = end[action] = start + costs.cost(
-                    action, num_stages=num_stages, split_backward=schedule.split_backward
-                )
+                cost = durations.get(action)
+                if cost is None:
+                    cost = costs.cost(action, num_stages=num_stages, split_backward=schedule.split_backward)
+                free[rank] = end[action] = start + cost
                 timeline[rank].append(Event(action, start, free[rank]))
                 progress = True
     return tuple(tuple(row) for row in timeline)
@@ -172,4 +184,20 @@ def _peak_activations(row: Sequence[Action], split_backward: bool) -> int:
             peak = max(peak, held)
         elif action.kind is release:
             held -= 1
+    return peak
+
+
+def _weight_versions(row: Sequence[Action], rule) -> int:
+    """Most weight versions a rank running ``row`` keeps at once under staleness ``rule`` (None: 1)."""
+    if rule is None:
+        return 1
+    in_flight: dict[int, int] = {}  # microbatch -> version its backward will read
+    updates, peak = 0, 1
+    for action in row:
+        if action.kind is ActionKind.F and rule.stashes:
+            in_flight[action.microbatch] = rule.backward_version(action.stage, action.microbatch)
+        elif action.kind is ActionKind.B:
+            in_flight.pop(action.microbatch, None)
+            updates += rule.closes_update(action.microbatch)
+        peak = max(peak, len(set(in_flight.values()) | {updates}))
     return peak

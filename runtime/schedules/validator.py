@@ -2,9 +2,11 @@
 
 :func:`validate` runs these checks in order and raises on the first that fails:
 
-1. every action names a stage and microbatch of the schedule, and W only when backward is split;
+1. every action names a stage and microbatch of the schedule, a stage of the microbatch's replica
+   (Chimera), W only when backward is split and F only when the schedule is ``forward_only``;
 2. every action is on the rank that owns its stage;
-3. every (stage, microbatch) has exactly one F and one B, and one W iff ``split_backward``;
+3. every (stage, microbatch) of the microbatch's chain has exactly one F and one B, and one W iff
+   ``split_backward`` (only the F of a ``forward_only`` schedule);
 4. on each rank, an action comes after the same-rank actions it depends on;
 5. no deadlock: executing the per-rank lists in order, each rank blocking on its next action until
    that action's dependencies are done, finishes every action.
@@ -65,6 +67,13 @@ def _check_ranges(schedule: Schedule) -> None:
         elif a.kind is ActionKind.W and not schedule.split_backward:
             bad.append(pos)
             details.append(f"rank {pos[0]} step {pos[1]}: {a} is a W in a schedule that does not split backward")
+        elif a.kind is not ActionKind.F and schedule.forward_only:
+            bad.append(pos)
+            details.append(f"rank {pos[0]} step {pos[1]}: {a} is a {a.kind} in a forward-only schedule")
+        elif a.stage not in schedule.chain(a.microbatch):
+            bad.append(pos)
+            details.append(f"rank {pos[0]} step {pos[1]}: {a} runs microbatch {a.microbatch} on stage {a.stage}, "
+                           f"outside its replica's stages {list(schedule.chain(a.microbatch))}")
     if bad:
         _fail(schedule, "has actions that do not fit it", bad, details,
               "drop those actions, or fix num_stages / num_microbatches / split_backward")
@@ -92,22 +101,24 @@ def _check_counts(schedule: Schedule) -> None:
         else:
             seen[a] = pos
     kinds = (ActionKind.F, ActionKind.B) + ((ActionKind.W,) if schedule.split_backward else ())
-    for stage in range(schedule.num_stages):
-        for mb in range(schedule.num_microbatches):
+    kinds = (ActionKind.F,) if schedule.forward_only else kinds
+    for mb in range(schedule.num_microbatches):
+        for stage in schedule.chain(mb):
             for kind in kinds:
                 if Action(stage, kind, mb) not in seen:
                     details.append(f"{Action(stage, kind, mb)} is missing (it belongs on rank "
                                    f"{schedule.stage_to_rank[stage]})")
     if details:
         _fail(schedule, "does not run every action exactly once", bad, details,
-              "give each (stage, microbatch) one F and one B, plus one W when split_backward")
+              "give each (stage, microbatch) one F and one B, plus one W when split_backward (only the F "
+              "when forward_only)")
 
 
 def _check_local_order(schedule: Schedule) -> None:
     index_of = {a: pos for pos, a in _positions(schedule)}
     bad, details = [], []
     for pos, a in _positions(schedule):
-        for dep in dependencies(a, num_stages=schedule.num_stages):
+        for dep in dependencies(a, num_stages=schedule.num_stages, num_replicas=schedule.num_replicas):
             dep_pos = index_of[dep]
             if dep_pos[0] == pos[0] and dep_pos[1] > pos[1]:
                 bad.append(pos)
@@ -127,7 +138,8 @@ def _check_deadlock(schedule: Schedule) -> None:
         progress = False
         for rank, row in enumerate(schedule.actions):
             while next_index[rank] < len(row) and all(
-                d in done for d in dependencies(row[next_index[rank]], num_stages=num_stages)
+                d in done for d in dependencies(row[next_index[rank]], num_stages=num_stages,
+                                                num_replicas=schedule.num_replicas)
             ):
                 done.add(row[next_index[rank]])
                 next_index[rank] += 1
@@ -139,7 +151,7 @@ def _check_deadlock(schedule: Schedule) -> None:
     details = []
     for rank in blocked:
         action = schedule.actions[rank][next_index[rank]]
-        for dep in dependencies(action, num_stages=num_stages):
+        for dep in dependencies(action, num_stages=num_stages, num_replicas=schedule.num_replicas):
             if dep not in done:
                 dep_rank, dep_index = index_of[dep]
                 waiting_on = schedule.actions[dep_rank][next_index[dep_rank]]

@@ -15,10 +15,11 @@ import torch.fx as fx
 
 import autopar
 from autopar.models import build_model, lm_loss
+from autopar.passes.capture import capture
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.p2p import RecvActivation, SendActivation
 
-__all__ = ["BATCH", "SEQ", "example_batch", "tiny_model", "planned", "run_forward", "call_nodes"]
+__all__ = ["BATCH", "SEQ", "example_batch", "tiny_model", "captured", "planned", "run_forward", "call_nodes"]
 
 BATCH, SEQ = 4, 16
 
@@ -30,21 +31,47 @@ def example_batch(vocab_size: int, *, batch: int = BATCH, seq: int = SEQ, seed: 
             torch.randint(0, vocab_size, (batch, seq), generator=g))
 
 
-@functools.lru_cache(maxsize=None)
 def tiny_model(name: str, overrides: tuple = ()):
     """A preset built under seed 0 with ``overrides`` ((key, value) pairs); cached, do not mutate."""
+    return _tiny_model(name, tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model(name, overrides):
     torch.manual_seed(0)
     return build_model(name, **dict(overrides))
 
 
+def captured(name: str, mode: str = "export", *, with_loss: bool = True, batch: int = 2):
+    """(model, example args, CapturedGraph) of preset ``name``; cached, do not change the graph."""
+    return _captured(name, mode, with_loss, batch)
+
+
 @functools.lru_cache(maxsize=None)
+def _captured(name, mode, with_loss, batch):
+    model = tiny_model(name)
+    x, y = example_batch(model.cfg.vocab_size, batch=batch)
+    if with_loss:
+        return model, (x, y), capture(model, (x,), loss_fn=lm_loss, example_target=y, mode=mode)
+    return model, (x,), capture(model, (x,), mode=mode)
+
+
 def planned(name: str, *, dp: int = 1, pp: int = 1, tp: int = 1, overrides: tuple = (),
             batch: int = BATCH, options: tuple = ()):
-    """(model, inputs, targets, PlanResult) for a training plan of preset ``name``; cached."""
+    """(model, inputs, targets, PlanResult) for a training plan of preset ``name``; cached.
+
+    Tensor parallelism is Megatron's blocks only (``vocab_parallel=False``) unless ``options`` say.
+    """
+    return _planned(name, dp, pp, tp, tuple(overrides), batch, tuple(options))
+
+
+@functools.lru_cache(maxsize=None)
+def _planned(name, dp, pp, tp, overrides, batch, options):
     model = tiny_model(name, overrides)
     x, y = example_batch(model.cfg.vocab_size, batch=batch)
+    chosen = {"vocab_parallel": False, **dict(options)}
     result = autopar.plan(model, {"dp": dp, "pp": pp, "tp": tp}, example_inputs=(x,), loss_fn=lm_loss,
-                          example_target=y, **dict(options))
+                          example_target=y, **chosen)
     return model, x, y, result
 
 

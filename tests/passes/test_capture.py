@@ -15,14 +15,12 @@ from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
 from autopar.passes.meta_keys import MODULE, get_meta
 
-from graph_runner import example_batch, tiny_model
+from graph_runner import captured as cached_capture, example_batch
 
 LINEARS_PER_LAYER = {"gpt_tiny": 4, "llama_tiny": 7}
 # llama's rotary tables are buffers sliced by the traced length (``self.cos[:t]``): fx.symbolic_trace
 # leaves buffers unproxied, so slicing one by a Proxy fails. capture could trace with
 # ``proxy_buffer_attributes = True`` on its fx.Tracer (reported; see the test report).
-LLAMA_SYMBOLIC = pytest.mark.xfail(raises=autopar.CaptureError, strict=True,
-                                   reason="symbolic_trace does not proxy buffers: llama's cos[:t] fails")
 
 
 def _ops(gm) -> Counter:
@@ -30,18 +28,12 @@ def _ops(gm) -> Counter:
 
 
 def _capture(name: str, mode: str, *, with_loss: bool = True):
-    model = tiny_model(name)
-    x, y = example_batch(model.cfg.vocab_size, batch=2)
-    if with_loss:
-        return model, (x, y), capture(model, (x,), loss_fn=lm_loss, example_target=y, mode=mode)
-    return model, (x,), capture(model, (x,), mode=mode)
+    return cached_capture(name, mode, with_loss=with_loss)
 
 
 @pytest.mark.parametrize("mode", ["export", "symbolic_trace"])
 @pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
-def test_capture_gives_aten_linear_per_projection(name, mode, request):
-    if name == "llama_tiny" and mode == "symbolic_trace":
-        request.applymarker(LLAMA_SYMBOLIC)
+def test_capture_gives_aten_linear_per_projection(name, mode):
     model, args, captured = _capture(name, mode)
     ops = _ops(captured.gm)
     assert ops["aten.linear.default"] == LINEARS_PER_LAYER[name] * model.cfg.num_layers + 1  # + lm_head
@@ -76,8 +68,6 @@ def test_symbolic_trace_keeps_module_paths_of_leaf_modules():
     assert [get_meta(n, MODULE).path for n in linears] == expected
 
 
-@pytest.mark.xfail(strict=True, reason="symbolic_trace mode loses the module path of ops in non-leaf "
-                   "modules (views, sdpa, residual adds get path ''), so pipeline cuts can fall mid-block")
 def test_symbolic_trace_keeps_module_paths_of_every_block_op():
     model, args, captured = _capture("gpt_tiny", "symbolic_trace")
     gm = annotate(captured.gm, example_inputs=args, model=model)

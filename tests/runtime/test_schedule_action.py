@@ -95,7 +95,10 @@ def test_csv_round_trips_every_generator(name):
     schedule = build_schedule(name, num_ranks=3, num_microbatches=6, num_virtual=num_virtual)
     text = schedule.to_csv()
     assert len(text.splitlines()) == 3
-    back = Schedule.from_csv(text, name=name)
+    # replicas and staleness rules are not in the actions: they travel as meta
+    meta = {k: getattr(schedule, k) for k in ("num_replicas", "microbatch_replica", "staleness")
+            if getattr(schedule, k) != getattr(Schedule, k, None) and getattr(schedule, k) not in ((), 1, None)}
+    back = Schedule.from_csv(text, name=name, **meta)
     assert back == schedule  # everything else is inferred from the actions
 
 
@@ -114,7 +117,8 @@ def test_from_csv_takes_meta_and_rejects_unknown_fields():
 
 
 MODULES = ["action", "deps", "naive", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "zb_v",
-           "registry", "simulator", "validator"]
+           "registry", "simulator", "validator", "chimera", "list_scheduler", "forward_only", "staleness",
+           "asynchronous"]
 
 
 @pytest.mark.parametrize("module", ["autopar.runtime.schedules"] + [f"autopar.runtime.schedules.{m}" for m in MODULES])

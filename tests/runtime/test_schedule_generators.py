@@ -64,6 +64,25 @@ GOLDEN = {
 0F0,0F1,0F2,3F0,3B0,3W0,3F1,3B1,3W1,0F3,0B0,0W0,3F2,3B2,3W2,0B1,0W1,3F3,3B3,3W3,0B2,0W2,0B3,0W3
 1F0,2F0,1F1,2F1,2B0,2W0,1F2,1B0,1W0,2F2,2B1,2W1,1F3,1B1,1W1,2F3,2B2,2W2,1B2,2B3,1B3,1W2,2W3,1W3
 """,
+    ('chimera', 4, 4, None): """
+0F0,0F2,7F1,7B1,7F3,7B3,0B0,0B2
+1F0,6F1,1F2,6F3,6B1,1B0,6B3,1B2
+5F1,2F0,5F3,2F2,2B0,5B1,2B2,5B3
+4F1,4F3,3F0,3B0,3F2,3B2,4B1,4B3
+""",
+    ('pipedream', 2, 3, None): """
+0F0,0F1,0B0,0F2,0B1,0B2
+1F0,1B0,1F1,1B1,1F2,1B2
+""",
+    ('pipedream_2bw', 2, 2, None): """
+0F0,0F1,0B0,0B1
+1F0,1B0,1F1,1B1
+""",
+    ('pipemare', 3, 3, None): """
+0F0,0F1,0F2,0B0,0B1,0B2
+1F0,1F1,1B0,1F2,1B1,1B2
+2F0,2B0,2F1,2B1,2F2,2B2
+""",
 }
 
 
@@ -72,14 +91,18 @@ def test_golden_orders(key):
     name, p, m, v = key
     schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=v)
     assert schedule.to_csv() == GOLDEN[key].lstrip("\n")
-    assert Schedule.from_csv(GOLDEN[key], name=name, stage_to_rank=schedule.stage_to_rank) == schedule
+    meta = dict(num_replicas=schedule.num_replicas, microbatch_replica=schedule.microbatch_replica,
+                staleness=schedule.staleness)
+    assert Schedule.from_csv(GOLDEN[key], name=name, stage_to_rank=schedule.stage_to_rank, **meta) == schedule
     validate(schedule)
 
 
 def test_registry_knows_every_family():
     assert schedule_names() == (
-        "naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v"
+        "naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "chimera",
+        "pipedream", "pipedream_2bw", "pipemare",
     )
+    assert schedule_names(asynchronous=False) == schedule_names()[:9]
     assert {key[0] for key in GOLDEN} == set(schedule_names())
 
 
@@ -89,6 +112,8 @@ def _expected_rejection(name: str, p: int, m: int, v: int | None) -> str | None:
         return "needs num_microbatches >= "
     if name == "interleaved_1f1b" and m % p:
         return "multiple of num_ranks"
+    if name == "pipedream_2bw" and m < p:
+        return "needs num_microbatches >= "
     return None
 
 
@@ -108,14 +133,15 @@ def test_every_generator_is_valid_over_a_grid(name, p, m, v):
         return
     schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=num_virtual)
     validate(schedule)
-    stages_per_rank = {"zb_v": 2, "interleaved_1f1b": v, "looped_bfs": v}.get(name, 1)
+    stages_per_rank = {"zb_v": 2, "interleaved_1f1b": v, "looped_bfs": v, "chimera": 2}.get(name, 1)
     assert schedule.name == name
     assert (schedule.num_ranks, schedule.num_microbatches) == (p, m)
     assert schedule.num_stages == p * stages_per_rank
+    assert (schedule.staleness is not None) == (name in ("pipedream", "pipedream_2bw", "pipemare"))
     assert schedule.split_backward == name.startswith("zb_")
     assert all(len(schedule.stages_of_rank(r)) == stages_per_rank for r in range(p))
     kinds = 3 if schedule.split_backward else 2
-    assert sum(map(len, schedule.actions)) == kinds * schedule.num_stages * m
+    assert sum(map(len, schedule.actions)) == kinds * schedule.parts * m  # each microbatch visits one replica
 
 
 def test_stage_placement():
@@ -150,7 +176,7 @@ def test_interleaved_needs_a_multiple_of_ranks():
 @pytest.mark.parametrize(
     ("name", "kwargs", "message", "fix"),
     [
-        ("pipedream", {}, "unknown schedule 'pipedream'", "naive, gpipe, 1f1b, interleaved_1f1b"),
+        ("pipedream_3bw", {}, "unknown schedule 'pipedream_3bw'", "naive, gpipe, 1f1b, interleaved_1f1b"),
         ("zb_v", dict(num_virtual=3), "exactly 2 stage", "drop num_virtual"),
         ("1f1b", dict(num_virtual=2), "exactly 1 stage", "interleaved_1f1b or looped_bfs"),
         ("interleaved_1f1b", {}, "needs num_virtual >= 2", "use '1f1b'"),

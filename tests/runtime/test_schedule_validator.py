@@ -19,6 +19,10 @@ BASES = [
     ("zb_h2", 3, 5, None),
     ("zb_v", 2, 3, None),
     ("naive", 3, 2, None),
+    ("chimera", 4, 4, None),
+    ("pipedream", 3, 4, None),
+    ("pipedream_2bw", 2, 4, None),
+    ("pipemare", 3, 2, None),
 ]
 bases = st.sampled_from(BASES).map(
     lambda b: build_schedule(b[0], num_ranks=b[1], num_microbatches=b[2], num_virtual=b[3])

@@ -1,0 +1,230 @@
+"""Activation memory: bytes one microbatch's forward keeps for backward, and the schedule's peak.
+
+:func:`stage_activations` runs a stage graph's forward once on *fake* tensors (no memory is
+allocated; a 70B-shaped stage runs in well under a second) under autograd, with
+``torch.autograd.graph.saved_tensors_hooks`` recording every storage autograd saves — the same
+:class:`~autopar.runtime.memory_probe.SavedLedger` the runtime probe uses on real tensors. So the
+figure follows the actual kernels (the CPU flash attention keeps q, k, v, out and the logsumexp,
+never the s×s scores), views share their base's storage, and the recompute regions count what
+they hold (inputs; for selective, the stored matmul outputs). Parameters, buffers and the batch
+inputs are not activations.
+
+Collectives and p2p nodes run as fakes with the same autograd footprint as the real ones
+(``TpCopy`` a view, ``TpReduce`` a copy, ``recv`` a fresh tensor, ``send`` nothing).
+
+The *transient* of a recompute region is what its recomputation materialises again in backward
+(its saved storages minus those it holds anyway); one region recomputes at a time.
+
+:func:`peak_bytes` walks a rank's action list: each F adds its stage's bytes, the releasing
+action (B, or W when backward is split) removes them — the weighted version of the simulator's
+``peak_activations``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.passes.meta_keys import TENSOR, get_meta
+from autopar.passes.recompute import Recompute
+from autopar.runtime.collectives import GraphCollective
+from autopar.runtime.memory_probe import SavedLedger
+from autopar.runtime.schedules.action import ActionKind
+
+__all__ = ["StageActivations", "stage_activations", "peak_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Per microbatch: bytes held for backward, and the largest recompute transient."""
+
+    saved: int
+    transient: int = 0
+
+
+class _FakeRun(fx.Interpreter):
+    """Interprets a stage graph on fake tensors with autograd on, for the saved-tensor ledger."""
+
+    def __init__(self, gm: fx.GraphModule, *, mode: FakeTensorMode, ledger: SavedLedger, fakes: dict,
+                 transients: dict, seen: set):
+        super().__init__(gm)
+        self.mode, self.ledger, self.fakes = mode, ledger, fakes
+        self.transients, self.seen = transients, seen  # {region key: bytes} (memo), keys met in this stage
+
+    def get_attr(self, target, args, kwargs):
+        real = super().get_attr(target, args, kwargs)
+        if id(real) not in self.fakes:
+            with self.mode:
+                fake = torch.empty_strided(tuple(real.shape), tuple(real.stride()), dtype=real.dtype)
+            if isinstance(real, torch.nn.Parameter) and real.requires_grad:
+                fake.requires_grad_()
+            self.fakes[id(real)] = fake
+            self.ledger.exclude([fake])
+        return self.fakes[id(real)]
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        if isinstance(module, Recompute):
+            return self._region(module, args)
+        if hasattr(module, "edge"):  # p2p
+            if type(module).__name__ == "SendActivation":
+                return args[0].new_zeros(())
+            out = torch.empty(module.shape, dtype=module.dtype)
+            return out.requires_grad_() if module.requires_grad else out
+        if isinstance(module, GraphCollective):
+            return self._collective(module, args)
+        return super().call_module(target, args, kwargs)
+
+    def _collective(self, module, args):
+        name = type(module).__name__
+        if name == "TpCopy":
+            return args[0].view_as(args[0])
+        if name == "TpReduce":
+            return args[0].clone()
+        out = module.meta_forward(*args)
+        if name == "ZeroGather":  # gathered weights are freed after use: parameters, not activations
+            self.ledger.exclude(out)
+        if name not in _SAVES and name not in _SAVES_NOTHING:
+            log.warning("memory calculator: what %s saves for backward is not modelled; counted as nothing", name)
+        saved = _SAVES[name](*args) if name in _SAVES else []
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return out
+        if isinstance(out, (tuple, list)):
+            return type(out)(_Saves.apply(t, *saved) if t.is_floating_point() else t for t in out)
+        return _Saves.apply(out, *saved)
+
+    def _region(self, module: Recompute, args):
+        body = _FakeRun(module.body, mode=self.mode, ledger=self.ledger, fakes=self.fakes,
+                        transients=self.transients, seen=self.seen)
+        held = SavedLedger()
+        held.excluded = self.ledger.excluded
+
+        def observe(tensors):
+            self.ledger.hold(tensors)
+            held.hold(tensors)
+
+        module.observer = observe
+        try:
+            out = module.run(body.run, *args)
+        finally:
+            module.observer = None
+        key = (module.mode, _structure(module.body), tuple((tuple(a.shape), a.dtype, a.requires_grad)
+                                                          for a in args if isinstance(a, torch.Tensor)))
+        if key not in self.transients:  # identical blocks recompute identically: run one of them plainly
+            plain = SavedLedger()  # the region run plainly: what its recomputation materialises again
+            plain.excluded = self.ledger.excluded
+            with plain.watch():
+                _FakeRun(module.body, mode=self.mode, ledger=plain, fakes=self.fakes, transients={},
+                         seen=set()).run(*args)
+            self.transients[key] = max(0, plain.total() - held.total())
+        self.seen.add(key)
+        return out
+
+
+class _Saves(torch.autograd.Function):
+    """Fake of a communicating op's autograd node: passes ``out`` through, saves ``saved`` for backward."""
+
+    @staticmethod
+    def forward(ctx, out, *saved):
+        ctx.save_for_backward(*saved)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * len(ctx.saved_tensors)
+
+
+def _vocab_cross_entropy_saves(logits, target):
+    """runtime/tp_ops.py: the fp32 softmax of the shard, the local targets and three row masks/counts."""
+    rows = tuple(logits.shape[:-1])
+    return [torch.empty(tuple(logits.shape), dtype=torch.float32), torch.empty(rows, dtype=torch.long),
+            torch.empty(rows, dtype=torch.bool), torch.empty(rows, dtype=torch.bool), torch.empty((), dtype=torch.long)]
+
+
+#: What each communicating module's autograd node saves (autopar's own ops; their code is the source).
+_SAVES = {
+    "VocabParallelCrossEntropy": _vocab_cross_entropy_saves,
+    "SpGatherLinear": lambda x, *weights_and_biases: [x],  # the sequence shard, gathered again in backward
+}
+_SAVES_NOTHING = ("SpAllGather", "SpReduceScatter", "TpGather", "TpScatter", "ZeroGather", "ZeroFree")
+
+
+def _structure(gm: fx.GraphModule) -> tuple:
+    """A region's graph up to node names: its ops (modules by type), their arguments and output shapes."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        return ("node", index[a]) if isinstance(a, fx.Node) else repr(a)
+
+    rows = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            module = gm.get_submodule(n.target)
+            what = (type(module).__name__, getattr(module, "requires_grad", None))
+        elif n.op == "get_attr":
+            what = getattr(_attr(gm, n.target), "requires_grad", False)  # names differ between stages
+        else:
+            what = "" if n.op == "placeholder" else str(n.target)
+        info = get_meta(n, TENSOR)
+        rows.append((n.op, what, tuple(fx.node.map_aggregate(n.args, arg)),
+                     (info.shape, info.dtype) if info else None))
+    return tuple(rows)
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _placeholder_fakes(gm: fx.GraphModule, mode: FakeTensorMode) -> list:
+    fakes = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        info = get_meta(node, TENSOR)
+        with mode:
+            fakes.append(torch.empty(info.shape, dtype=info.dtype) if info and info.shape is not None else None)
+    return fakes
+
+
+def stage_activations(gm: fx.GraphModule, *, memo: dict | None = None) -> StageActivations:
+    """Bytes one microbatch's forward of stage graph ``gm`` saves for backward (a fake run).
+
+    ``memo`` (a dict shared across calls) reuses the figures of structurally identical stages and
+    recompute regions (the middle stages of a deep model), so the cost follows distinct stages.
+    """
+    memo = {} if memo is None else memo
+    key = ("stage", _structure(gm))
+    if key not in memo:
+        memo[key] = _stage_activations(gm, transients=memo.setdefault("regions", {}))
+    return memo[key]
+
+
+def _stage_activations(gm: fx.GraphModule, *, transients: dict) -> StageActivations:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ledger, seen = SavedLedger(), set()
+    inputs = _placeholder_fakes(gm, mode)
+    ledger.exclude(inputs)
+    with mode, torch.enable_grad(), ledger.watch():
+        _FakeRun(gm, mode=mode, ledger=ledger, fakes={}, transients=transients, seen=seen).run(*inputs)
+    return StageActivations(saved=ledger.total(), transient=max((transients[k] for k in seen), default=0))
+
+
+def peak_bytes(row, per_stage: dict[int, int], *, split_backward: bool) -> int:
+    """Most activation bytes a rank running ``row`` holds at once (right after an F)."""
+    release = ActionKind.W if split_backward else ActionKind.B
+    held = peak = 0
+    for action in row:
+        if action.kind is ActionKind.F:
+            held += per_stage[action.stage]
+            peak = max(peak, held)
+        elif action.kind is release:
+            held -= per_stage[action.stage]
+    return peak

@@ -1,0 +1,121 @@
+"""The model memory calculator: per-rank bytes of a plan, in one plain process.
+
+    >>> result = autopar.plan(model, (2, 2, 1), example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+    >>> estimate = estimate_memory(result, optimizer="adam")
+    >>> estimate.ranks[0].total            # bytes rank 0 holds at its peak
+
+For each rank: parameters, fp32 masters (bf16 only), gradients and optimizer state
+(:mod:`autopar.memory.states`, by ZeRO stage and precision), buffers, and activations
+(:mod:`autopar.memory.activations`: bytes saved per microbatch of each stage, weighted by the
+schedule's in-flight microbatches, plus the largest recompute transient). Ranks that share
+(pp, tp) coordinates share their graphs, so a 1,024-rank plan costs one fake forward per stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.memory.activations import StageActivations, peak_bytes, stage_activations
+from autopar.memory.states import StateFigures, owned_names, rank_params, state_figures
+
+__all__ = ["RankMemory", "MemoryEstimate", "estimate_memory"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds, in bytes, at the peak of a training step."""
+
+    rank: int
+    coords: dict
+    params: int
+    master_params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int  # peak: in-flight microbatches' saved bytes + the largest recompute transient
+    peak_in_flight: int  # most (stage, microbatch) forwards held at once (the simulator's peak_activations)
+    per_microbatch: dict = field(default_factory=dict)  # {stage: bytes one microbatch saves}
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, masters, gradients and optimizer state."""
+        return self.params + self.master_params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.buffers + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Every rank's :class:`RankMemory` and the settings they assume."""
+
+    ranks: dict[int, RankMemory]
+    optimizer: str
+    zero_stage: int
+    precision: str
+
+    def peak_rank(self) -> RankMemory:
+        """The rank that needs the most memory."""
+        return max(self.ranks.values(), key=lambda r: (r.total, -r.rank))
+
+    def summary(self) -> str:
+        """A short table: the peak rank's breakdown in GiB."""
+        r = self.peak_rank()
+        parts = [("params", r.params), ("masters", r.master_params), ("grads", r.grads),
+                 ("optimizer", r.optimizer), ("activations", r.activations), ("buffers", r.buffers)]
+        body = ", ".join(f"{name} {value / GiB:.2f}" for name, value in parts)
+        return (f"peak rank {r.rank} {r.coords}: {r.total / GiB:.2f} GiB ({body}); "
+                f"ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}")
+
+
+def _activations(result, pp: int, stages, memo: dict) -> tuple[int, int, dict]:
+    """(peak bytes, peak count, bytes per microbatch by stage) of pp rank ``pp``."""
+    schedule = result.schedule
+    per_stage: dict[int, StageActivations] = {}
+    for s in stages:
+        per_stage[s.stage] = stage_activations(s.gm, memo=memo)
+    row = schedule.actions[pp]
+    saved = {s: a.saved for s, a in per_stage.items()}
+    peak = peak_bytes(row, saved, split_backward=schedule.split_backward)
+    count = peak_bytes(row, dict.fromkeys(saved, 1), split_backward=schedule.split_backward)
+    transient = max((a.transient for a in per_stage.values()), default=0)
+    return peak + transient, count, saved
+
+
+def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of ``result`` (an :class:`autopar.PlanResult`) for an optimizer kind.
+
+    ``optimizer``: ``"sgd"`` (no state), ``"momentum"`` (SGD with momentum), ``"adam"``/``"adamw"``.
+    ``zero_stage`` overrides the plan's for the model states (what-if); precision and recompute
+    are read from the plan's graphs.
+    """
+    plan = result.plan
+    zero = plan.zero_stage if zero_stage is None else zero_stage
+    shape = plan.mesh
+    lowered0 = result.lowered[0]
+    stage_to_rank = result.schedule.stage_to_rank
+    activations, memo = {}, {}
+    for pp in range(shape.pp):
+        mine = [s for s in lowered0.stages if stage_to_rank[s.stage] == pp]
+        activations[pp] = _activations(result, pp, mine, memo)  # tp ranks share shapes: tp rank 0 stands for all
+    groups = {}
+    for pp in range(shape.pp):
+        for tp in range(shape.tp):
+            stages = [s for s in result.lowered[tp].stages if stage_to_rank[s.stage] == pp]
+            params, buffers = rank_params(stages)
+            owned = owned_names(params, dp=shape.dp) if zero in (1, 2) and shape.dp > 1 else None
+            groups[(pp, tp)] = (params, buffers, owned)
+    ranks = {}
+    for rank, graphs in result.ranks.items():
+        c = graphs.coords
+        params, buffers, owned = groups[(c["pp"], c["tp"])]
+        states: StateFigures = state_figures(params, buffers, zero_stage=zero, dp=shape.dp, dp_index=c["dp"],
+                                             precision=plan.precision, optimizer=optimizer, owned=owned)
+        peak, count, saved = activations[c["pp"]]
+        ranks[rank] = RankMemory(rank=rank, coords=dict(c), params=states.params,
+                                 master_params=states.master_params, grads=states.grads,
+                                 optimizer=states.optimizer, buffers=states.buffers, activations=peak,
+                                 peak_in_flight=count, per_microbatch=saved)
+    return MemoryEstimate(ranks=ranks, optimizer=optimizer, zero_stage=zero, precision=plan.precision)

@@ -1,0 +1,108 @@
+"""Model-state memory of one rank: parameters, fp32 masters, gradients and optimizer state.
+
+The figures follow what the runtime allocates (``docs/memory.md`` has the formulas):
+
+- element counts come from the rank's stage graphs (after tensor-parallel sharding, each
+  parameter once even when a tied weight appears on two of its stages), never from allocations,
+  so a meta-device model costs nothing;
+- ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
+  (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
+  trainable parameter (flattened, zero-padded to a multiple of dp);
+- ``precision="bf16"`` keeps a bf16 compute copy plus an fp32 master of every parameter, and fp32
+  gradients; ``"fp32"`` keeps the parameter and an fp32 gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import PlanError
+
+__all__ = ["OPTIMIZER_STATE", "ParamEntry", "StateFigures", "rank_params", "owned_names", "state_figures"]
+
+#: fp32 state tensors per parameter element, and bytes of per-tensor scalars (Adam's ``step``).
+OPTIMIZER_STATE = {"sgd": (0, 0), "momentum": (1, 0), "adam": (2, 4), "adamw": (2, 4)}
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as a rank holds it: user name, elements, bytes per element, trainable."""
+
+    name: str
+    numel: int
+    itemsize: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class StateFigures:
+    """Bytes of one rank's model states and buffers."""
+
+    params: int
+    master_params: int
+    grads: int
+    optimizer: int
+    buffers: int
+
+
+def rank_params(stages) -> tuple[list[ParamEntry], int]:
+    """(parameters, buffer bytes) of a rank running ``stages``, each tensor once."""
+    from autopar.lowering import user_name
+
+    seen, params, buffer_bytes = set(), [], 0
+    for stage in stages:
+        for target in stage.param_names:
+            p = stage.gm.get_parameter(target)
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(ParamEntry(user_name(target), p.numel(), p.element_size(), p.requires_grad))
+        for b in stage.gm.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                buffer_bytes += b.numel() * b.element_size()
+    return params, buffer_bytes
+
+
+class _Numel:
+    """What :func:`partition_params` needs of a tensor."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+def owned_names(params: list[ParamEntry], *, dp: int) -> list[list[str]]:
+    """The names each dp rank steps under ZeRO-1/2, partitioned as the runtime partitions them."""
+    from autopar.runtime.zero import partition_params
+
+    return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable], dp)
+
+
+def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dp: int, dp_index: int,
+                  precision: str, optimizer: str, owned: list[list[str]] | None = None) -> StateFigures:
+    """Model-state bytes of the rank at ``dp_index`` holding ``params``."""
+    if optimizer not in OPTIMIZER_STATE:
+        raise PlanError(f"unknown optimizer kind {optimizer!r}", where="estimate_memory(optimizer=...)",
+                        fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
+    per_element, per_tensor = OPTIMIZER_STATE[optimizer]
+    sharded3 = zero_stage == 3 and dp > 1
+
+    def held(p: ParamEntry) -> int:  # elements of p this rank keeps
+        return -(-p.numel // dp) if sharded3 and p.trainable else p.numel
+
+    trainable = [p for p in params if p.trainable]
+    if zero_stage in (1, 2) and dp > 1:
+        mine = set((owned or owned_names(params, dp=dp))[dp_index])
+        stepped = [p for p in trainable if p.name in mine]
+    else:
+        stepped = trainable
+    with_grad = stepped if zero_stage == 2 and dp > 1 else trainable
+    return StateFigures(
+        params=sum(held(p) * p.itemsize for p in params),
+        master_params=sum(held(p) * FP32 for p in params) if precision == "bf16" else 0,
+        grads=sum(held(p) * FP32 for p in with_grad),
+        optimizer=sum(held(p) * FP32 * per_element + per_tensor for p in stepped),
+        buffers=buffer_bytes,
+    )

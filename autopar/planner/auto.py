@@ -1,0 +1,179 @@
+"""``plan="auto"``: profile the model, search, and hand the chosen Plan to the compiler.
+
+:func:`choose_plan` is what :func:`autopar.plan` and :func:`autopar.compile` call. Options the
+user set explicitly (``schedule=``, ``num_microbatches=``, ``zero_stage=``, ``recompute=``, ...)
+pin that decision; a mesh shape pins the degrees it names (``{"tp": 8}`` pins only tp; a
+``DeviceMesh`` pins all three). The result is a :class:`PlannerReport`: the Plan, the ranked
+table, the rejected candidates with reasons, and why the first choice won.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.options import CompileOptions
+from autopar.plan_model import MESH_AXES, MeshShape, PipelinePlan, Plan
+from autopar.planner.cluster import Cluster, get_cluster, local_cluster
+from autopar.planner.cost_model import Estimate
+from autopar.planner.profile import ModelProfile, profile_model
+from autopar.planner.search import SearchResult, SearchSpace, explain, format_table, search
+
+__all__ = ["PlannerReport", "choose_plan", "plan_for_compile", "optimizer_kind", "plan_from_estimate", "search_space"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_VIRTUAL = {"interleaved_1f1b": 2, "looped_bfs": 2, "zb_v": 2}
+
+
+@dataclass
+class PlannerReport:
+    """The planner's answer: the chosen Plan and how it was chosen."""
+
+    plan: Plan
+    best: Estimate
+    result: SearchResult
+    profile: ModelProfile
+    cluster: Cluster
+    reasons: list
+
+    def table(self, *, top: int = 10, rejected: int = 5) -> str:
+        """The ranked candidates (est. step time, memory per rank) and some rejected ones with reasons."""
+        return format_table(self.result, top=top, rejected=rejected)
+
+    def summary(self) -> str:
+        return "\n".join([f"planned for {self.result.world} ranks of {self.cluster.name} "
+                          f"({self.cluster.device.name}, {self.cluster.device.memory_gb:g} GB)",
+                          *self.reasons])
+
+    def __str__(self) -> str:
+        return self.table() + "\n\n" + self.summary()
+
+
+def optimizer_kind(factory) -> str:
+    """The memory calculator's optimizer kind of an optimizer factory (``sgd``, ``momentum``, ``adam``)."""
+    if factory is None:
+        return "adam"
+    probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    name = type(probe).__name__.lower()
+    if name == "sgd":
+        return "momentum" if any(g.get("momentum", 0) for g in probe.param_groups) else "sgd"
+    return "adamw" if name == "adamw" else "adam"
+
+
+def _pinned_degrees(mesh_shape, cluster: Cluster | None) -> tuple[int | None, dict]:
+    """(world size or None, {axis: degree} pinned by the caller)."""
+    if mesh_shape is None:
+        return None, {}
+    if isinstance(mesh_shape, int):
+        return mesh_shape, {}
+    if isinstance(mesh_shape, MeshShape):
+        return mesh_shape.world_size, mesh_shape.model_dump()
+    if isinstance(mesh_shape, (tuple, list)) and len(mesh_shape) == 3:
+        shape = MeshShape(dp=mesh_shape[0], pp=mesh_shape[1], tp=mesh_shape[2])
+        return shape.world_size, shape.model_dump()
+    if isinstance(mesh_shape, dict):
+        unknown = sorted(set(mesh_shape) - set(MESH_AXES) - {"world"})
+        if unknown:
+            raise PlanError(f"unknown mesh dim names {unknown}", where="mesh_shape",
+                            fix=f"name mesh dims from {MESH_AXES} (and 'world')")
+        world = mesh_shape.get("world")
+        if world is None and set(mesh_shape) >= set(MESH_AXES):
+            world = mesh_shape["dp"] * mesh_shape["pp"] * mesh_shape["tp"]
+        return world, {k: v for k, v in mesh_shape.items() if k in MESH_AXES}
+    raise PlanError(f"cannot read mesh shape {mesh_shape!r} for plan='auto'", where="mesh_shape",
+                    fix="pass a world size, {'tp': 8, 'world': 64}, a (dp, pp, tp) tuple or None")
+
+
+def search_space(options: dict, pinned: dict) -> SearchSpace:
+    """The search space left once the explicitly given options and mesh degrees are pinned."""
+    space = SearchSpace(**{axis: (pinned[axis],) for axis in MESH_AXES if axis in pinned})
+    if "schedule" in options:
+        v = options.get("num_virtual") or _DEFAULT_VIRTUAL.get(options["schedule"], 1)
+        space = _replace(space, schedules=((options["schedule"], v),))
+    elif options.get("num_virtual"):
+        space = _replace(space, schedules=tuple((n, options["num_virtual"]) for n, v in space.schedules if v > 1))
+    if options.get("num_microbatches"):
+        space = _replace(space, num_microbatches=(options["num_microbatches"],))
+    if "zero_stage" in options:
+        space = _replace(space, zero_stages=(options["zero_stage"],))
+    if "recompute" in options:
+        space = _replace(space, recompute=(options["recompute"],))
+    return space
+
+
+def _replace(space: SearchSpace, **kw) -> SearchSpace:
+    from dataclasses import replace
+    return replace(space, **kw)
+
+
+def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: CompileOptions) -> Plan:
+    """The Plan the compiler lowers for the chosen candidate (it fills in shards and shared weights)."""
+    c = best.candidate
+    chunks = profile.chunks[c.tp]
+    stages = c.pp * c.num_virtual
+    return Plan(model_name=profile.model_name, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
+                global_batch_size=profile.global_batch,
+                pipeline=PipelinePlan(schedule=c.schedule, num_microbatches=c.num_microbatches,
+                                      num_virtual=c.num_virtual, stage_starts=tuple(chunks[i].unit for i in c.cuts)),
+                tp_regions=profile.regions.get(c.tp, ()) if c.tp > 1 else (),
+                vocab_parallel=profile.vocab.get(c.tp, ()) if c.tp > 1 else (),
+                sequence_parallel=options.sequence_parallel and c.tp > 1,
+                zero_stage=c.zero_stage, data_parallel=options.data_parallel, bucket_mb=options.bucket_mb,
+                capture=options.capture, num_parameters=profile.num_parameters,
+                recompute=(c.recompute,) * stages if c.recompute != "none" else (),
+                precision=profile.precision)
+
+
+def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_target, mode: str = "auto",
+                cluster=None, options: dict | None = None, optimizer: str = "adam") -> PlannerReport:
+    """Profile ``model``, search the plans for ``cluster`` and return the report of the fastest that fits."""
+    if mode != "auto":
+        raise PlanError(f"unknown plan mode {mode!r}", where="plan=", fix="pass plan='auto' or a Plan")
+    if loss_fn is None or example_target is None:
+        raise PlanError("plan='auto' plans training and needs the loss", where="plan='auto'",
+                        fix="pass loss_fn= and example_target=")
+    options = dict(options or {})
+    world, pinned = _pinned_degrees(mesh_shape, cluster)
+    base = get_cluster(cluster) if cluster is not None else local_cluster()
+    world = world or base.world_size
+    sized = base.for_world(world)
+    space = search_space(options, pinned)
+    tps = [t for t in range(1, sized.devices_per_node + 1)
+           if sized.devices_per_node % t == 0 and world % t == 0 and (space.tp is None or t in space.tp)]
+    opts = CompileOptions(**options)
+    profile = profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target,
+                            tp_degrees=tps, options=opts)
+    result = search(profile, sized, world=world, space=space, optimizer=optimizer)
+    best = result.best
+    plan = plan_from_estimate(best, profile, options=opts)
+    report = PlannerReport(plan=plan, best=best, result=result, profile=profile, cluster=sized,
+                           reasons=explain(result))
+    log.info("planner: %s", report.reasons[0])
+    return report
+
+
+def plan_for_compile(model, mesh, *, example_inputs, loss_fn, example_target, mode: str, cluster, optimizer,
+                     options: dict):
+    """(report, mesh) for :func:`autopar.compile`: a given DeviceMesh pins dp, pp and tp; None lets the
+    planner choose them for the job's world size and builds the mesh (every rank plans alike)."""
+    import os
+
+    import torch.distributed as dist
+
+    from autopar.mesh import init_mesh, mesh_info
+
+    if mesh is None:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        shape = world
+    else:
+        shape = mesh_info(mesh).shape
+    report = choose_plan(model, shape, example_inputs=example_inputs, loss_fn=loss_fn,
+                         example_target=example_target, mode=mode, cluster=cluster, options=options,
+                         optimizer=optimizer_kind(optimizer))
+    if mesh is None:
+        m = report.plan.mesh
+        mesh = init_mesh(dp=m.dp, pp=m.pp, tp=m.tp)
+    return report, mesh

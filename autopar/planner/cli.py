@@ -1,0 +1,129 @@
+"""``autopar plan``: let the planner choose, and print its ranked table, its reasons and the Plan.
+
+    autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
+    autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16
+    autopar plan autopar.models.examples:gpt_tiny --world 4 --mesh tp=2 --schedule 1f1b --rank 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from autopar.errors import PlanError
+
+__all__ = ["add_plan_command"]
+
+_DESCRIPTION = """\
+Choose a plan with autopar's planner, in this one process (no process group, no GPUs): every
+dp x pp x tp mesh that fits the cluster, microbatches, schedule, ZeRO stage, recomputation and
+stage boundaries are estimated (step time, memory per rank); the table ranks those that fit, with
+some rejected ones and why, then the chosen Plan and the reasons it won.
+
+TARGET is MODULE:CALLABLE returning (model, example_inputs, loss_fn, example_target), as for
+'autopar inspect'. Models built under torch.device("meta") plan without allocating weights."""
+
+_EPILOG = """\
+examples:
+  autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
+  autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16
+  autopar plan autopar.models.examples:gpt_tiny --world 4 --mesh tp=2 --rank 0
+clusters: a100-80g-8x, a100-40g-8x, h100-80g-8x, cpu-2core, or a JSON file of an autopar.planner.Cluster"""
+
+
+def _cluster(text: str | None):
+    from autopar.planner.cluster import CLUSTER_PRESETS, Cluster, local_cluster
+
+    if text is None:
+        return local_cluster()
+    if text in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[text]
+    try:
+        with open(text) as f:
+            return Cluster.model_validate_json(f.read())
+    except OSError as exc:
+        raise PlanError(f"--cluster {text!r} is neither a preset nor a readable file: {exc}", where="--cluster",
+                        fix=f"use one of {', '.join(CLUSTER_PRESETS)} or a JSON file of a Cluster") from exc
+
+
+def _pins(args: argparse.Namespace) -> dict:
+    options = {}
+    for key in ("schedule", "num_microbatches", "zero_stage", "recompute", "precision"):
+        value = getattr(args, key)
+        if value is not None:
+            options[key] = value
+    if args.virtual is not None:
+        options["num_virtual"] = args.virtual
+    return options
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.cli import _unpack, load_target, parse_mesh
+    from autopar.planner.cluster import get_cluster
+
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cluster = _cluster(args.cluster)
+    if args.nodes is not None:
+        cluster = get_cluster(cluster, nodes=args.nodes)
+    world = args.world or cluster.world_size
+    shape: dict = {"world": world}
+    if args.mesh:
+        pinned = parse_mesh(args.mesh)
+        shape.update({axis: getattr(pinned, axis) for axis in ("dp", "pp", "tp")
+                      if f"{axis}=" in args.mesh.replace(" ", "")})
+    kwargs = _unpack(load_target(args.target), args)
+    if "loss_fn" not in kwargs:
+        raise PlanError("the target returned no loss_fn: the planner plans training", where="TARGET",
+                        fix="return (model, example_inputs, loss_fn, example_target)")
+    ranks = [args.rank] if args.rank is not None else [0]
+    result = autopar.plan(kwargs.pop("model"), shape, plan="auto", cluster=cluster, ranks=ranks,
+                          **kwargs, **_pins(args))
+    if args.json:
+        print(json.dumps({"plan": json.loads(result.plan.model_dump_json()),
+                          "estimate_s": result.planner.best.step_time,
+                          "memory_bytes": result.planner.best.memory}, indent=2))
+        return 0
+    print(result.planner.table(top=args.top))
+    print()
+    print(result.planner.summary())
+    print()
+    print(result.summary())
+    if args.rank is not None:
+        print()
+        print(result.describe_rank(args.rank))
+    return 0
+
+
+def add_plan_command(sub) -> None:
+    """Register ``autopar plan`` on the CLI's subparsers."""
+    from autopar.cli import positive_int
+    from autopar.plan_model import SCHEDULE_NAMES
+
+    p = sub.add_parser("plan", help="let the planner choose a plan and print its ranked table and reasons",
+                       description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET", help="MODULE:CALLABLE returning (model, inputs, loss_fn, target)")
+    p.add_argument("--world", type=positive_int, default=None, metavar="N",
+                   help="ranks to plan for (default: every device of the cluster)")
+    p.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                   help="cluster preset or Cluster JSON file (default: this machine, uncalibrated)")
+    p.add_argument("--nodes", type=positive_int, default=None, metavar="N", help="nodes of the cluster preset")
+    p.add_argument("--mesh", default=None, help="pin some degrees, e.g. tp=8 (others are searched)")
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES, metavar="NAME", help="pin the schedule")
+    p.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=None, metavar="N",
+                   help="pin the microbatch count")
+    p.add_argument("--virtual", type=positive_int, default=None, metavar="V", help="pin stages per pp rank")
+    p.add_argument("--zero", dest="zero_stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
+    p.add_argument("--recompute", default=None, choices=("none", "selective", "full"), help="pin recomputation")
+    p.add_argument("--precision", default=None, choices=("fp32", "bf16"), help="compute precision (default fp32)")
+    p.add_argument("--top", type=positive_int, default=10, metavar="N", help="rows of the ranked table (default 10)")
+    p.add_argument("--rank", type=int, default=None, metavar="R", help="also print rank R's rewritten program")
+    p.add_argument("--json", action="store_true", help="print the chosen Plan (and its estimate) as JSON")
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    bare = p.add_argument_group("example inputs for a target that returns a bare model")
+    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
+    bare.add_argument("--input-dtype", default="long", help="its dtype (default long)")
+    bare.add_argument("--vocab", type=int, default=None, metavar="N", help="integer inputs are drawn from [0, N)")
+    bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.set_defaults(func=_run_plan)

@@ -1,0 +1,375 @@
+"""The cost model: step time and memory per rank of one candidate plan, from the model profile.
+
+Time, per chunk and microbatch of ``b`` samples, on a device of matmul rate ``R`` (peak x
+efficiency), memory bandwidth ``BW`` and per-op overhead ``o``:
+
+- forward ``F = flops·b/R + bytes·b/BW + ops·o`` (+ the forward collectives);
+- backward twice the forward compute, split evenly into the input-gradient part ``B`` (with the
+  backward collectives) and the weight-gradient part ``W``; full recomputation adds ``F`` (and its
+  collectives) to ``B``, selective recomputation its non-matmul part;
+- every collective by the alpha-beta model of the link it runs on (tp: inside a node);
+- the pipeline from :func:`autopar.runtime.schedules.simulator.simulate` on the per-stage
+  ``F``, ``B``, ``W`` and the p2p time of the largest boundary (or, for ranking many
+  candidates quickly, the classical bound ``(m - 1)·max + sum`` of the schedule family);
+- data parallelism: the gradient all-reduce (ZeRO-0), reduce + broadcast (ZeRO-1/2), or a
+  gather in forward and backward plus a reduce-scatter per microbatch (ZeRO-3), of which the
+  cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3);
+- the optimizer step: every element the rank steps read and written once (memory bound).
+
+Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
+(the memory calculator's formulas, by ZeRO stage and precision) plus activations: the bytes a
+microbatch saves on each of the rank's stages times the microbatches the schedule keeps in flight
+there (:func:`autopar.memory.peak_bytes` on the schedule's action list), plus the largest
+recompute transient.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from autopar.errors import PlanError, ScheduleError
+from autopar.memory.activations import peak_bytes
+from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
+from autopar.planner.cluster import Cluster, Device
+from autopar.planner.profile import ChunkCost, ModelProfile
+from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.simulator import StageCosts, simulate
+
+__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of", "SPLIT_BACKWARD"]
+
+SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zb_v")
+_MAX_SIMULATED = 4096  # stage-microbatches: longer pipelines keep the analytic bound
+_OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space; ``cuts``: the chunk index each stage after the first begins at."""
+
+    dp: int
+    pp: int
+    tp: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    num_virtual: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    cuts: tuple[int, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.num_virtual
+
+    def label(self) -> str:
+        sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} m={self.num_microbatches} {sched} "
+                f"ZeRO-{self.zero_stage} rc={self.recompute}")
+
+
+@dataclass
+class Estimate:
+    """What the cost model says of a candidate."""
+
+    candidate: Candidate
+    step_time: float
+    parts: dict = field(default_factory=dict)  # seconds: compute, tp_comm, bubble, p2p, dp_comm, optimizer
+    memory: float = 0.0  # peak bytes of the fullest rank
+    memory_parts: dict = field(default_factory=dict)  # that rank's params, grads, optimizer, activations
+    capacity: float = 0.0  # usable bytes on that rank
+    simulated: bool = False
+    reasons: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.capacity
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the cost model needs of a schedule too long to build: stage placement and backward split."""
+
+    stage_to_rank: tuple[int, ...]
+    split_backward: bool
+    actions: None = None
+
+
+def _closed_form(name: str, pp: int, m: int, v: int):
+    """Stage placement and in-flight peaks of the common families, without building the schedule."""
+    if name == "1f1b" and m < pp:
+        raise ScheduleError(f"1f1b needs num_microbatches >= {pp}, got {m}")
+    if name == "interleaved_1f1b" and m % pp:
+        raise ScheduleError(f"interleaved_1f1b needs num_microbatches to be a multiple of {pp}, got {m}")
+    stages = range(pp * v)
+    owner = tuple(s if s < pp else 2 * pp - 1 - s for s in stages) if name == "zb_v" else tuple(s % pp for s in stages)
+    counts = {"1f1b": [min(pp - q, m) for q in range(pp)], "gpipe": [m] * pp,
+              "zb_h1": [min(pp, m)] * pp, "zb_h2": [min(2 * pp - 1, m)] * pp, "zb_v": [min(2 * pp, 2 * m)] * pp,
+              "interleaved_1f1b": [min(m * v, 2 * (pp - q - 1) + (v - 1) * pp + 1) for q in range(pp)]}[name]
+    return _Shape(owner, name in SPLIT_BACKWARD), tuple(counts)
+
+
+@lru_cache(maxsize=512)
+def schedule_of(name: str, pp: int, m: int, v: int):
+    """A (cached) schedule for ``name`` and the microbatches each rank keeps in flight at its peak.
+
+    Every family but GPipe reaches its steady state by ``2·pp`` microbatches, so a longer schedule is
+    represented by that one (same stage placement, same peaks); GPipe holds all ``m``. Deep
+    pipelines of the common families use their closed forms instead (no action list).
+    """
+    if pp > 8 and name in ("1f1b", "gpipe", "zb_h1", "zb_h2", "zb_v", "interleaved_1f1b"):
+        return _closed_form(name, pp, m, v)
+    short = m if m <= 2 * pp else 2 * pp
+    if name == "1f1b" and m < pp:
+        short = m  # let the generator refuse it
+    schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
+    split = schedule.split_backward
+    counts = tuple(peak_bytes(row, {s: 1 for s in range(schedule.num_stages)}, split_backward=split)
+                   for row in schedule.actions)
+    if name == "gpipe":
+        counts = tuple(c * m // short for c in counts)
+    return schedule, counts
+
+
+def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recompute: bool) -> float:
+    return sum(link.collective(c.op, c.nbytes * b, tp) for c in comms
+               if c.direction == direction and (include_recompute or not c.recompute))
+
+
+def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: Cluster, precision: str,
+                recompute: str, contention: float = 1.0) -> tuple[float, float, float]:
+    """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``."""
+    rate = device.matmul_rate(precision) / contention
+    matmul = chunk.flops * b / rate
+    memory = chunk.bytes_written * b / device.memory_bandwidth * contention
+    ops = chunk.ops * device.op_overhead_s * contention
+    fwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="forward", include_recompute=False)
+    bwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="backward",
+                          include_recompute=True)
+    forward = matmul + memory + ops + fwd_comm
+    backward = matmul + memory + ops + bwd_comm
+    weight = matmul + memory + ops
+    if recompute == "full":
+        backward += forward
+    elif recompute == "selective":
+        backward += memory + ops
+    return forward, backward, weight
+
+
+def _stage_ranges(cuts: tuple[int, ...], num_chunks: int) -> list[tuple[int, int]]:
+    bounds = (0,) + tuple(cuts) + (num_chunks,)
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _max_share(numels: tuple[int, ...], dp: int) -> list[int]:
+    """Indices of the parameters the most-loaded dp rank owns (the runtime's greedy partition)."""
+    heap = [(0, i, []) for i in range(dp)]
+    for idx in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        load, k, owned = heapq.heappop(heap)
+        owned.append(idx)
+        heapq.heappush(heap, (load + numels[idx], k, owned))
+    return max(heap, key=lambda e: (e[0], -e[1]))[2]
+
+
+def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, precision: str, optimizer: str):
+    """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas)."""
+    owned = None
+    trainable = [p for p in params if p.trainable]
+    stepped = sum(p.numel for p in trainable)
+    if zero in (1, 2) and dp > 1:
+        share = _max_share(tuple(p.numel for p in trainable), dp)
+        owned = [[trainable[i].name for i in share]] + [[] for _ in range(dp - 1)]
+        stepped = sum(trainable[i].numel for i in share)
+    elif zero == 3 and dp > 1:
+        stepped = sum(-(-p.numel // dp) for p in trainable)
+    figures = state_figures(list(params), buffers, zero_stage=zero, dp=dp, dp_index=0, precision=precision,
+                            optimizer=optimizer, owned=owned)
+    return figures, stepped
+
+
+def _dp_link(cluster: Cluster, c: Candidate):
+    return cluster.intra if c.dp * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
+
+
+def _pp_link(cluster: Cluster, c: Candidate):
+    if cluster.p2p is not None:
+        return cluster.p2p
+    return cluster.intra if c.pp * c.tp <= cluster.devices_per_node else cluster.inter
+
+
+class CostModel:
+    """Estimates for one model profile on one cluster, with the per-chunk sums cached."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, *, optimizer: str = "adam"):
+        if optimizer not in OPTIMIZER_STATE:
+            raise PlanError(f"unknown optimizer kind {optimizer!r}", where="planner(optimizer=...)",
+                            fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
+        self.profile, self.cluster, self.optimizer = profile, cluster, optimizer
+        self._tables: dict = {}
+        self._params: dict = {}
+        self._states: dict = {}
+
+    # -- per-chunk sums -------------------------------------------------------------------
+    def table(self, tp: int, b: int, recompute: str, device: Device, contention: float):
+        """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes) seconds/bytes."""
+        key = (tp, b, recompute, id(device), contention)  # devices belong to self.cluster: ids stay valid
+        if key not in self._tables:
+            rows = [[0.0] * 5]
+            for ch in self.profile.chunks[tp]:
+                f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
+                                       precision=self.profile.precision, recompute=recompute, contention=contention)
+                comm = sum(_comm_time(ch.comms, tp=tp, b=b, link=self.cluster.intra, direction=d,
+                                      include_recompute=True) for d in ("forward", "backward"))
+                last = rows[-1]
+                rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm, last[4] + ch.saved[recompute] * b])
+            self._tables[key] = rows
+        return self._tables[key]
+
+    def chunk_costs(self, c: Candidate) -> list[float]:
+        """Time of one microbatch's forward and backward on each chunk (for placing stage boundaries)."""
+        t = self.table(c.tp, self._b(c), c.recompute, self.cluster.device, self._contention(c))
+        return [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
+
+    def rank_params(self, tp: int, ranges: tuple) -> tuple[tuple[ParamEntry, ...], int, int, int]:
+        """(parameters, buffer bytes, fp32 gradient bytes, parameter bytes) of a rank's stages, each once."""
+        key = (tp, ranges)
+        if key not in self._params:
+            seen, params, buffers = set(), [], 0
+            for lo, hi in ranges:
+                for ch in self.profile.chunks[tp][lo:hi]:
+                    buffers += ch.buffer_bytes
+                    params += [p for p in ch.params if p.name not in seen]
+                    seen.update(p.name for p in ch.params)
+            grads = sum(p.numel for p in params if p.trainable) * 4
+            self._params[key] = (tuple(params), buffers, grads, sum(p.numel * p.itemsize for p in params))
+        return self._params[key]
+
+    def states(self, tp: int, ranges: tuple, zero: int, dp: int):
+        """(model-state bytes, elements stepped) of the fullest dp rank holding ``ranges``."""
+        key = (tp, ranges, zero, dp)
+        if key not in self._states:
+            params, buffers, _, _ = self.rank_params(tp, ranges)
+            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer)
+        return self._states[key]
+
+    def _b(self, c: Candidate) -> int:
+        return self.profile.global_batch // (c.dp * c.num_microbatches)
+
+    def _contention(self, c: Candidate) -> float:
+        return self.cluster.contention(min(c.dp * c.pp * c.tp, self.cluster.devices_per_node))
+
+    def stage_devices(self, c: Candidate) -> list[Device]:
+        """For each pp rank, the slowest device among the ranks that run it (every dp and tp index)."""
+        if not self.cluster.groups:
+            return [self.cluster.device] * c.pp
+        out = []
+        for q in range(c.pp):
+            ranks = [(d * c.pp + q) * c.tp + t for d in range(c.dp) for t in range(c.tp)]
+            out.append(min((self.cluster.device_of(r) for r in ranks), key=lambda dev: dev.matmul_rate("fp32")))
+        return out
+
+    # -- one candidate --------------------------------------------------------------------
+    def stage_times(self, c: Candidate):
+        """Per stage: forward, input-gradient and weight-gradient seconds of a microbatch, and tp comm seconds."""
+        schedule, _ = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+        devices = self.stage_devices(c)
+        out = ([], [], [], [])
+        for s, (lo, hi) in enumerate(_stage_ranges(c.cuts, self.profile.num_chunks)):
+            t = self.table(c.tp, self._b(c), c.recompute, devices[schedule.stage_to_rank[s]], self._contention(c))
+            for k in range(4):
+                out[k].append(t[hi][k] - t[lo][k])
+        return out
+
+    def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:
+        """Step time and peak memory of ``c`` (its ``cuts`` must be set when pp x v > 1)."""
+        chunks = self.profile.chunks[c.tp]
+        schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+        ranges = _stage_ranges(c.cuts, len(chunks))
+        owner = schedule.stage_to_rank
+        fwd, bwd, wgt, comm = self.stage_times(c)
+        boundary = max((chunks[lo].recv_bytes for lo, _ in ranges[1:]), default=0.0) * self._b(c)
+        p2p = _pp_link(self.cluster, c).p2p(boundary) if c.pp > 1 else 0.0
+        work = [fwd[s] + bwd[s] + wgt[s] for s in range(len(ranges))]
+        per_rank = [sum(work[s] for s in range(len(ranges)) if owner[s] == q) for q in range(c.pp)]
+        simulated = (simulate_pipeline and c.pp * c.num_microbatches * c.num_virtual <= _MAX_SIMULATED) or c.pp == 1
+        if simulated:
+            full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
+                                  num_virtual=c.num_virtual)
+            pipeline = simulate(full, costs=StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)).step_time
+        else:
+            pipeline = _analytic_pipeline(c, per_rank, wgt, p2p)
+        busiest = max(range(c.pp), key=lambda q: per_rank[q])
+        compute = per_rank[busiest] * c.num_microbatches
+        tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
+        dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
+        return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time, simulated=simulated,
+                        parts={"compute": compute - tp_comm, "tp_comm": tp_comm,
+                               "bubble": max(0.0, pipeline - compute), "p2p": p2p, "dp_comm": dp_time,
+                               "optimizer": opt_time},
+                        memory=memory, memory_parts=parts, capacity=capacity)
+
+    def _ranks(self, c: Candidate, ranges, owner, counts, schedule):
+        """(exposed dp communication, optimizer step, (memory, parts, capacity) of the most over-full pp rank)."""
+        b, devices = self._b(c), self.stage_devices(c)
+        dp_link = _dp_link(self.cluster, c)
+        worst, dp_time, opt_time = None, 0.0, 0.0
+        for q in range(c.pp):
+            mine = [s for s in range(len(ranges)) if owner[s] == q]
+            mine_ranges = tuple(ranges[s] for s in mine)
+            _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges)
+            states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp)
+            dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster))
+            opt_time = max(opt_time, stepped * _OPT_BYTES[self.optimizer] / devices[q].memory_bandwidth)
+            t = self.table(c.tp, b, c.recompute, devices[q], self._contention(c))
+            per_stage = {s: t[ranges[s][1]][4] - t[ranges[s][0]][4] for s in mine}
+            if c.num_virtual == 1:
+                acts = counts[q] * per_stage[mine[0]]
+            elif schedule.actions is None:  # closed form: each in-flight microbatch at the rank's largest stage
+                acts = counts[q] * max(per_stage.values())
+            else:
+                acts = peak_bytes(schedule.actions[q], {**dict.fromkeys(range(len(ranges)), 0.0), **per_stage},
+                                  split_backward=schedule.split_backward)
+            transient = max((ch.transient[c.recompute] for s in mine
+                             for ch in self.profile.chunks[c.tp][ranges[s][0]:ranges[s][1]]), default=0.0) * b
+            total = (states.params + states.master_params + states.grads + states.optimizer + states.buffers
+                     + acts + transient)
+            capacity = self.cluster.usable_bytes(q * c.tp)
+            if worst is None or total - capacity > worst[0] - worst[2]:
+                worst = (total, {"params": states.params + states.master_params, "grads": states.grads,
+                                 "optimizer": states.optimizer, "activations": acts + transient,
+                                 "buffers": states.buffers}, capacity)
+        return dp_time, opt_time, worst
+
+
+def estimate(c: Candidate, *, profile: ModelProfile, cluster: Cluster, optimizer: str = "adam",
+             simulate_pipeline: bool = False) -> Estimate:
+    """Step time and peak memory of candidate ``c`` (one-off; :class:`CostModel` caches across many)."""
+    return CostModel(profile, cluster, optimizer=optimizer).estimate(c, simulate_pipeline=simulate_pipeline)
+
+
+def _analytic_pipeline(c: Candidate, per_rank, wgt, p2p) -> float:
+    """The schedule family's classical bound, for ranking before simulating."""
+    m, pp, v = c.num_microbatches, c.pp, c.num_virtual
+    slowest = max(per_rank)
+    if c.schedule in ("interleaved_1f1b", "looped_bfs", "zb_v"):
+        fill = (pp - 1) * slowest / v
+        if c.schedule == "zb_v":
+            fill = max(0.0, fill - (pp - 1) * max(wgt) * 2 / v)
+        return m * slowest + fill + 2 * (pp - 1) * p2p * v
+    fill = sum(per_rank) - slowest
+    if c.schedule in ("zb_h1", "zb_h2"):
+        fill = max(0.0, fill - (pp - 1) * max(wgt) * (2 if c.schedule == "zb_h2" else 1))
+    return m * slowest + fill + 2 * (pp - 1) * p2p
+
+
+def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster: Cluster) -> float:
+    if c.dp == 1:
+        return 0.0
+    if c.zero_stage == 3:
+        gather = link.collective("all_gather", param_bytes, c.dp)
+        scatter = link.collective("reduce_scatter", grad_bytes, c.dp)
+        return (2 * gather + scatter) * c.num_microbatches
+    if c.zero_stage == 0:
+        t = link.collective("all_reduce", grad_bytes, c.dp)
+    else:
+        t = link.collective("reduce", grad_bytes, c.dp) + link.collective("broadcast", param_bytes, c.dp)
+    return t * (1 - cluster.dp_overlap)

@@ -1,0 +1,198 @@
+"""The model as the planner sees it: per-chunk costs, measured once on the captured graph.
+
+A *chunk* is the smallest piece a pipeline stage is made of: the code before the first block
+together with block 0, each later block, and the code after the last block (a stage may begin
+only at a block or right after the last one; see :mod:`autopar.passes.partition`). For every
+tensor-parallel degree the planner considers, :func:`profile_model` shards the captured graph
+(the compiler's own passes), cuts it into one stage per chunk, and reads per sample:
+
+- forward FLOPs, graph ops and bytes written (``autopar.cost``, ``autopar.tensor``);
+- the chunk's parameters as this tp rank holds them (:func:`autopar.memory.states.rank_params`);
+- bytes saved for backward with each recompute mode, and the recompute transient
+  (:func:`autopar.memory.stage_activations`, a fake run);
+- each collective and its bytes (:func:`autopar.passes.collective_audit.audit_collectives`);
+- the bytes a stage beginning at the chunk receives (its recv edges).
+
+The model is captured once, at one sample per microbatch, and with its identical blocks captured
+once (:mod:`autopar.passes.block_template`): the template block's chunk stands for every block,
+so an 80-layer model costs what a 3-layer one does. Costs scale linearly with the microbatch.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.errors import AutoparError, PlanError
+from autopar.lowering import Captured, capture_and_annotate, shard_captured, user_name
+from autopar.memory.activations import stage_activations
+from autopar.memory.states import ParamEntry, rank_params
+from autopar.options import CompileOptions
+from autopar.passes.collective_audit import audit_collectives
+from autopar.passes.meta_keys import COST, get_meta
+from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
+from autopar.passes.pipeline_split import split_pipeline
+from autopar.passes.recompute import recompute_stage
+from autopar.plan_model import MeshShape
+
+__all__ = ["CommCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One collective of a chunk per microbatch: direction, op, bytes per sample, recomputed or not."""
+
+    direction: str
+    op: str
+    nbytes: float
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One chunk on one tp rank; every size is per sample of the microbatch."""
+
+    unit: str  # the unit a stage starting here begins with (user name, as Plan.stage_starts spells it)
+    is_block: bool
+    flops: float
+    ops: int
+    bytes_written: float
+    params: tuple[ParamEntry, ...]
+    buffer_bytes: int
+    saved: dict  # recompute mode -> bytes kept for backward per sample
+    transient: dict  # recompute mode -> largest recomputation transient per sample
+    comms: tuple[CommCost, ...]
+    recv_bytes: float  # bytes a stage starting at this chunk receives per sample
+
+    def renamed(self, old: str, new: str) -> "ChunkCost":
+        """The same chunk for another block (``old`` -> ``new`` in unit and parameter names)."""
+        def swap(name: str) -> str:
+            return new + name[len(old):] if name == old or name.startswith(old + ".") else name
+        params = tuple(dataclasses.replace(p, name=swap(p.name)) for p in self.params)
+        return dataclasses.replace(self, unit=swap(self.unit), params=params)
+
+
+@dataclass
+class ModelProfile:
+    """Chunk costs per tp degree, and what the search needs to know about the model."""
+
+    model_name: str
+    num_parameters: int
+    global_batch: int
+    precision: str
+    chunks: dict[int, list[ChunkCost]] = field(default_factory=dict)  # tp degree -> chunks in order
+    tp_errors: dict[int, str] = field(default_factory=dict)  # tp degrees that cannot shard, and why
+    sample_batch: int = 1  # samples per microbatch the graph was captured with
+    batch_statistics: bool = False  # BatchNorm in training: only dp=1 with one microbatch is exact
+    template: str | None = None  # the list of identical blocks captured once, if any
+    regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
+    vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
+
+    @property
+    def num_chunks(self) -> int:
+        return len(next(iter(self.chunks.values())))
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted(self.chunks))
+
+
+def _chunk(stage, segments, start: int, end: int, b0: int) -> ChunkCost:
+    calls = [n for s in segments[start:end] for n in s.nodes]
+    flops = sum(c.flops for n in calls if (c := get_meta(n, COST)) is not None)
+    written = sum(c.activation_bytes for n in calls if (c := get_meta(n, COST)) is not None)
+    params, buffers = rank_params([stage])
+    saved, transient = {}, {}
+    for mode in RECOMPUTE:
+        probe = stage if mode == "none" else recompute_stage(_copy_stage(stage), mode=mode)
+        acts = stage_activations(probe.gm)
+        saved[mode], transient[mode] = acts.saved / b0, acts.transient / b0
+    comms = tuple(CommCost(r.direction, r.op, r.nbytes / b0, r.recompute) for r in audit_collectives(stage.gm))
+    recv = sum(_edge_bytes(e) for e in stage.recvs) / b0
+    unit = user_name(segments[start].unit)
+    return ChunkCost(unit=unit, is_block=segments[start].is_block, flops=flops / b0, ops=len(calls),
+                     bytes_written=written / b0, params=tuple(params), buffer_bytes=buffers, saved=saved,
+                     transient=transient, comms=comms, recv_bytes=recv)
+
+
+def _edge_bytes(edge) -> int:
+    numel = 1
+    for d in edge.shape:
+        numel *= d
+    return numel * torch.empty((), dtype=edge.dtype).element_size()
+
+
+def _copy_stage(stage):
+    return dataclasses.replace(stage, gm=copy.deepcopy(stage.gm))
+
+
+def _chunks_of(gm, b0: int) -> list[ChunkCost]:
+    """Cut a sharded graph at every place a stage may begin and cost each piece."""
+    segments = pipeline_segments(gm)
+    allowed = _allowed_starts(segments)
+    bounds = [0] + allowed + [len(segments)]
+    gm, _ = assign_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
+    stages = split_pipeline(gm, num_stages=len(bounds) - 1)
+    return [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0) for i in range(len(stages))]
+
+
+def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:
+    """With a block template: the template block's chunk repeated for every block not captured."""
+    t = cap.template
+    if t is None:
+        return chunks
+    last = f"{t.path}.{t.captured - 1}"
+    i = next(k for k, c in enumerate(chunks) if c.unit == last)
+    extra = [chunks[i].renamed(last, f"{t.path}.{j}") for j in range(t.captured, t.num_blocks)]
+    return chunks[: i + 1] + extra + chunks[i + 1:]
+
+
+def _capture(model, *, example_inputs, loss_fn, example_target, options: CompileOptions):
+    """Capture at one sample per microbatch (all samples when batch statistics forbid splitting)."""
+    batch = example_inputs[0].shape[0]
+    opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
+                                      "recompute": "none", "zero_stage": 0})
+    try:
+        return capture_and_annotate(model, mesh=MeshShape(dp=batch), example_inputs=example_inputs,
+                                    example_target=example_target, loss_fn=loss_fn, options=opts), 1, False
+    except PlanError as exc:
+        if "batch statistic" not in str(exc).lower() and "batchnorm" not in str(exc).lower():
+            raise
+        cap = capture_and_annotate(model, mesh=MeshShape(), example_inputs=example_inputs,
+                                   example_target=example_target, loss_fn=loss_fn, options=opts)
+        return cap, batch, True
+
+
+def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
+                  options: CompileOptions | None = None) -> ModelProfile:
+    """Chunk costs of ``model`` for each tp degree (those that cannot shard go to ``tp_errors``)."""
+    options = options or CompileOptions()
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    cap, b0, stats = _capture(model, example_inputs=example_inputs, loss_fn=loss_fn,
+                              example_target=example_target, options=options)
+    profile = ModelProfile(model_name=cap.model_name, num_parameters=cap.num_parameters,
+                           global_batch=cap.batch, precision=cap.precision, sample_batch=b0,
+                           batch_statistics=stats, template=cap.template.path if cap.template else None)
+    for tp in sorted(set(tp_degrees)):
+        sharded = dataclasses.replace(cap, mesh=MeshShape(dp=cap.mesh.dp, tp=tp))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                gm, _, regions, vocab = shard_captured(sharded, tp_rank=0)
+        except AutoparError as exc:
+            profile.tp_errors[tp] = exc.what
+            continue
+        profile.chunks[tp] = _expand(_chunks_of(gm, b0), cap)
+        profile.regions[tp] = cap.template.extend_regions(regions) if cap.template else regions
+        profile.vocab[tp] = tuple(user_name(p) for p in vocab.paths())
+        log.info("profiled tp=%d: %d chunks", tp, len(profile.chunks[tp]))
+    if not profile.chunks:
+        raise PlanError(f"the model cannot be sharded for any tp degree in {sorted(set(tp_degrees))}: "
+                        f"{profile.tp_errors}", where="autopar planner", fix="allow tp=1")
+    return profile

@@ -1,0 +1,248 @@
+"""Activation recomputation as a graph pass: wrap each block's nodes in a checkpointed call node.
+
+``apply_recompute(gm, mode=...)`` rewrites one stage graph. Each *region* of nodes is moved into
+its own GraphModule, owned by a :class:`Recompute` module and called from the stage graph as one
+visible ``call_module`` node (``recompute_0(...)``) followed by ``getitem``s. The module runs
+its body through ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved), so autograd
+keeps only what the mode says and recomputes the rest in backward.
+
+Modes, and the exact rule each one follows:
+
+- ``"none"``: the graph is unchanged.
+- ``"full"``: one region per pipeline block (a unit such as ``model.blocks.3``). Only the block's
+  inputs are kept; the whole block, tensor-parallel collectives included, runs again in backward
+  (a forward all-reduce inside the block is repeated, as in Megatron's full recompute; torch's
+  early stop skips whatever comes after the last tensor backward needs).
+- ``"selective"``: the same blocks, cut at every collective that communicates in forward (``g``:
+  ``TpReduce``; sequence-parallel gathers/scatters), so communication is never repeated. Inside a
+  region, the outputs of the ops in :data:`SAVED_OPS` (matmuls and fused attention, the expensive
+  ones, as Megatron's selective recompute keeps the linears' outputs) are stored; every other op
+  (normalisations, activations, elementwise, views, softmax, rotary) is recomputed from them.
+  This is torch's selective activation checkpointing with an op policy.
+
+Regions never contain p2p nodes (send/recv stay in the stage graph, so a transfer is never
+repeated) and never contain ``get_attr``: parameters and buffers are passed into the region as
+arguments, so the runtime's parameter handling (copies, tied weights, ZeRO) is unchanged. Nodes
+that read only parameters or buffers (a rotary table slice, a split-backward weight alias) stay
+outside too.
+
+Example::
+
+    >>> gm = apply_recompute(stage.gm, mode="full")
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    ['recv_0', 'recompute_0', 'recompute_1', 'send_0']
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.errors import PassError, PlanError
+from autopar.passes.meta_keys import MODULE, get_meta
+
+__all__ = ["RECOMPUTE_MODES", "SAVED_OPS", "Recompute", "apply_recompute", "recompute_regions",
+           "recompute_modules", "check_mode", "recompute_modes", "recompute_stage"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+_BLOCK = re.compile(r"\.\d+$")
+
+#: Ops whose outputs selective recompute stores (dispatcher-level names, after linear decomposes).
+SAVED_OPS = (
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
+    "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+)
+
+
+def check_mode(mode: str, *, where: str) -> str:
+    """``mode`` if it is a known recompute mode, else a PlanError naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recompute mode {mode!r}", where=where,
+                        fix=f"use one of {', '.join(RECOMPUTE_MODES)}")
+    return mode
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    """Store the outputs of matmuls and fused attention; recompute every other op."""
+    name = str(getattr(op, "_overloadpacket", op))
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Recompute(nn.Module):
+    """A checkpointed region: ``body`` runs once forward and again (partly) in backward.
+
+    ``observer``, when set, is called with every tensor the region holds for backward (its
+    inputs, and under selective recompute the stored op outputs); memory probes use it.
+    """
+
+    def __init__(self, body: fx.GraphModule, *, mode: str):
+        super().__init__()
+        self.body = body
+        self.mode = mode
+        self.observer = None
+
+    def _contexts(self):
+        fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+        if self.observer is not None:
+            self._stored = fwd.storage  # filled while the forward runs
+        return fwd, rec
+
+    def forward(self, *args):
+        return self.run(self.body, *args)
+
+    def run(self, body, *args):
+        """Run ``body`` (this region's graph, or an interpreter of it) checkpointed as the mode says."""
+        if not torch.is_grad_enabled():
+            return body(*args)
+        extra = {"context_fn": self._contexts} if self.mode == "selective" else {}
+        self._stored = None
+        out = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **extra)
+        if self.observer is not None:
+            held = [a for a in args if isinstance(a, torch.Tensor)]
+            for outputs in (self._stored or {}).values():  # {op key: {call index: stored output}}
+                for value in (outputs.values() if isinstance(outputs, dict) else outputs):
+                    held += list(_tensors(value))
+            self.observer(held)
+        self._stored = None
+        return out
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, nodes={sum(1 for n in self.body.graph.nodes if n.op == 'call_function')}"
+
+
+def _tensors(value):
+    """Tensors inside a selective-checkpoint storage entry (tuples, version wrappers)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif hasattr(value, "val"):
+        yield from _tensors(value.val)
+
+
+def _is_p2p(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "call_module" and hasattr(gm.get_submodule(node.target), "edge")
+
+
+def _communicates_forward(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Does this node run a collective in its forward? (TpCopy does not: identity forward.)"""
+    if node.op != "call_module":
+        return False
+    module = gm.get_submodule(node.target)
+    comm = getattr(module, "comm", None)
+    if comm is not None:
+        return any(c.direction == "forward" for c in comm(1, 1))
+    return type(module).__name__ not in ("TpCopy", "TpScatter") and hasattr(module, "axis")
+
+
+def _param_only(node: fx.Node) -> bool:
+    """A node that reads only parameters/buffers (no activation): it stays outside regions."""
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(a.op == "get_attr" or _param_only(a) for a in inputs)
+
+
+def _block_of(node: fx.Node) -> str | None:
+    info = get_meta(node, MODULE)
+    return info.unit if info is not None and _BLOCK.search(info.unit or "") else None
+
+
+def recompute_regions(gm: fx.GraphModule, *, mode: str) -> list[list[fx.Node]]:
+    """The node runs ``mode`` recomputes: maximal runs of one block's call nodes, in graph order."""
+    check_mode(mode, where="recompute mode")
+    if mode == "none":
+        return []
+    regions: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    unit = None
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_module", "call_method") or _param_only(node):
+            continue
+        block = None if _is_p2p(gm, node) else _block_of(node)
+        cut = mode == "selective" and _communicates_forward(gm, node)
+        if block is None or block != unit or cut:
+            if current:
+                regions.append(current)
+            current, unit = [], block
+        if block is not None and not cut:
+            current.append(node)
+    if current:
+        regions.append(current)
+    return [r for r in regions if any(n.target is not operator.getitem for n in r)]
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], index: int, mode: str) -> None:
+    """Move ``region`` into a Recompute submodule called by one node of ``gm``."""
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for a in node.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    body = fx.Graph()
+    env = {a: body.placeholder(a.name) for a in inputs}
+    for a in inputs:
+        env[a].meta = dict(a.meta)
+    owners = {}
+    for node in region:
+        env[node] = body.node_copy(node, lambda a: env[a])
+        if node.op == "call_module":
+            owners[node.target] = gm.get_submodule(node.target)
+    body.output(tuple(env[n] for n in outputs))
+    name = f"recompute_{index}"
+    gm.add_submodule(name, Recompute(fx.GraphModule(owners, body, class_name=f"Region{index}"), mode=mode))
+    with gm.graph.inserting_after(region[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta = {k: v for k, v in region[0].meta.items() if k == MODULE}
+    with gm.graph.inserting_after(call):
+        for i, node in enumerate(outputs):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            item.meta = dict(node.meta)
+            node.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+    for node in reversed(region):
+        gm.graph.erase_node(node)
+
+
+def apply_recompute(gm: fx.GraphModule, *, mode: str) -> fx.GraphModule:
+    """Rewrite ``gm`` so each region of ``mode`` runs checkpointed (in place; returns ``gm``)."""
+    regions = recompute_regions(gm, mode=mode)
+    for region in regions:
+        bad = [n.name for n in region if _is_p2p(gm, n)]
+        if bad:
+            raise PassError(f"a recompute region would contain the p2p nodes {bad}", where=f"graph {type(gm).__name__}",
+                            fix="report this graph to the autopar developers; use recompute='none'")
+    for i, region in enumerate(regions):
+        _outline(gm, region, i, mode)
+    used = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    for name, child in list(gm.named_children()):
+        if name not in used and hasattr(child, "axis") and hasattr(child, "bind"):
+            delattr(gm, name)  # a collective that moved into a region's body
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def recompute_modules(gm: nn.Module) -> list[Recompute]:
+    """Every Recompute region of a stage graph, in order."""
+    return [m for m in gm.modules() if isinstance(m, Recompute)]
+
+
+def recompute_modes(planned: tuple[str, ...], requested: str, num_stages: int) -> tuple[str, ...]:
+    """One mode per stage: the Plan's when it names them, else ``requested`` on every stage."""
+    modes = tuple(planned) if planned else (requested,) * num_stages
+    for i, mode in enumerate(modes):
+        check_mode(mode, where=f"recompute mode of stage {i}")
+    return modes
+
+
+def recompute_stage(stage, *, mode: str):
+    """Apply :func:`apply_recompute` to a StageGraph's graph; returns the stage."""
+    if mode != "none":
+        apply_recompute(stage.gm, mode=mode)
+    return stage

@@ -1,0 +1,61 @@
+"""Say what tensor parallelism leaves replicated because no rule covers its op.
+
+:func:`autopar.passes.tp_regions.find_tp_regions` nominates ``aten.linear`` calls only, and warns
+about each candidate it cannot shard. A weight multiplied by another op (``addmm``, ``mm``,
+``matmul``, ``bmm``, ``einsum``, as transformers' ``Conv1D`` in GPT-2 does) is never a candidate,
+so without this pass it would stay replicated silently. :func:`warn_unsharded_matmuls` logs one
+warning per such node, naming the module, the node and why.
+
+Example::
+
+    >>> import logging, torch, torch.nn as nn
+    >>> from autopar.passes.capture import capture
+    >>> class Conv1D(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.weight = nn.Parameter(torch.randn(4, 8))
+    ...     def forward(self, x):
+    ...         return torch.mm(x, self.weight)
+    >>> gm = capture(Conv1D(), (torch.randn(2, 4),)).gm
+    >>> [n.name for n in unsharded_matmuls(gm)]
+    ['mm']
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+__all__ = ["unsharded_matmuls", "warn_unsharded_matmuls"]
+
+log = logging.getLogger("autopar.passes.tp_regions")  # next to the region finder's own warnings
+
+_MATMULS = ("addmm", "mm", "matmul", "bmm", "baddbmm", "einsum")
+
+
+def _op(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _reads_parameter(node: fx.Node) -> bool:
+    return any(a.op == "get_attr" for a in node.all_input_nodes)
+
+
+def unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
+    """Matrix products with a weight read by get_attr that are not ``aten.linear``."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and _op(n) in _MATMULS and _reads_parameter(n)]
+
+
+def _path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else "<root>"
+
+
+def warn_unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
+    """Log a warning for each weight product tensor parallelism cannot shard; returns the nodes."""
+    nodes = unsharded_matmuls(gm)
+    for node in nodes:
+        log.warning("tensor parallel: %s (node %s) stays replicated: aten.%s with a weight operand has no "
+                    "tensor-parallel rule (only aten.linear is sharded; transformers' Conv1D computes "
+                    "addmm(bias, x, weight)); use nn.Linear to shard it", _path(node), node.name, _op(node))
+    return nodes

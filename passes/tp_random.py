@@ -1,0 +1,69 @@
+"""Random ops in sharded regions draw from a per-tp-rank stream (Megatron's RNG tracker).
+
+A dropout on a shard (attention probabilities of this rank's heads, a sequence-parallel shard of
+the residual stream) must draw a different mask on every tp rank, and must not advance the
+default generator that the replicated regions share. Each such op becomes a
+:class:`~autopar.runtime.tp_rng.ShardedRandom` node running on this rank's
+:class:`~autopar.runtime.tp_rng.TpRngTracker` (seeded ``seed + 2718 + tp_rank``); random ops in
+replicated regions are left alone and draw the same masks on every rank, as one device would.
+
+Example::
+
+    >>> gm = fork_sharded_random(gm, seed=torch.initial_seed(), tp_rank=1)
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_module"][:1]
+    ['tp_random_0']
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from autopar.passes.meta_keys import MODULE, TP_PLACEMENT, get_meta
+from autopar.passes.tp_rules import op_name
+from autopar.runtime.tp_rng import ShardedRandom, TpRngTracker, tp_rng_seed
+
+__all__ = ["fork_sharded_random", "is_random", "RANDOM_OPS"]
+
+log = logging.getLogger(__name__)
+
+RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli",
+                        "rand_like", "randn_like", "randint_like", "scaled_dot_product_attention"})
+
+
+def _arg(node: fx.Node, index: int, name: str, default):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def is_random(node: fx.Node) -> bool:
+    """Does ``node`` draw random numbers (a training-mode dropout, attention with dropout_p > 0, ...)?"""
+    if node.op != "call_function" or op_name(node) not in RANDOM_OPS:
+        return False
+    name = op_name(node)
+    if name == "scaled_dot_product_attention":
+        return _arg(node, 4, "dropout_p", 0.0) > 0
+    if name in ("dropout", "feature_dropout", "alpha_dropout", "native_dropout"):
+        return _arg(node, 1, "p", 0.5) > 0 and _arg(node, 2, "train", True) is not False
+    return True
+
+
+def fork_sharded_random(gm: fx.GraphModule, *, seed: int, tp_rank: int) -> fx.GraphModule:
+    """Run every random op whose output is sharded on this rank's own stream."""
+    tracker = TpRngTracker(seed=tp_rng_seed(seed, tp_rank))
+    count = 0
+    for node in list(gm.graph.nodes):
+        placement = get_meta(node, TP_PLACEMENT)
+        if not is_random(node) or placement is None or placement.kind != "S":
+            continue
+        name = f"tp_random_{count}"
+        count += 1
+        gm.add_submodule(name, ShardedRandom(node.target, tracker=tracker))
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(name, node.args, node.kwargs)
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE, TP_PLACEMENT)})
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    log.info("tensor parallel: %d random ops on the per-rank stream (seed %d)", count, tracker.seed)
+    return gm

@@ -1,0 +1,325 @@
+"""Vocabulary parallelism: the token embedding and the LM head sharded on the vocabulary dim.
+
+Tensor-parallel rank ``r`` of ``tp`` holds rows ``[r·V/tp, (r+1)·V/tp)`` of each vocabulary
+matrix (``ShardSpec(dim=0)``):
+
+- **Embedding:** a masked lookup of the local rows (token ids outside the range read row 0 and
+  are zeroed), then :class:`TpReduce` sums the ranks' partial embeddings (a visible all-reduce).
+- **LM head:** column-parallel on the vocabulary: :class:`TpCopy` before it, its weight's local
+  rows, its logits sharded on the last dim and never gathered when a loss follows:
+  ``cross_entropy_loss`` becomes one :class:`VocabParallelCrossEntropy` node.
+- **No loss (inference):** the logits are gathered (:class:`TpGather` on the vocabulary dim)
+  right before the graph output, so the program returns what the model returns.
+- **Tied weights** (GPT: one parameter read by the embedding and the head) get one spec, dim 0,
+  for both uses; on two pipeline stages both copies hold the same rows, and the runtime's
+  shared-gradient sum adds the shards element-wise.
+
+A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean reduction, no
+class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
+classes as a token embedding has rows. Anything else stays replicated with a warning naming why;
+an embedding tied to a replicated head stays replicated too.
+
+Example::
+
+    >>> vp = find_vocab_parallel(gm)
+    >>> gm, specs = shard_vocab_parallel(gm, vp, tp_size=2, tp_rank=0)
+    >>> specs["model.tok_emb.weight"]
+    ShardSpec(dim=0, chunks=1)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import ShardingError
+from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.passes.tensor_parallel import ShardSpec, localize_sizes, node_where, set_param, shard_tensor
+from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
+from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
+from autopar.runtime.tp_ops import VocabParallelCrossEntropy
+
+__all__ = ["VocabParallel", "find_vocab_parallel", "shard_vocab_parallel", "module_path"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+_MEAN = 1  # at::Reduction::Mean
+
+
+@dataclass
+class VocabParallel:
+    """What the vocabulary pass shards: token embeddings, the head, and the head's path to its ends."""
+
+    embeddings: list[fx.Node] = field(default_factory=list)
+    head: fx.Node | None = None
+    chain: dict[fx.Node, Placement] = field(default_factory=dict)  # head .. last op before the ends
+    losses: list[fx.Node] = field(default_factory=list)  # cross_entropy_loss nodes
+    outputs: list[fx.Node] = field(default_factory=list)  # chain nodes the graph output reads
+
+    def paths(self) -> tuple[str, ...]:
+        """Module paths of the sharded embeddings and head (what the Plan records)."""
+        return tuple(module_path(n) for n in self.embeddings + ([self.head] if self.head else []))
+
+    def __bool__(self) -> bool:
+        return bool(self.embeddings or self.head)
+
+
+def module_path(node: fx.Node) -> str:
+    info = get_meta(node, MODULE)
+    return info.path if info and info.path else node.name
+
+
+def _arg(node: fx.Node, index: int, name: str, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_param(node) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "get_attr" and get_meta(node, PARAM) is not None
+            and get_meta(node, PARAM).is_parameter)
+
+
+def _reads_input(node: fx.Node) -> bool:
+    """Does ``node`` depend on a graph input (token ids), rather than on constants (positions)?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def _token_embeddings(gm: fx.GraphModule) -> list[fx.Node]:
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        weight, indices = node.args[0], node.args[1]
+        if not _is_param(weight) or not _reads_input(indices):
+            continue  # position tables (indices from arange) stay replicated: small, and no gain
+        if _arg(node, 2, "padding_idx", -1) != -1 or _arg(node, 3, "scale_grad_by_freq", False) \
+                or _arg(node, 4, "sparse", False):
+            log.warning("tensor parallel: embedding %s stays replicated: padding_idx, scale_grad_by_freq "
+                        "and sparse are not supported on a vocabulary shard", module_path(node))
+            continue
+        found.append(node)
+    return found
+
+
+class _Reject(Exception):
+    """This linear is not a vocabulary head (the reason in the message)."""
+
+
+def _loss_reason(node: fx.Node) -> str | None:
+    """Why ``cross_entropy_loss`` cannot run on vocabulary shards, or None when it can."""
+    if _arg(node, 2, "weight", None) is not None:
+        return "cross_entropy_loss has class weights"
+    if _arg(node, 3, "reduction", _MEAN) != _MEAN:
+        return "cross_entropy_loss reduction is not 'mean'"
+    if _arg(node, 5, "label_smoothing", 0.0) != 0.0:
+        return f"cross_entropy_loss uses label_smoothing={_arg(node, 5, 'label_smoothing', 0.0)}"
+    if len(shape_of(node.args[0])) != 2:
+        return "cross_entropy_loss logits are not 2-D (rows, classes)"
+    info = get_meta(node.args[1], TENSOR)
+    if info is None or info.dtype is None or info.dtype.is_floating_point:
+        return "cross_entropy_loss targets are probabilities, not class indices"
+    return None
+
+
+def _trace_head(linear: fx.Node) -> VocabParallel:
+    """Follow a vocab-sharded head output through rule-covered ops to losses and the output."""
+    vp = VocabParallel(head=linear)
+    vp.chain[linear] = Placement("S", len(shape_of(linear)) - 1)
+    queue = [linear]
+    while queue:
+        src = queue.pop(0)
+        for user in src.users:
+            if user in vp.chain or user in vp.losses:
+                continue
+            if user.op == "output":
+                vp.outputs.append(src)
+            elif user.op == "call_function" and op_name(user) == "cross_entropy_loss":
+                reason = _loss_reason(user)
+                if user.args[0] is not src or vp.chain[src] != Placement("S", 1) or reason:
+                    raise _Reject(reason or f"{user.name} does not take the logits on their class dim")
+                vp.losses.append(user)
+            else:
+                try:
+                    out, need = rule_for(user)(user, vp.chain)
+                except NoRule as why:
+                    raise _Reject(f"{user.name} ({op_name(user) if user.op == 'call_function' else user.op})"
+                                  f" cannot take vocabulary-sharded logits: {why}") from None
+                if any(p != REPLICATE and n not in vp.chain for n, p in need.items()):
+                    raise _Reject(f"{user.name} would need another sharded input")
+                vp.chain[user] = out
+                queue.append(user)
+    return vp
+
+
+def _find_head(gm: fx.GraphModule, vocab_sizes: set[int]) -> VocabParallel | None:
+    """The last parameter linear before the loss (or, without one, before the output)."""
+    has_loss = any(n.op == "call_function" and op_name(n) == "cross_entropy_loss" for n in gm.graph.nodes)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or op_name(node) != "linear" or not _is_param(node.args[1]):
+            continue
+        if (has_loss and not _reaches_loss(node)) or (not has_loss and shape_of(node)[-1] not in vocab_sizes):
+            continue
+        try:
+            vp = _trace_head(node)
+        except _Reject as why:
+            log.warning("tensor parallel: LM head %s (node %s) stays replicated: %s",
+                        module_path(node), node.name, why)
+            return None
+        if has_loss and not vp.losses:
+            log.warning("tensor parallel: LM head %s (node %s) stays replicated: its logits reach the "
+                        "graph output but no cross_entropy_loss", module_path(node), node.name)
+            return None
+        return vp if vp.losses or vp.outputs else None
+    return None
+
+
+def _reaches_loss(node: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and op_name(n) == "cross_entropy_loss":
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return False
+
+
+def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None) -> VocabParallel:
+    """The token embeddings and LM head of ``gm`` that shard on the vocabulary (may be empty).
+
+    With ``tp_size``, a classifier head (no token embedding has its width) whose classes do not
+    divide by tp stays replicated with a warning; a vocabulary that does not divide raises later.
+    """
+    embeddings = _token_embeddings(gm)
+    vocab_sizes = {shape_of(e.args[0])[0] for e in embeddings}
+    vp = _find_head(gm, vocab_sizes) or VocabParallel()
+    classes = shape_of(vp.head)[-1] if vp.head is not None else 0
+    if classes and tp_size and classes % tp_size and classes not in vocab_sizes:
+        log.warning("tensor parallel: output head %s stays replicated: its %d classes do not divide by tp=%d",
+                    module_path(vp.head), classes, tp_size)
+        vp = VocabParallel()
+    head_weight = vp.head.args[1] if vp.head is not None else None
+    for emb in embeddings:
+        weight = emb.args[0]
+        others = [u for u in weight.users if u is not emb]
+        if any(u is not vp.head or u.args[1] is not weight for u in others):
+            log.warning("tensor parallel: embedding %s stays replicated: its weight %s is also read by %s, "
+                        "which is not a vocabulary-parallel head", module_path(emb), weight.target,
+                        [module_path(u) for u in others])
+            continue
+        vp.embeddings.append(emb)
+    if vp.head is not None and head_weight is not None:
+        tied_to_replicated = [u for u in head_weight.users if u is not vp.head and u not in vp.embeddings]
+        if tied_to_replicated:
+            log.warning("tensor parallel: LM head %s stays replicated: its weight is also read by %s",
+                        module_path(vp.head), [module_path(u) for u in tied_to_replicated])
+            vp.head, vp.chain, vp.losses, vp.outputs = None, {}, [], []
+    return vp
+
+
+# -- the rewrite --------------------------------------------------------------------------------
+def _copy_meta(new: fx.Node, like: fx.Node) -> None:
+    new.meta.update({k: v for k, v in like.meta.items() if k in ("nn_module_stack", MODULE)})
+
+
+def _check_vocab(weight: fx.Node, user: fx.Node, tp_size: int) -> int:
+    vocab = shape_of(weight)[0]
+    if vocab % tp_size:
+        raise ShardingError(
+            f"vocabulary size {vocab} of {weight.target} is not divisible by tp={tp_size}",
+            where=node_where(user),
+            fix=f"pad the vocabulary to a multiple of {tp_size} (e.g. {-(-vocab // tp_size) * tp_size}), "
+                f"set vocab_parallel=False, or change the mesh dim 'tp'")
+    return vocab // tp_size
+
+
+def _shard_embedding(gm: fx.GraphModule, emb: fx.Node, *, start: int, end: int, tp_size: int, name: str):
+    """Masked lookup of rows [start, end), zeros elsewhere, then an all-reduce (TpReduce)."""
+    weight, idx = emb.args[0], emb.args[1]
+    gm.add_submodule(name, TpReduce(axis="tp", size=tp_size))
+    g = gm.graph
+
+    def op(name, target, *args):
+        return g.create_node("call_function", target, args, {}, name=name)
+
+    with g.inserting_before(emb):
+        below = op("vocab_below", aten.lt.Scalar, idx, start)
+        above = op("vocab_above", aten.ge.Scalar, idx, end)
+        outside = op("vocab_outside", aten.bitwise_or.Tensor, below, above)
+        shifted = op("vocab_shifted", aten.sub.Scalar, idx, start)
+        local = op("vocab_local_ids", aten.masked_fill.Scalar, shifted, outside, 0)
+        lookup = op("vocab_lookup", aten.embedding.default, weight, local)
+        mask = op("vocab_mask", aten.unsqueeze.default, outside, -1)
+        partial = op("vocab_partial", aten.masked_fill.Scalar, lookup, mask, 0.0)
+        reduced = g.call_module(name, (partial,))
+    for n in (below, above, outside, shifted, local, lookup, mask, partial, reduced):
+        _copy_meta(n, emb)
+    set_meta(partial, TP_PLACEMENT, Placement("P"))
+    emb.replace_all_uses_with(reduced)
+    g.erase_node(emb)
+
+
+def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, tp_size: int) -> None:
+    g, head = gm.graph, vp.head
+    gm.add_submodule("vocab_copy", TpCopy(axis="tp", size=tp_size))
+    with g.inserting_before(head):
+        copy = g.call_module("vocab_copy", (head.args[0],))
+    _copy_meta(copy, head)
+    head.args = (copy, *head.args[1:])
+    for node, p in vp.chain.items():
+        set_meta(node, TP_PLACEMENT, p)
+        if node is not head:
+            localize_sizes(node, p, tp_size)
+    for i, loss in enumerate(vp.losses):
+        name = f"vocab_cross_entropy_{i}" if i else "vocab_cross_entropy"
+        ignore = _arg(loss, 4, "ignore_index", -100)
+        gm.add_submodule(name, VocabParallelCrossEntropy(axis="tp", size=tp_size, vocab_start=start, vocab_end=end,
+                                                         ignore_index=ignore))
+        with g.inserting_before(loss):
+            new = g.call_module(name, (loss.args[0], loss.args[1]))
+        _copy_meta(new, loss)
+        loss.replace_all_uses_with(new)
+        g.erase_node(loss)
+    output = next(n for n in g.nodes if n.op == "output")
+    for i, value in enumerate(vp.outputs):
+        name = f"vocab_gather_{i}" if i else "vocab_gather"
+        gm.add_submodule(name, TpGather(axis="tp", size=tp_size, dim=vp.chain[value].dim))
+        with g.inserting_before(output):
+            gathered = g.call_module(name, (value,))
+        _copy_meta(gathered, value)
+        output.replace_input_with(value, gathered)
+
+
+def shard_vocab_parallel(gm: fx.GraphModule, vp: VocabParallel, *, tp_size: int, tp_rank: int):
+    """Shard ``vp``'s embeddings and head over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
+    specs: dict[str, ShardSpec] = {}
+    for i, emb in enumerate(vp.embeddings):
+        local = _check_vocab(emb.args[0], emb, tp_size)
+        specs[emb.args[0].target] = ShardSpec(0)
+        _shard_embedding(gm, emb, start=tp_rank * local, end=(tp_rank + 1) * local, tp_size=tp_size,
+                         name=f"vocab_reduce_{i}" if i else "vocab_reduce")
+    if vp.head is not None:
+        local = _check_vocab(vp.head.args[1], vp.head, tp_size)
+        specs[vp.head.args[1].target] = ShardSpec(0)
+        bias = _arg(vp.head, 2, "bias", None)
+        if isinstance(bias, fx.Node):
+            specs[bias.target] = ShardSpec(0)
+        _shard_head(gm, vp, start=tp_rank * local, end=(tp_rank + 1) * local, tp_size=tp_size)
+    for target, spec in specs.items():
+        set_param(gm, target, shard_tensor(gm.get_parameter(target).detach(), spec, rank=tp_rank, size=tp_size))
+    gm.graph.lint()
+    gm.recompile()
+    log.info("tensor parallel: vocabulary-parallel %s", list(vp.paths()))
+    return gm, specs

@@ -1,0 +1,138 @@
+"""ZeRO-3 as a graph pass: gather each group of dp-sharded parameters before its first use, free after its last.
+
+Parameters are grouped by the pipeline unit of their first use (``model.blocks.3``: one
+collective per block, as FSDP wraps one module), in order of first use. For each group the pass
+inserts, visibly in the stage graph:
+
+- ``zero3_gather_k = ZeroGather(*shards)`` just before the group's first use, with one
+  ``getitem`` per parameter; every use now reads the gathered full parameter. Forward
+  all-gathers (and starts the next group's gather: prefetch); backward reduce-scatters.
+- ``zero3_free_k = ZeroFree(last_use, *full_params)`` right after the group's last use; the
+  nodes that read ``last_use`` read ``zero3_free_k`` instead. Forward frees the full parameters;
+  backward gathers them again (and prefetches the group whose free comes before: backward's next).
+
+Runtime behaviour is in :mod:`autopar.runtime.zero3_ops`. The parameters stay full-sized in the
+GraphModule, so a plan made in a plain process reads as the program; the runtime swaps in each
+rank's shards (:func:`autopar.runtime.zero3_ops.shard_zero3_parameters`).
+
+Example::
+
+    >>> import torch, autopar
+    >>> from autopar.models import build_model, lm_loss
+    >>> x = torch.randint(0, 128, (8, 16))
+    >>> r = autopar.plan(build_model("gpt_tiny", seq_len=16), (2, 1, 1), example_inputs=(x,),
+    ...                  loss_fn=lm_loss, example_target=x, zero_stage=3)
+    >>> from autopar.runtime.zero3_ops import ZeroGather
+    >>> from autopar.runtime.collectives import collective_nodes
+    >>> len(collective_nodes(r.graph(0), ZeroGather))  # embeddings, 2 blocks, final norm
+    5
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import PlanError
+from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
+from autopar.passes.pipeline_split import StageGraph
+from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
+
+__all__ = ["shard_parameters_zero3", "zero3_groups", "check_zero3", "SPLIT_BACKWARD_SCHEDULES"]
+
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zb_h2", "zb_v")
+
+
+def check_zero3(options) -> None:
+    """Refuse option combinations ZeRO-3 cannot run: split backward computes weight gradients apart."""
+    if options.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise PlanError(f"zero_stage=3 does not combine with the split-backward schedule {options.schedule!r}: "
+                        f"its W action computes full weight gradients outside the graph's reduce-scatter",
+                        where="compile(zero_stage=3, schedule=...)",
+                        fix="use schedule='1f1b' (or gpipe, interleaved_1f1b), or zero_stage<=2")
+
+
+def _is_trainable(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op != "get_attr":
+        return False
+    try:
+        p = gm.get_parameter(node.target)
+    except AttributeError:
+        return False
+    return isinstance(p, torch.nn.Parameter) and p.requires_grad and p.dtype.is_floating_point
+
+
+def zero3_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """get_attr nodes of trainable parameters, grouped by the unit of their first use (and dtype), in use order."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple, list[fx.Node]] = {}
+    first: dict[tuple, int] = {}
+    for node in gm.graph.nodes:
+        if not _is_trainable(gm, node) or not node.users:
+            continue
+        user = min(node.users, key=order.__getitem__)
+        info = get_meta(user, MODULE)
+        unit = (info.unit if info is not None else node.target, gm.get_parameter(node.target).dtype)
+        groups.setdefault(unit, []).append(node)
+        first[unit] = min(first.get(unit, order[user]), order[user])
+    return [groups[u] for u in sorted(groups, key=first.__getitem__)]
+
+
+def _token_after(node: fx.Node, order: dict) -> fx.Node:
+    """The node after which ``node``'s value is complete: itself, or its last getitem for a tuple."""
+    items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+    return max(items, key=order.__getitem__) if items else node
+
+
+def _insert_group(gm: fx.GraphModule, k: int, nodes: list[fx.Node], *, dp: int, num_groups: int) -> None:
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_use = min((u for n in nodes for u in n.users), key=order.__getitem__)
+    params = [gm.get_parameter(n.target) for n in nodes]
+    name = f"zero3_gather_{k}"
+    gm.add_submodule(name, ZeroGather(size=dp, index=k, targets=tuple(n.target for n in nodes),
+                                      shapes=tuple(tuple(p.shape) for p in params), dtype=params[0].dtype,
+                                      next_gather=f"zero3_gather_{k + 1}" if k + 1 < num_groups else None))
+    with graph.inserting_before(first_use):
+        attrs = []
+        for n in nodes:
+            attr = graph.get_attr(n.target)
+            attr.meta = dict(n.meta)
+            attrs.append(attr)
+        gather = graph.call_module(name, tuple(attrs))
+        fulls = []
+        for i, n in enumerate(nodes):
+            full = graph.call_function(operator.getitem, (gather, i))
+            full.meta = {key: v for key, v in n.meta.items() if key == TENSOR}
+            fulls.append(full)
+    for n, full in zip(nodes, fulls):
+        n.replace_all_uses_with(full)
+        graph.erase_node(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_use = max((u for f in fulls for u in f.users), key=order.__getitem__)
+    token = _token_after(last_use, order)
+    free_name = f"zero3_free_{k}"
+    gm.add_submodule(free_name, ZeroFree(size=dp, gather=name))
+    with graph.inserting_after(token):
+        free = graph.call_module(free_name, (token, *fulls))
+    free.meta = {key: v for key, v in token.meta.items() if key in (TENSOR, MODULE)}
+    token.replace_all_uses_with(free, delete_user_cb=lambda user: user is not free)
+
+
+def shard_parameters_zero3(stage: StageGraph, *, dp: int) -> StageGraph:
+    """Rewrite ``stage.gm`` in place for ZeRO-3 over ``dp`` ranks (a no-op for dp=1)."""
+    if dp == 1:
+        return stage
+    gm = stage.gm
+    groups = zero3_groups(gm)
+    for k, nodes in enumerate(groups):
+        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups))
+    # backward meets the frees in reverse graph order: each prefetches the gather of the free before it
+    frees = [gm.get_submodule(n.target) for n in gm.graph.nodes
+             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), ZeroFree)]
+    for before, free in zip(frees, frees[1:]):
+        free.prev_gather = before.gather
+    gm.graph.lint()
+    gm.recompile()
+    return stage

@@ -1,0 +1,301 @@
+"""The runtime of the asynchronous schedules (PipeDream, PipeDream-2BW, PipeMare): a pipeline that never drains.
+
+API (``program = autopar.compile(..., schedule="pipedream")`` returns an :class:`AsyncProgram`):
+
+- ``program.train_step(*inputs, target=)`` feeds one batch (this rank's dp slice, split into
+  ``num_microbatches`` microbatches) into the running pipeline and returns that batch's global
+  mean loss on every rank. Its forwards have all run by then; the backwards of its last
+  microbatches on the early stages, and the updates they feed, may still be in flight: they run
+  during the next ``train_step`` calls, exactly as in a pipeline that never stops.
+- ``program.flush()`` drains: every pending backward and update. ``full_state_dict()`` and
+  ``save_checkpoint()`` flush first. Feeding more batches after a flush continues the same
+  stream; loading weights (a checkpoint, a state dict) starts a new one from them.
+- The numbers do not depend on how the stream is cut into calls: microbatches are numbered from
+  the start of training, and what every forward and backward reads follows the schedule's
+  :class:`~autopar.runtime.schedules.staleness.StalenessRule` of those numbers.
+  :func:`autopar.runtime.async_emulation.emulate` computes the same training in one process.
+
+Each step of a rank (one stage per rank):
+
+- F of microbatch ``i`` reads version ``rule.forward_version(s, i)``: with stashing, autograd
+  records the forward on a snapshot of that version; PipeMare runs it without autograd on the
+  live weights and keeps only the stage's inputs.
+- B: stashing backpropagates through the recorded forward; PipeMare recomputes the stage's
+  forward from its kept inputs with the corrected weights ``w - (v_b - v_f) * delta`` and
+  backpropagates through that. The gradient goes into update ``rule.update_of(i)``.
+- An update runs when its result is first read (or at the drain): gradients averaged over dp,
+  summed over tied copies on other ranks (2BW only), learning rate scaled (PipeMare), the user's
+  optimizer stepped, PipeMare's ``delta`` advanced.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from autopar.errors import PlanError
+from autopar.runtime.executor import ActionEvent
+from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
+from autopar.runtime.program import RankProgram
+from autopar.runtime.schedules.action import Action, ActionKind
+from autopar.runtime.schedules.asynchronous import stream_segment
+from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
+
+__all__ = ["AsyncProgram"]
+
+log = logging.getLogger(__name__)
+_TAG_MICROBATCHES = 4096  # p2p tags hold 12 bits of microbatch; a few are in flight at once
+
+
+class _Proxy:
+    """Stands in for the p2p channel of a stage: records received activations, or replays them."""
+
+    def __init__(self, channel, microbatch: int, replay: dict | None = None):
+        self.channel, self.microbatch, self.replay = channel, microbatch, replay
+        self.received: dict[int, torch.Tensor] = {}
+
+    def send(self, tensor, *, stage, edge, microbatch, is_grad):
+        if self.replay is None or is_grad:  # a recompute does not send its activations again
+            self.channel.send(tensor, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
+
+    def recv(self, shape, dtype, *, stage, edge, microbatch, is_grad, my_stage):
+        if is_grad:
+            return self.channel.recv(shape, dtype, stage=stage, edge=edge, microbatch=microbatch,
+                                     is_grad=True, my_stage=my_stage)
+        if self.replay is not None:
+            return self.replay[edge]
+        self.received[edge] = self.channel.recv(shape, dtype, stage=stage, edge=edge, microbatch=microbatch,
+                                                is_grad=False, my_stage=my_stage)
+        return self.received[edge]
+
+
+@contextlib.contextmanager
+def _bound(stage, channel):
+    """Point the stage's send/recv nodes at ``channel`` for the duration."""
+    nodes = [m for m in stage.gm.modules() if hasattr(m, "bind") and hasattr(m, "edge")]
+    before = [m.channel for m in nodes]
+    for m in nodes:
+        m.channel = channel
+    try:
+        yield
+    finally:
+        for m, c in zip(nodes, before):
+            m.channel = c
+
+
+def _roots(stage, out, scale: int):
+    """What a backward starts from: the scaled loss, or the send tokens that carry a gradient."""
+    if stage.is_last:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        return [loss / scale], None
+    tokens = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tokens, [torch.ones_like(t) for t in tokens]
+
+
+class AsyncProgram(RankProgram):
+    """A :class:`RankProgram` whose pipeline runs one endless stream; see the module doc."""
+
+    def __init__(self, *, options=None, **kwargs):
+        super().__init__(**kwargs)
+        rule = self.schedule.staleness
+        if options is not None and rule.kind == "pipemare":
+            rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
+                                       correction_decay=options.pipemare_correction_decay)
+        self.rule = rule
+        self._check_supported()
+        (self.stage,) = self.stages.values()
+        self.versions = WeightVersions(self.named_params)
+        index = {id(p): k for k, (_, p) in enumerate(self.named_params)}
+        self._gm_params = [(name, index[id(p)]) for name, p in self.stage.gm.named_parameters()]
+        self.tied = self._shared_params()
+        self.delta = [torch.zeros_like(p) for p in self.versions.params] if rule.kind == "pipemare" else None
+        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
+        self._base_lrs = [g["lr"] for g in groups]
+        self._cursor = (0, 0)  # next forward, next backward (global microbatch numbers)
+        self._fed = 0  # microbatches fed so far
+        self._inputs: dict[int, dict] = {}
+        self._held: dict[int, tuple] = {}
+        self._stashed: dict[int, int] = {}  # in-flight microbatch -> the version its autograd graph holds
+        self.peak_versions = 1  # most weight versions alive at once (kept snapshots and stashed ones)
+
+    def _check_supported(self) -> None:
+        name, plan = self.schedule.name, self.plan
+        problems = []
+        if len(self.stages) != 1:
+            problems.append(("one stage per rank", "drop num_virtual"))
+        if plan.zero_stage > 1 or getattr(plan, "precision", "fp32") != "fp32" or self.mixed is not None:
+            problems.append(("zero_stage 0 or 1 and fp32", "use zero_stage=1 and precision='fp32'"))
+        if problems:
+            raise PlanError(f"asynchronous schedule {name!r} needs " + "; ".join(p for p, _ in problems),
+                            where=f"compile(schedule={name!r}), rank {self.info.rank}",
+                            fix="; ".join(f for _, f in problems))
+        self.check_tied(plan, stage_to_rank=self.schedule.stage_to_rank, name=name)
+
+    @staticmethod
+    def check_tied(plan, *, stage_to_rank, name: str) -> None:
+        """PipeDream and PipeMare update each stage on its own clock: no weight may live on two ranks."""
+        if name == "pipedream_2bw":
+            return
+        for weight, stages in plan.shared_params.items():
+            if len({stage_to_rank[s] for s in stages}) > 1:
+                raise PlanError(
+                    f"asynchronous schedule {name!r} needs no weight shared by stages on different ranks, but "
+                    f"{weight!r} is on stages {list(stages)}: each stage updates it on its own clock",
+                    where=f"compile(schedule={name!r})",
+                    fix="use 'pipedream_2bw' (it sums the copies' gradients once per batch), a synchronous "
+                        "schedule, or a model without tied weights (e.g. llama_tiny)")
+
+    # -- the stream ------------------------------------------------------------------------
+    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Feed one batch into the running pipeline; returns its global mean loss (every rank)."""
+        if not self.captured.has_loss:
+            raise PlanError("this program was compiled without a loss_fn", where="train_step",
+                            fix="pass loss_fn= (and example_target=) to autopar.compile")
+        batches = self._microbatches(tuple(inputs) + (target,))
+        first = self._fed
+        for k, batch in enumerate(batches):
+            self._inputs[first + k] = batch
+        self._fed += len(batches)
+        results = self._run(end=self._fed - 1)
+        self.step_count += 1
+        return self._batch_loss([results[i] for i in sorted(results)])
+
+    def flush(self) -> None:
+        """Finish every pending backward and apply every pending update (the pipeline drains)."""
+        self._run(end=None)
+        self.versions.apply_pending(self._update)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights after every fed batch's update (flushes first); collective, like the base class."""
+        self.flush()
+        return super().full_state_dict()
+
+    def save_checkpoint(self, root: str) -> str:
+        """Flush, then save as the base class does."""
+        self.flush()
+        return super().save_checkpoint(root)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load as the base class does; the stream restarts from the loaded weights (version 0)."""
+        step = super().load_checkpoint(path)
+        self._restart()
+        return step
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Set the weights; the stream restarts from them (version 0)."""
+        super().load_full_state_dict(state_dict)
+        self._restart()
+
+    def _restart(self) -> None:
+        if self._held:
+            raise PlanError("cannot load weights into a pipeline with microbatches in flight",
+                            where="asynchronous program", fix="call program.flush() first")
+        self.versions = WeightVersions(self.named_params)
+        self._cursor, self._fed, self._inputs, self._stashed = (0, 0), 0, {}, {}
+        if self.delta is not None:
+            self.delta = [torch.zeros_like(p) for p in self.versions.params]
+
+    def _run(self, *, end: int | None) -> dict[int, torch.Tensor]:
+        """Run this rank's segment of the stream up to the forward of microbatch ``end`` (None: drain)."""
+        pp = self.info.coords["pp"]
+        next_forward = self._cursor[0]
+        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=next_forward,
+                                               next_backward=self._cursor[1], end=end)
+        self.events, results = [], {}
+        start = time.perf_counter()
+        for action in actions:
+            self.channel.action, self.channel.microbatch = str(action), action.microbatch % _TAG_MICROBATCHES
+            t0, waited = time.perf_counter(), self.channel.wait_s
+            if action.kind is ActionKind.F:
+                next_forward = action.microbatch + 1
+                loss = self._forward(action)
+                if loss is not None:
+                    results[action.microbatch] = loss
+            else:
+                self._backward(action)
+            # snapshots a later forward may read stay; in-flight stashes live in their autograd graphs
+            self.versions.release_below(self.rule.forward_version(self.stage.stage, next_forward))
+            self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
+            self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
+                                                 wait_s=self.channel.wait_s - waited))
+        # a send completes when its receiver takes it, maybe only in the next call: wait at the drain only
+        self.channel.flush() if end is None else self.channel.prune()
+        return results
+
+    def _forward(self, action: Action):
+        i, s = action.microbatch, self.stage.stage
+        version = self.rule.forward_version(s, i)
+        self.versions.apply_through(version, self._update)
+        batch = self._inputs[i] if not self.rule.stashes else self._inputs.pop(i)
+        args = tuple(batch[n] for n in self.stage.input_names)
+        if self.rule.stashes:
+            leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
+            out = functional_call(self.stage.gm, self._by_gm_name(leaves), args)
+            self._held[i], self._stashed[i] = (out, leaves), version
+        else:  # no stash: no autograd now; B recomputes from the inputs kept here
+            assert self.versions.applied == version, "a forward without stashing reads the newest weights"
+            proxy = _Proxy(self.channel, self.channel.microbatch)
+            with _bound(self.stage, proxy), torch.no_grad():
+                out = self.stage.gm(*args)
+            self._held[i] = (version, proxy.received)
+        if self.stage.is_last:
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+            return loss.detach()
+        return None
+
+    def _backward(self, action: Action) -> None:
+        i, s = action.microbatch, self.stage.stage
+        if self.rule.stashes:
+            out, leaves = self._held.pop(i)
+            del self._stashed[i]
+            roots, grads = _roots(self.stage, out, self.rule.updates_every)
+            torch.autograd.backward(roots, grads)
+        else:
+            version, received = self._held.pop(i)
+            self.versions.apply_through(self.rule.backward_version(s, i), self._update)
+            lag = self.rule.backward_version(s, i) - version
+            leaves = [w.requires_grad_() for w in corrected_weights(self.versions.params, self.delta, lag)]
+            args = tuple(self._inputs.pop(i)[n] for n in self.stage.input_names)
+            with _bound(self.stage, _Proxy(self.channel, self.channel.microbatch, replay=received)):
+                out = functional_call(self.stage.gm, self._by_gm_name(leaves), args)
+                roots, grads = _roots(self.stage, out, self.rule.updates_every)
+                torch.autograd.backward(roots, grads)
+        self.versions.accumulate(self.rule.update_of(i), [leaf.grad for leaf in leaves])
+
+    def _by_gm_name(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensors[k] for name, k in self._gm_params}
+
+    def _update(self, update: int, grads: list[torch.Tensor]) -> None:
+        """Update ``update``: dp average, tied copies summed, lr scaled, optimizer step, PipeMare's delta."""
+        params = self.versions.params
+        for p, g in zip(params, grads):
+            p.grad = g
+        average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"])
+        scale = self.rule.lr_scale(self.stage.stage, update)
+        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
+        for group, base in zip(groups, self._base_lrs):
+            group["lr"] = base * scale
+        old = [p.detach().clone() for p in params] if self.delta is not None else None
+        self.optimizer.step()
+        for group, base in zip(groups, self._base_lrs):
+            group["lr"] = base
+        if self.delta is not None:
+            update_velocity(self.delta, old, params, decay=self.rule.correction_decay)
+        for p in params:
+            p.grad = None
+
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's mean loss from the last stage, averaged over dp, on every rank."""
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        if self.plan.mesh.dp > 1:
+            dist.all_reduce(loss, group=self.info.groups["dp"])
+            loss /= self.plan.mesh.dp
+        if self.plan.mesh.pp > 1:
+            dist.broadcast(loss, src=self.last_stage_rank, group=self.info.groups["pp"])
+        return loss

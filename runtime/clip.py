@@ -1,0 +1,75 @@
+"""Gradient clipping by the global norm over every shard and mesh axis (``max_grad_norm``).
+
+The norm is the one ``torch.nn.utils.clip_grad_norm_`` computes on a single device: the 2-norm of
+every gradient of the model, each parameter counted once. Each rank adds the squares of the
+gradients it *counts* (:func:`counted_here`), and one all-reduce over the whole world sums them:
+
+- tensor parallelism: a parameter sharded over tp is counted on every tp rank (its shards); a
+  replicated one only on tp rank 0 (not tp times);
+- pipeline parallelism: parameters of different stages are summed; a weight tied across stages
+  (``Plan.shared_params``, gradients already summed) is counted only on its first stage's rank;
+- data parallelism: after the dp reduction every replica holds the same gradient, so it is
+  counted on dp rank 0 only; under ZeRO-1/2 (owners) and ZeRO-3 (flat shards) each dp rank
+  counts what it owns (``ShardedOptimizer.owned_parameters``), which partitions the model.
+
+Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_gradients"]
+
+
+def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[int],
+                 owned: set[str] | None) -> bool:
+    """Does this rank count ``name``'s gradient in the global norm?"""
+    if name not in plan.param_shards and coords["tp"] != 0:
+        return False
+    stages = plan.shared_params.get(name)
+    if stages and stage_to_pp[min(stages)] != coords["pp"]:
+        return False
+    if owned is not None:
+        return name in owned
+    return coords["dp"] == 0
+
+
+def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
+                     stage_to_pp: list[int], owned: set[str] | None, group=None) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for name, p in named:
+        if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
+                                               owned=owned):
+            squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt().to(torch.float32)
+
+
+@torch.no_grad()
+def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: float, plan,
+                   coords: dict[str, int], stage_to_pp: list[int], owned: set[str] | None,
+                   group=None) -> torch.Tensor:
+    """Scale every local gradient so the global norm is at most ``max_norm``; returns the norm before."""
+    total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned, group=group)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, p in named:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def clip_program_gradients(program, *, max_norm: float) -> torch.Tensor:
+    """Clip a RankProgram's gradients (after gradient sync, before the step); returns the global norm."""
+    plan, names = program.plan, {n for n, _ in program.named_params}
+    owners = program.optimizer.owner_of() if hasattr(program.optimizer, "owner_of") else None
+    if plan.zero_stage == 3 and plan.mesh.dp > 1:
+        owned = names  # flat 1/N shards: each dp rank counts its own
+    elif owners is not None:
+        owned = {n for n, k in owners.items() if k == program.info.coords["dp"]}
+    else:
+        owned = None  # replicated over dp: dp rank 0 counts
+    return clip_grad_norm(program.named_params, max_norm=max_norm, plan=plan, coords=program.info.coords,
+                          stage_to_pp=list(program.schedule.stage_to_rank), owned=owned)

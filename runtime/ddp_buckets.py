@@ -1,0 +1,172 @@
+"""DDP's gradient buckets: reduce gradients over dp while backward is still running.
+
+Parameters are put into buckets of about ``bucket_bytes`` in *reverse* order of use (the order
+backward produces their gradients). Each parameter has a post-accumulate-grad hook; a step
+expects ``num_microbatches x (local stage graphs using it)`` accumulations, so the hook knows
+when a gradient is final, the way DDP's ``no_sync`` skips every microbatch but the last.
+When every parameter of a bucket is final, the bucket's gradients are copied into one flat
+buffer and an asynchronous collective starts on it, while autograd goes on with earlier layers.
+:meth:`GradBuckets.finish` (before the optimizer step) starts the buckets that never completed
+(a parameter that got no gradient counts as zero), waits for all of them in launch order and
+writes the result back as views of the flat buffers (no second copy of the gradients).
+
+Two modes:
+- ``owners=None`` (DDP, ZeRO-0): all-reduce each bucket and divide by N.
+- ``owners={name: dp index}`` (ZeRO-1/2): buckets hold the parameters of one owner only and are
+  *reduced* to it; the owner divides by N. Other ranks keep their local gradient (ZeRO-1) or drop
+  it as soon as the bucket is launched (ZeRO-2), so only owned gradients outlive the step.
+
+Launch order is the hooks' order, identical on every dp rank (same graphs, same schedule), so
+the collectives match. Gradients set without autograd's accumulation (the W action of split
+backward) do not fire the hooks; their buckets start in :meth:`finish`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from autopar.errors import RuntimeCommError
+from autopar.runtime import comm_audit as comm
+
+__all__ = ["GradBuckets", "Bucket", "plan_buckets"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together, and their state during a step."""
+
+    index: int
+    names: list[str]
+    owner: int | None = None  # dp index the bucket is reduced to; None: all-reduce
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+    launched_at: float | None = None
+    launched_in: str = ""
+
+
+def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], *, bucket_bytes: int,
+                 owners: dict[str, int] | None) -> list[Bucket]:
+    """Buckets in reverse use order (``named`` is in use order), one owner per bucket if ``owners``."""
+    buckets: list[Bucket] = []
+    open_: dict[int | None, tuple[list[str], int]] = {}
+    for name, p in reversed(named):
+        owner = owners[name] if owners is not None else None
+        names, size = open_.get(owner, ([], 0))
+        nbytes = p.numel() * p.element_size()
+        if names and size + nbytes > bucket_bytes:
+            buckets.append(Bucket(len(buckets), names, owner))
+            names, size = [], 0
+        open_[owner] = (names + [name], size + nbytes)
+    for owner, (names, _) in sorted(open_.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        if names:
+            buckets.append(Bucket(len(buckets), names, owner))
+    return buckets
+
+
+class GradBuckets:
+    """Bucketed dp reduction of ``named`` parameters' gradients, overlapped with backward if ``overlap``."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], *, group, dp_ranks: list[int],
+                 dp_rank: int, bucket_bytes: int, owners: dict[str, int] | None = None,
+                 keep_unowned: bool = True, overlap: bool = True, uses: dict[str, int] | None = None,
+                 comm_log: comm.CommLog | None = None, current_action: Callable[[], str] = lambda: "",
+                 purpose: str = "grad"):
+        self.params = dict(named)
+        self.group, self.dp_ranks, self.dp_rank, self.size = group, dp_ranks, dp_rank, len(dp_ranks)
+        self.keep_unowned = keep_unowned
+        self.comm_log, self.current_action, self.purpose = comm_log, current_action, purpose
+        self.buckets = plan_buckets(list(named), bucket_bytes=bucket_bytes, owners=owners)
+        self.bucket_of = {n: b for b in self.buckets for n in b.names}
+        self.uses = uses or {}
+        self.expected: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+        self.launched: list[Bucket] = []
+        self.armed = False
+        self._handles = []
+        if overlap and self.size > 1:
+            for name, p in named:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
+
+    # -- a step ------------------------------------------------------------------------------
+    def begin(self, num_microbatches: int) -> None:
+        """Arm the hooks for a step of ``num_microbatches`` backward passes per stage."""
+        self.expected = {n: num_microbatches * self.uses.get(n, 1) for n in self.params}
+        self.counts = dict.fromkeys(self.params, 0)
+        for b in self.buckets:
+            b.ready, b.flat, b.work, b.launched_at, b.launched_in = 0, None, None, None, ""
+        self.launched = []
+        self.armed = True
+
+    def _hook(self, name: str):
+        def on_grad(param: torch.Tensor) -> None:
+            if not self.armed:
+                return
+            bucket = self.bucket_of[name]
+            if bucket.work is not None:
+                raise RuntimeCommError(f"gradient of {name} accumulated again after its bucket was reduced",
+                                       where=f"dp bucket {bucket.index}",
+                                       fix="report this: the step ran more backward passes than planned")
+            self.counts[name] += 1
+            if self.counts[name] == self.expected[name]:
+                bucket.ready += 1
+                if bucket.ready == len(bucket.names):
+                    self._launch(bucket)
+        return on_grad
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = []
+        for n in bucket.names:
+            p = self.params[n]
+            grads.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+        bucket.flat = torch.cat(grads)
+        bucket.launched_at, bucket.launched_in = time.perf_counter(), self.current_action()
+        if bucket.owner is None:
+            bucket.work = comm.all_reduce(bucket.flat, group=self.group, size=self.size, log=self.comm_log,
+                                          purpose=f"{self.purpose}_all_reduce", async_op=True)
+        else:
+            bucket.work = comm.reduce(bucket.flat, dst=self.dp_ranks[bucket.owner], group=self.group,
+                                      size=self.size, log=self.comm_log, purpose=f"{self.purpose}_reduce",
+                                      async_op=True)
+            if bucket.owner != self.dp_rank and not self.keep_unowned:
+                for n in bucket.names:  # ZeRO-2 frees now; ZeRO-1 keeps the local gradient
+                    self.params[n].grad = None
+        self.launched.append(bucket)
+
+    def finish(self) -> None:
+        """Start what is left (in bucket order), wait for everything, write the reduced gradients back."""
+        if self.size == 1:
+            return
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.launched:
+            bucket.work.wait()
+            self._write_back(bucket)
+        self.armed = False
+
+    def _write_back(self, bucket: Bucket) -> None:
+        mine = bucket.owner is None or bucket.owner == self.dp_rank
+        if mine:
+            bucket.flat.div_(self.size)
+            offset = 0
+            for n in bucket.names:
+                p = self.params[n]
+                p.grad = bucket.flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+        bucket.flat, bucket.work = None, None
+
+    def launch_log(self) -> list[tuple[int, str, float]]:
+        """(bucket index, action running at launch, perf_counter time) of the last step's launches."""
+        return [(b.index, b.launched_in, b.launched_at) for b in self.launched]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

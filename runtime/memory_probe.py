@@ -1,0 +1,158 @@
+"""Measure what a rank actually holds: model-state bytes, and activations saved for backward.
+
+- :func:`held_state_bytes` walks a :class:`~autopar.runtime.program.RankProgram`'s tensors
+  (stage-graph parameters and buffers, fp32 masters, every ``.grad``, the optimizer's state)
+  and sums each *storage* once (deduplicated by ``data_ptr``: a gradient that is a view of a
+  flat bucket counts the bucket once, a tied weight once).
+- :class:`SavedLedger` records the storages autograd saves for backward
+  (``torch.autograd.graph.saved_tensors_hooks``), plus what recompute regions hold (their inputs
+  and the op outputs selective recompute stores); parameters, buffers and the batch's own
+  tensors are excluded. Sizes are read when the stage's forward ends, so storage freed by then
+  (ZeRO-3 frees gathered weights) counts zero.
+- :func:`measure_activations` runs one ``train_step`` with a ledger around every stage forward
+  and returns the bytes per (stage, microbatch).
+
+The memory calculator (:mod:`autopar.memory`) uses the same ledger on fake tensors, so a
+measured figure and a predicted one count the same things.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations"]
+
+
+def _storage_key(t: torch.Tensor):
+    """The storage's identity (its StorageImpl): unlike ``data_ptr`` it stays unique when a storage is
+    resized to zero and its memory reused (ZeRO-3 frees gathered weights that way); fake tensors have one too."""
+    return t.untyped_storage()._cdata
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class SavedLedger:
+    """Storages held for backward, each counted once; parameters, buffers and inputs excluded."""
+
+    def __init__(self):
+        self.held: dict[object, torch.UntypedStorage] = {}
+        self.excluded: dict[object, torch.UntypedStorage] = {}  # kept alive: a key is never reused
+
+    def exclude(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.excluded.setdefault(_storage_key(t), t.untyped_storage())
+
+    def hold(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                self.held.setdefault(_storage_key(t), t.untyped_storage())
+
+    def _pack(self, t: torch.Tensor):
+        self.hold([t])
+        return t
+
+    def watch(self):
+        """A context: every tensor autograd saves inside it is recorded."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def keys(self) -> set:
+        return set(self.held) - set(self.excluded)
+
+    def total(self) -> int:
+        """Bytes of the held storages (their size now), excluded ones left out."""
+        return sum(self.held[k].nbytes() for k in self.keys())
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one rank holds for the model's state, by kind."""
+
+    params: int
+    master_params: int
+    grads: int
+    optimizer: int
+    buffers: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.master_params + self.grads + self.optimizer
+
+
+class _Counter:
+    def __init__(self):
+        self.seen: set = set()
+        self.total = 0
+
+    def add(self, t) -> None:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+            key = _data_ptr(t)  # everything counted here is alive: data_ptr identifies the memory
+            if key not in self.seen:
+                self.seen.add(key)
+                self.total += t.untyped_storage().nbytes()
+
+
+def held_state_bytes(program) -> StateBytes:
+    """Bytes of every storage ``program`` holds for parameters, masters, gradients, optimizer state, buffers."""
+    params, masters, grads, state, buffers = _Counter(), _Counter(), _Counter(), _Counter(), _Counter()
+    compute = [p for gm in program.graphs.values() for p in gm.parameters()]
+    for p in compute:
+        params.add(p)
+    mixed = getattr(program, "mixed", None)
+    master_list = [m for _, m in mixed.named] if mixed is not None else []
+    for m in master_list:
+        masters.add(m)
+    for p in compute + master_list:
+        grads.add(p.grad)
+    for gm in program.graphs.values():
+        for b in gm.buffers():
+            buffers.add(b)
+    optimizer = getattr(program.optimizer, "optimizer", None)
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            for value in per_param.values():
+                state.add(value)
+    return StateBytes(params.total, masters.total, grads.total, state.total, buffers.total)
+
+
+@contextlib.contextmanager
+def recording_activations(program, results: dict | None = None):
+    """A context: a fresh ledger around every stage forward; yields {(stage, microbatch): bytes saved}."""
+    from autopar.passes.recompute import recompute_modules
+
+    results = {} if results is None else results
+    handles = []
+    for stage, gm in program.graphs.items():
+        state: dict = {}
+
+        def pre(module, args, stage=stage, state=state):
+            ledger = SavedLedger()
+            ledger.exclude(list(module.parameters()) + list(module.buffers()) + list(args))
+            for region in recompute_modules(module):
+                region.observer = ledger.hold
+            state["ledger"], state["ctx"] = ledger, ledger.watch()
+            state["ctx"].__enter__()
+
+        def post(module, args, out, stage=stage, state=state):
+            state["ctx"].__exit__(None, None, None)
+            for region in recompute_modules(module):
+                region.observer = None
+            results[(stage, program.channel.microbatch)] = state["ledger"].total()
+
+        handles += [gm.register_forward_pre_hook(pre), gm.register_forward_hook(post)]
+    try:
+        yield results
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def measure_activations(program, *inputs: torch.Tensor, target: torch.Tensor) -> dict[tuple[int, int], int]:
+    """Run one train_step; bytes saved for backward by each (stage, microbatch) forward of this rank."""
+    with recording_activations(program) as results:
+        program.train_step(*inputs, target=target)
+    return results

@@ -1,0 +1,150 @@
+"""Mixed precision (``precision="bf16"``): bf16 compute, fp32 master weights, fp32 gradients.
+
+The design is Megatron's (bf16 model, fp32 "main" parameters and gradients):
+
+- **Capture in bf16.** :func:`low_precision_copy` gives the compiler a copy of the model whose
+  floating parameters and buffers are bf16, so the captured graph is the model as bf16 code:
+  a deliberate ``x.float()`` stays fp32 and ``.type_as(x)`` becomes bf16. The stage graphs then
+  hold bf16 *compute* parameters and send bf16 activations between stages.
+- **fp32 masters.** :func:`fp32_masters` cuts this rank's fp32 masters from the user's original
+  (fp32) weights, sharded exactly as the graph's parameters (tensor-parallel shard specs).
+  :class:`MasterWeights` owns them: they are what the rest of the runtime sees as "the
+  parameters" (gradient sync, ZeRO, clipping, the optimizer, ``full_state_dict``).
+- **fp32 gradient accumulation.** Each compute parameter has a post-accumulate-grad hook that
+  adds its bf16 gradient into the master's fp32 ``.grad`` and drops the bf16 one, so gradients
+  of every microbatch are summed in fp32 (:meth:`MasterWeights.collect` catches gradients set
+  without autograd's accumulation, as split backward's W does).
+- **After the step** :meth:`MasterWeights.publish` rounds the updated masters into the compute
+  parameters.
+
+Per parameter a rank holds 2 bytes (bf16 compute copy) + 4 (fp32 master) + 4 (fp32 gradient)
++ the optimizer's state on the masters (``docs/memory.md``).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import PlanError
+
+__all__ = ["COMPUTE_DTYPES", "low_precision_copy", "fp32_masters", "MasterWeights", "zero3_block",
+           "masters_for_rank"]
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def low_precision_copy(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A copy of ``model`` with floating parameters and buffers in ``dtype``; the original is untouched."""
+    memo: dict[int, object] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo or not tensor.is_floating_point():
+            continue
+        if tensor.dtype not in (torch.float32, dtype):
+            raise PlanError(f"precision='bf16' expects an fp32 model, found a {tensor.dtype} tensor",
+                            where="the model's parameters/buffers",
+                            fix="build the model in fp32 (autopar keeps fp32 masters itself) or use precision='fp32'")
+        low = tensor.detach().to(dtype)
+        memo[id(tensor)] = nn.Parameter(low, requires_grad=tensor.requires_grad) if isinstance(
+            tensor, nn.Parameter) else low
+    low_model = copy.deepcopy(model, memo)
+    low_model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype))
+    return low_model
+
+
+def _cast_inputs(module: nn.Module, args: tuple, *, dtype: torch.dtype) -> tuple:
+    """Floating inputs enter the bf16 model as bf16 (a visible cast at the start of the graph)."""
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def fp32_masters(model: nn.Module, targets: list[str], *, param_shards: dict, tp_rank: int,
+                 tp_size: int) -> dict[str, torch.Tensor]:
+    """{user name: this tp rank's fp32 master} for graph parameter ``targets`` (user names)."""
+    from autopar.passes.tensor_parallel import shard_tensor
+
+    masters = {}
+    for name in targets:
+        original = model.get_parameter(name).detach()
+        spec = param_shards.get(name)
+        if spec is not None and tp_size > 1:
+            original = shard_tensor(original, spec, rank=tp_rank, size=tp_size)
+        masters[name] = original.to(torch.float32).clone()
+    return masters
+
+
+def zero3_block(tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
+    """ZeRO-3's layout of ``tensor`` on dp rank ``rank``: flattened, zero-padded to a multiple of size, block rank."""
+    flat = tensor.reshape(-1)
+    per = -(-flat.numel() // size)
+    padded = torch.zeros(per * size, dtype=tensor.dtype)
+    padded[: flat.numel()] = flat
+    return padded[rank * per: (rank + 1) * per].clone()
+
+
+class MasterWeights:
+    """fp32 masters of one rank's bf16 compute parameters; gradients accumulate into them in fp32."""
+
+    def __init__(self, named_compute: list[tuple[str, nn.Parameter]], masters: dict[str, torch.Tensor]):
+        self.pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        self._handles = []
+        for name, compute in named_compute:
+            source = masters.get(name)
+            if source is None or source.numel() != compute.numel():
+                log.warning("no fp32 original of the same size for %s: its master starts from the bf16 value", name)
+                source = compute.detach().float()
+            master = nn.Parameter(source.reshape(compute.shape).to(torch.float32).clone(),
+                                  requires_grad=compute.requires_grad)
+            self.pairs.append((name, compute, master))
+            if compute.requires_grad:
+                self._handles.append(compute.register_post_accumulate_grad_hook(self._hook(master)))
+        self.publish()
+
+    @staticmethod
+    def _hook(master: nn.Parameter):
+        def accumulate(compute: torch.Tensor) -> None:
+            _move_grad(compute, master)
+        return accumulate
+
+    @property
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, fp32 master): what gradient sync, ZeRO, clipping and the optimizer work on."""
+        return [(name, master) for name, _, master in self.pairs]
+
+    def collect(self) -> None:
+        """Move any bf16 gradient still on a compute parameter into its master (fp32)."""
+        for _, compute, master in self.pairs:
+            if compute.grad is not None:
+                _move_grad(compute, master)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Round the masters into the bf16 compute parameters (after the optimizer step)."""
+        for _, compute, master in self.pairs:
+            compute.copy_(master.reshape(compute.shape))
+
+
+def _move_grad(compute: torch.Tensor, master: nn.Parameter) -> None:
+    grad = compute.grad.detach().to(torch.float32).reshape(master.shape)
+    if master.grad is None:
+        master.grad = grad
+    else:
+        master.grad.add_(grad)
+    compute.grad = None
+
+
+def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, torch.Tensor]:
+    """fp32 masters of every parameter of this rank's stages, from the user's fp32 model."""
+    from autopar.lowering import user_name
+
+    mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
+    names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))
+    shards = {user_name(k): v for k, v in lowered.param_shards.items()}
+    masters = fp32_masters(model, names, param_shards=shards, tp_rank=info.coords["tp"], tp_size=info.shape.tp)
+    if lowered.plan.zero_stage == 3 and info.shape.dp > 1:
+        masters = {n: zero3_block(t, rank=info.coords["dp"], size=info.shape.dp) for n, t in masters.items()}
+    return masters

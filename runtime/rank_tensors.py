@@ -1,0 +1,77 @@
+"""What this rank holds of the single-device model: each parameter and persistent buffer, its
+single-device name (the smallest of a tied weight's names), and how it is cut (a :class:`Layout`).
+
+Read by checkpoints (:mod:`autopar.runtime.checkpoint`) and by ``full_state_dict`` (buffers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.lowering import user_name
+from autopar.runtime.checkpoint_layout import Layout
+
+__all__ = ["Held", "held_tensors", "model_buffers"]
+
+
+@dataclass(frozen=True)
+class Held:
+    """One tensor this rank holds: its single-device name, the tensor, and how it is cut."""
+
+    name: str  # canonical single-device name (the smallest of a tied weight's names)
+    aliases: tuple[str, ...]
+    tensor: torch.Tensor
+    layout: Layout
+    tp_index: int
+    z_index: int
+    kind: str  # "param" | "buffer"
+
+
+# -- what this rank holds -----------------------------------------------------------------------
+def _zero3_shapes(program) -> dict[int, tuple[int, ...]]:
+    """{id(parameter): tp-local shape} of the parameters held as flat ZeRO-3 shards."""
+    from autopar.runtime.zero3_ops import ZeroGather
+    shapes = {}
+    for stage in program.stages.values():
+        for module in stage.gm.modules():
+            if isinstance(module, ZeroGather):
+                for target, shape in zip(module.targets, module.shapes):
+                    shapes[id(stage.gm.get_parameter(target))] = tuple(shape)
+    return shapes
+
+
+def model_buffers(program) -> list[tuple[str, torch.Tensor]]:
+    """(single-device name, tensor) of the persistent buffers this rank's stages read (BatchNorm stats)."""
+    seen, out = set(), []
+    for stage in program.stages.values():
+        for node in stage.gm.graph.nodes:
+            if node.op != "get_attr" or node.target in seen:
+                continue
+            seen.add(node.target)
+            owner, _, leaf = node.target.rpartition(".")
+            module = stage.gm.get_submodule(owner) if owner else stage.gm
+            name = user_name(node.target)
+            if leaf in module._buffers and name in program.state_keys:
+                out.append((name, module._buffers[leaf]))
+    return out
+
+
+def held_tensors(program) -> list[Held]:
+    """Every parameter and persistent buffer this rank holds, with its layout."""
+    plan, coords = program.plan, program.info.coords
+    z3 = _zero3_shapes(program)
+    held = []
+    for name, p in program.named_params:
+        spec = plan.param_shards.get(name)
+        local = z3.get(id(p), tuple(p.shape))
+        shape = list(local)
+        if spec is not None:
+            shape[spec.dim] *= plan.mesh.tp
+        aliases = tuple(sorted(program.aliases.get(name, (name,))))
+        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
+                        z3=plan.mesh.dp if id(p) in z3 else None)
+        held.append(Held(aliases[0], aliases, p, layout, coords["tp"], coords["dp"], "param"))
+    for name, b in model_buffers(program):
+        held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
+    return held

@@ -1,0 +1,118 @@
+"""The memory calculator (autopar/memory/): the formulas, by ZeRO stage, precision and optimizer, in one process."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.memory import OPTIMIZER_STATE, estimate_memory, peak_bytes
+from autopar.models import build_model, lm_loss
+from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.simulator import StageCosts, simulate
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(mesh, **options):
+    torch.manual_seed(0)
+    model = build_model("gpt_tiny", seq_len=16)
+    x = torch.randint(0, 128, (8, 16))
+    return autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, **options)
+
+
+def _sizes():
+    model = build_model("gpt_tiny", seq_len=16)
+    return [p.numel() for p in model.parameters()]  # tied weights once, as the runtime holds them
+
+
+def test_zero0_fp32_adam_is_16_bytes_per_parameter():
+    n = sum(_sizes())
+    r = estimate_memory(_plan((2, 1, 1)), optimizer="adam", zero_stage=0).ranks[1]
+    assert (r.params, r.master_params, r.grads) == (4 * n, 0, 4 * n)
+    assert r.optimizer == 8 * n + 4 * len(_sizes())  # exp_avg, exp_avg_sq + a 4-byte step per tensor
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATE))
+def test_optimizer_kinds(optimizer):
+    n, k = sum(_sizes()), len(_sizes())
+    per_element, per_tensor = OPTIMIZER_STATE[optimizer]
+    r = estimate_memory(_plan((2, 1, 1)), optimizer=optimizer, zero_stage=0).ranks[0]
+    assert r.optimizer == 4 * per_element * n + per_tensor * k
+
+
+def test_zero_stages_shard_what_they_say():
+    """ZeRO-1 splits optimizer state over dp, ZeRO-2 gradients too, ZeRO-3 parameters too (ceil(n/dp))."""
+    sizes, n = _sizes(), sum(_sizes())
+    result = _plan((2, 1, 1))
+    by_stage = {z: estimate_memory(result, optimizer="adam", zero_stage=z).ranks for z in range(4)}
+    full = by_stage[0][0]
+    for z in (1, 2):
+        ranks = by_stage[z].values()
+        assert sum(r.optimizer for r in ranks) == full.optimizer  # whole parameters, each on one rank
+        assert max(r.optimizer for r in ranks) < 0.6 * full.optimizer
+        assert all(r.params == full.params for r in ranks)
+    assert sum(r.grads for r in by_stage[2].values()) == full.grads
+    assert all(r.grads == full.grads for r in by_stage[1].values())
+    shard = sum(math.ceil(s / 2) for s in sizes)
+    for r in by_stage[3].values():
+        assert (r.params, r.grads) == (4 * shard, 4 * shard)
+        assert r.optimizer == 8 * shard + 4 * len(sizes)
+
+
+def test_bf16_keeps_bf16_params_fp32_masters_and_grads():
+    n = sum(_sizes())
+    r = estimate_memory(_plan((2, 1, 1), precision="bf16"), optimizer="adam", zero_stage=0).ranks[0]
+    assert (r.params, r.master_params, r.grads) == (2 * n, 4 * n, 4 * n)
+    fp32 = estimate_memory(_plan((2, 1, 1)), optimizer="adam", zero_stage=0).ranks[0]
+    assert r.per_microbatch[0] < 0.55 * fp32.per_microbatch[0]  # bf16 activations (the loss stays small)
+
+
+def test_pipeline_and_tensor_parallel_split_the_parameters():
+    n = sum(_sizes())
+    pp = estimate_memory(_plan((1, 2, 1)), optimizer="sgd").ranks
+    tied = 128 * 32 * 4  # the tied embedding / LM head lives on both pipeline ranks
+    assert sum(r.params for r in pp.values()) == 4 * n + tied
+    tp = estimate_memory(_plan((1, 1, 2)), optimizer="sgd").ranks
+    assert tp[0].params == tp[1].params < 0.7 * 4 * n
+
+
+def test_peak_in_flight_is_the_simulators():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+        schedule = build_schedule(name, num_ranks=4, num_microbatches=8, num_virtual=v)
+        sim = simulate(schedule, costs=StageCosts(forward=1, backward=1, weight=1))
+        for rank, row in enumerate(schedule.actions):
+            ones = dict.fromkeys(range(schedule.num_stages), 1)
+            assert peak_bytes(row, ones, split_backward=schedule.split_backward) == sim.peak_activations[rank]
+
+
+def test_activations_follow_the_schedule():
+    gpipe = estimate_memory(_plan((1, 2, 1), schedule="gpipe", num_microbatches=4), optimizer="sgd").ranks[0]
+    ofob = estimate_memory(_plan((1, 2, 1), schedule="1f1b", num_microbatches=4), optimizer="sgd").ranks[0]
+    assert (gpipe.peak_in_flight, ofob.peak_in_flight) == (4, 2)
+    assert gpipe.activations == 4 * gpipe.per_microbatch[0]
+    assert ofob.activations == 2 * ofob.per_microbatch[0]
+
+
+def test_unknown_optimizer_is_a_plan_error():
+    with pytest.raises(autopar.PlanError, match="optimizer"):
+        estimate_memory(_plan((2, 1, 1)), optimizer="lion")
+
+
+def test_70b_shaped_model_on_1024_ranks_on_meta():
+    """A 70B-shaped Llama (8 of its 80 layers) on dp=128 x pp=8: figures from the graphs, nothing allocated."""
+    with torch.device("meta"):
+        model = build_model("llama2_70b", num_layers=8)
+    x = torch.zeros(1024, model.cfg.seq_len, dtype=torch.long, device="meta")
+    result = autopar.plan(model, (128, 8, 1), example_inputs=(x,), loss_fn=lm_loss, example_target=x,
+                          precision="bf16", recompute="selective", zero_stage=1, num_microbatches=8)
+    estimate = estimate_memory(result, optimizer="adam")
+    assert len(estimate.ranks) == 1024
+    first = [estimate.ranks[autopar.planning.rank_of(dp=0, pp=q, tp=0, shape=result.plan.mesh)] for q in range(8)]
+    assert sum(r.params for r in first) == 2 * sum(p.numel() for p in model.parameters())  # bf16
+    assert all(r.master_params == 2 * r.params for r in first)
+    layer = 8192 * (8192 * 2 + 1024 * 2 + 28672 * 3) + 8192 * 2  # attention, MLP, two norms
+    assert first[3].params == 2 * layer
+    assert first[3].peak_in_flight == 5  # 1F1B: pp - stage microbatches in flight
+    assert "GiB" in estimate.summary()

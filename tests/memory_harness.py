@@ -1,0 +1,101 @@
+"""Cases for recomputation, mixed precision, clipping and measured memory, run in shared process groups.
+
+Every case runs under :func:`measured_run` (a runner of the equivalence harness, kind
+``"memory_harness:measured_run"``): it trains like ``equivalence.parallel_run`` (losses and the
+full state_dict for :func:`equivalence.assert_equivalent`) and also records, on every rank, the
+bytes saved for backward by each stage forward of the first step and the model-state bytes held
+after the last step (``autopar.runtime.memory_probe``). :func:`results` runs all cases of one
+world size in one spawned group, once per test session; :func:`estimate` is the memory
+calculator's figure for a case, computed in the test process.
+"""
+from __future__ import annotations
+
+import functools
+
+from equivalence import Case, batches, build, make_optimizer, run_cases
+
+KIND = "memory_harness:measured_run"
+OPTIMIZER_KIND = {"sgd": "momentum", "adam": "adamw"}  # equivalence.make_optimizer's choices
+
+
+def _case(mesh, *, model="gpt_tiny", optimizer="sgd", **options) -> Case:
+    return Case(model=model, mesh=mesh, options=tuple(options.items()), optimizer=optimizer, kind=KIND, steps=2)
+
+
+# ZeRO 0-3 x dp {2, 4} x fp32/bf16: measured model states against the calculator (both optimizer kinds).
+MEMORY = [_case((dp, 1, 1), zero_stage=z, precision=prec, optimizer=opt)
+          for dp, opts in ((2, {"fp32": "adam", "bf16": "sgd"}), (4, {"fp32": "sgd", "bf16": "adam"}))
+          for prec, opt in opts.items() for z in (0, 1, 2, 3)]
+# Recompute on a pp x tp mesh (collectives inside the regions, p2p outside): equal results, less memory.
+RECOMPUTE = [_case((1, 2, 2), recompute="none"), _case((1, 2, 2), recompute="selective"),
+             _case((1, 2, 2), recompute="full", max_grad_norm=0.05),
+             _case((1, 2, 2), model="llama_tiny", recompute="selective", max_grad_norm=0.05),
+             _case((1, 2, 2), model="llama_tiny", recompute="full")]
+# Clipping by the global norm (max_grad_norm small enough to be active): tp shards and replicas,
+# a weight tied across pp stages, dp replicas; more in RECOMPUTE.
+CLIP = [_case((2, 1, 2), model="llama_tiny", max_grad_norm=0.05),
+        _case((2, 2, 1), recompute="selective", max_grad_norm=0.05)]
+# bf16 on pp x tp (the dp cases are in MEMORY), judged with a bf16 tolerance.
+PRECISION = [_case((1, 2, 2), model="llama_tiny", precision="bf16")]
+ALL = MEMORY + RECOMPUTE + CLIP + PRECISION
+
+
+def measured_run(case: Case, mesh) -> dict:
+    """Train ``case`` like parallel_run, recording every rank's activations (step 1) and model states (end)."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import lm_loss
+    from autopar.runtime.memory_probe import held_state_bytes, recording_activations
+
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    losses, norms, activations = [], [], {}
+    for step, (idx, tgt) in enumerate(data):
+        with recording_activations(program) as seen:
+            losses.append(program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt)).item())
+        activations = activations or dict(seen)
+        norms.append(None if program.last_grad_norm is None else float(program.last_grad_norm))
+    states = held_state_bytes(program)
+    mine = {"rank": program.info.rank, "coords": dict(program.info.coords), "activations": activations,
+            "states": states, "grad_norms": norms,
+            "dtypes": sorted({str(p.dtype) for gm in program.graphs.values() for p in gm.parameters()})}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"losses": losses, "state": program.full_state_dict(), "ranks": {r["rank"]: r for r in every}}
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> dict:
+    """{case: rank 0's result} for every case of ``world`` ranks (one spawned group per session)."""
+    cases = [c for c in ALL if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))
+
+
+def estimate(case: Case):
+    """The memory calculator's per-rank figures for ``case`` (autopar.plan in this process).
+
+    ZeRO-0/1/2 share their graphs and ZeRO-3 only adds gathers (whose weights are freed after use),
+    so one plan per case without its ZeRO stage serves all four; the stage goes to the calculator.
+    """
+    from autopar.memory import estimate_memory
+
+    options = dict(case.options)
+    zero = options.pop("zero_stage", 1)
+    options.pop("max_grad_norm", None)
+    result = _plan(case.model, case.mesh, tuple(sorted(options.items())))
+    return estimate_memory(result, optimizer=OPTIMIZER_KIND[case.optimizer], zero_stage=zero)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(model_name: str, mesh: tuple, options: tuple):
+    import autopar
+    from autopar.models import lm_loss
+
+    case = Case(model=model_name, mesh=mesh, options=options, kind=KIND, steps=2)
+    model = build(case)
+    x, y = batches(case, model.cfg.vocab_size)[0]
+    return autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, **dict(options))

@@ -1,0 +1,134 @@
+"""Asynchronous schedules: the distributed runtime reproduces the single-process emulation of each rule.
+
+The emulation (runtime/async_emulation.py) is plain torch on the unsplit model; the rules are data
+(runtime/schedules/staleness.py). Spawned cases: tests/schedule_runners.py (2 ranks, 4 batches each).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.models import build_model, lm_loss
+from autopar.runtime.async_emulation import StageLayout, emulate
+from autopar.runtime.schedules import StageCosts, StalenessRule, simulate
+from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, stream_segment
+from equivalence import ATOL, RTOL, build, make_optimizer
+from schedule_runners import ASYNC_CASES, results
+
+
+def _emulate(case, result, rule=None):
+    layout = StageLayout(result["layout"]["param_stages"], result["layout"]["stage_starts"])
+    return emulate(build(case), rule=rule or result["rule"], layout=layout,
+                   batches=[((x,), y) for x, y in result["data"]], num_microbatches=result["num_microbatches"],
+                   loss_fn=lm_loss, optimizer=make_optimizer(case), dp=case.mesh[0])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ASYNC_CASES, ids=lambda c: c.name())
+def test_distributed_run_is_the_emulated_staleness_rule(case):
+    result = results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    expected = _emulate(case, result)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected.losses), rtol=RTOL, atol=0)
+    assert set(result["state"]) == set(expected.state)
+    for key, value in expected.state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    # the check has teeth: another rule gives other weights
+    rule = result["rule"]
+    other = StalenessRule(kind="2bw", num_stages=rule.num_stages,  # another update cadence
+                          updates_every=1 if rule.kind == "2bw" else result["num_microbatches"])
+    wrong = _emulate(case, result, other)
+    assert any(not torch.allclose(wrong.state[k], v, rtol=RTOL, atol=ATOL) for k, v in expected.state.items())
+    # the loss falls on real text, and the runtime held the weight versions the simulator counts
+    assert result["losses"][-1] < result["losses"][0]
+    generate = {"pipedream": pipedream, "pipedream_2bw": pipedream_2bw, "pipemare": pipemare}[
+        dict(case.options)["schedule"]]
+    schedule = generate(num_ranks=2, num_microbatches=result["num_microbatches"], num_batches=case.steps)
+    predicted = simulate(schedule, costs=StageCosts(forward=1, backward=1, weight=0)).weight_versions_per_rank
+    # never more than the rule needs; fewer where a lazy update keeps a gradient instead of a version
+    assert all(held <= most for held, most in zip(result["peak_versions"], predicted))
+    assert max(result["peak_versions"]) == max(predicted)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_rules_are_the_published_formulas(p, m):
+    dream, mare = StalenessRule(kind="pipedream", num_stages=p), StalenessRule(kind="pipemare", num_stages=p)
+    two = StalenessRule(kind="2bw", num_stages=p, updates_every=m)
+    for s in range(p):
+        for i in range(3 * m + p):
+            assert dream.forward_version(s, i) == dream.backward_version(s, i) == max(0, i - (p - 1 - s))
+            assert mare.forward_version(s, i) == max(0, i - (p - 1 - s)) and mare.backward_version(s, i) == i
+            assert two.forward_version(s, i) == two.backward_version(s, i) == max(0, i // m - 1)
+    assert [two.closes_update(i) for i in range(2 * m)] == ([False] * (m - 1) + [True]) * 2
+
+
+@pytest.mark.parametrize(("generate", "p", "m"), [(pipedream, 3, 2), (pipedream_2bw, 3, 3), (pipemare, 4, 1)])
+def test_the_stream_order_gives_each_forward_the_version_its_rule_reads(generate, p, m):
+    """Counting the updates each rank has finished before each action reproduces the rule exactly."""
+    schedule = generate(num_ranks=p, num_microbatches=m, num_batches=4)
+    rule = schedule.staleness
+    for rank, row in enumerate(schedule.actions):
+        backwards_done = 0
+        for action in row:
+            updates_done = backwards_done // rule.updates_every
+            if action.kind.value == "F":
+                assert rule.forward_version(rank, action.microbatch) <= updates_done
+                if rule.kind != "2bw":  # no stash needed beyond the rule: the newest version is read
+                    assert rule.forward_version(rank, action.microbatch) == updates_done
+            else:
+                assert rule.backward_version(rank, action.microbatch) <= updates_done
+                backwards_done += 1
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_segments_per_batch_then_drain_make_the_stream_schedule(p):
+    m, k = 2, 3
+    schedule = pipedream(num_ranks=p, num_microbatches=m, num_batches=k)
+    for rank in range(p):
+        cursor, actions = (0, 0), []
+        for t in list(range(k)) + [None]:
+            part, cursor = stream_segment(rank=rank, num_ranks=p, next_forward=cursor[0], next_backward=cursor[1],
+                                          end=None if t is None else (t + 1) * m - 1)
+            actions += part
+        assert tuple(actions) == schedule.actions[rank]
+
+
+def test_simulated_weight_versions():
+    costs = StageCosts(forward=1, backward=1, weight=0)
+    assert simulate(pipedream(num_ranks=4, num_microbatches=4, num_batches=4), costs=costs
+                    ).weight_versions_per_rank == (4, 3, 2, 1)
+    assert simulate(pipedream_2bw(num_ranks=4, num_microbatches=4, num_batches=4), costs=costs).weight_versions == 2
+    assert simulate(pipemare(num_ranks=4, num_microbatches=4, num_batches=4), costs=costs).weight_versions == 1
+    # one fill and one drain for the whole stream: 2 (p - 1) idle slots per rank in 2N + 2 (p - 1)
+    long = simulate(pipedream(num_ranks=4, num_microbatches=8, num_batches=64), costs=costs)
+    assert long.mean_bubble == pytest.approx(6 / (2 * 512 + 6))
+
+
+def test_emulation_of_one_stage_is_plain_per_microbatch_training():
+    torch.manual_seed(0)
+    model = build_model("gpt_tiny", num_layers=1, seq_len=8)
+    x = torch.randint(0, 128, (4, 8))
+    layout = StageLayout({n: (0,) for n, _ in model.named_parameters()}, ())
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    got = emulate(model, rule=StalenessRule(kind="pipedream", num_stages=1), layout=layout,
+                  batches=[((x,), x), ((x,), x)], num_microbatches=2, loss_fn=lm_loss, optimizer=sgd)
+    reference = build_model("gpt_tiny", num_layers=1, seq_len=8)
+    reference.load_state_dict(model.state_dict())
+    opt = sgd(list(reference.parameters()))
+    for _ in range(2):
+        for chunk in x.chunk(2):
+            opt.zero_grad()
+            lm_loss(reference(chunk), chunk).backward()
+            opt.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(got.state[name], value)
+
+
+def test_pipemare_rescales_the_rate_by_delay_then_releases_it():
+    rule = StalenessRule(kind="pipemare", num_stages=4, lr_warmup_updates=10, correction_decay=0.5)
+    assert rule.lr_scale(0, 0) == pytest.approx(1 / 3) and rule.lr_scale(3, 0) == 1.0
+    assert rule.lr_scale(0, 5) == pytest.approx(3 ** -0.5) and rule.lr_scale(0, 10) == 1.0
+    assert dataclasses.replace(rule, lr_warmup_updates=0).lr_scale(0, 0) == 1.0

@@ -1,0 +1,131 @@
+"""Checkpoints: pieces and layouts, atomic publish, and (spawned) save on one mesh, load on another.
+
+The spawned cases live in tests/shared_groups.py (one group per world size, shared with the fault
+and real-world-model tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from autopar.errors import CheckpointError
+from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checkpoint_layout import Layout, join, split
+from equivalence import Case, assert_equivalent, reference_run
+
+import shared_groups as groups
+from ckpt_runners import reference_from
+
+
+# -- plain: layouts and files ------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [
+    Layout((6, 4)), Layout((6, 4), tp=(0, 1, 2)), Layout((6, 4), tp=(1, 1, 2)), Layout((6, 4), tp=(0, 3, 2)),
+    Layout((6, 4), z3=4), Layout((6, 4), tp=(0, 3, 2), z3=5), Layout((5,), z3=2),
+], ids=str)
+def test_pieces_join_to_the_logical_tensor(layout):
+    full = torch.randn(layout.shape)
+    pieces = {k: split(full, layout, tp_index=t, z_index=z) for k, t, z in layout.pieces("w")}
+    assert all(p.shape == layout.piece_shape() for p in pieces.values())
+    assert torch.equal(join(pieces, layout, "w"), full)
+
+
+def test_layout_round_trips_through_json():
+    layout = Layout((6, 4), tp=(0, 3, 2), z3=2)
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+
+
+def test_publish_moves_latest_only_when_complete(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2):
+        tmp = files.tmp_dir_for(root, step)
+        os.makedirs(tmp)
+        files.write_manifest(tmp, {"format": files.FORMAT, "step": step})
+        assert files.latest_step_dir(root) == (None if step == 1 else os.path.join(root, "step_00000001"))
+        files.publish(tmp, root, step)
+    assert files.resolve(root) == os.path.join(root, "step_00000002")
+    os.makedirs(files.tmp_dir_for(root, 3))  # a save that died before publishing
+    assert files.resolve(root) == os.path.join(root, "step_00000002")
+    assert files.read_manifest(files.resolve(root))["step"] == 2
+
+
+def test_missing_and_garbled_checkpoints_are_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        files.resolve(str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        files.resolve(str(tmp_path))
+    (tmp_path / files.MANIFEST).write_text("{broken")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        files.read_manifest(str(tmp_path))
+    (tmp_path / files.MANIFEST).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(CheckpointError, match="not an autopar checkpoint"):
+        files.read_manifest(str(tmp_path))
+
+
+# -- spawned: save on one mesh, load on another ------------------------------------------------------
+def _result(case):
+    result = groups.results(case.world_size)[case]
+    assert "error" not in result, f"{case.name()}:\n{result.get('traceback', result['error'])}"
+    return result
+
+
+def _reference(case) -> dict:
+    return reference_run(Case(model=case.model, overrides=case.overrides, steps=case.steps,
+                              optimizer=case.optimizer, lr=case.lr))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", groups.RESUME_A + groups.RESUME_Z, ids=lambda c: c.name())
+def test_resumed_on_another_mesh_trains_like_one_device(case):
+    """Saved after 2 steps at (dp, pp, tp) = (1, 2, 2) (or under ZeRO-3 at (2, 1, 2)), loaded into
+    a model with other weights on another mesh: the 4 steps equal one device's."""
+    save = groups.SAVE_A if dict(case.extra)["name"] == "A" else groups.SAVE_Z
+    saved, resumed = _result(save), _result(case)
+    assert saved["step"] == resumed["step"] == 2
+    combined = {"losses": saved["losses"] + resumed["losses"], "state": resumed["state"]}
+    assert_equivalent(case, combined, _reference(case))
+
+
+@pytest.mark.dist
+def test_adamw_state_and_step_resume_exactly():
+    """AdamW's step counter and moments come back: equal to the same mesh's run without a stop."""
+    full, saved, resumed = (_result(c) for c in (groups.ADAM_FULL, groups.SAVE_ADAM, groups.RESUME_ADAM))
+    combined = {"losses": saved["losses"] + resumed["losses"], "state": resumed["state"]}
+    assert_equivalent(groups.RESUME_ADAM, combined, full)
+
+
+@pytest.mark.dist
+def test_crash_while_saving_keeps_the_previous_checkpoint():
+    out = _result(groups.CRASH)
+    assert "saving step 2 failed" in out["message"] and "simulated crash" in out["message"]
+    assert out["latest"] == "step_00000001" and out["step"] == 1 and out["same"]
+    assert out["leftovers"] == []
+
+
+@pytest.mark.dist
+def test_bad_checkpoints_raise_and_lose_nothing():
+    out = _result(groups.BAD)
+    assert "does not fit this model" in out["other_model"]
+    assert "missing keys" in out["other_model"] and "unexpected keys" in out["other_model"]
+    assert "blocks.0.attn.qkv.weight" in out["other_model"]  # a key only the checkpoint's model has
+    assert "checksum mismatch" in out["flipped"]
+    assert "index is corrupted" in out["index"]
+    assert "manifest" in out["manifest"] and "corrupted" in out["manifest"]
+    assert "does not exist" in out["missing"]
+    assert "missing keys ['blocks.0.mlp.fc.weight']" in out["state_dict"]
+    assert out["unchanged"] and out["other_unchanged"]
+
+
+@pytest.mark.dist
+def test_full_state_dict_exports_and_starts_training():
+    """The exported state_dict loads into the plain model (the runner checks strict loading) and a
+    program started from it trains like one device started from it."""
+    case = groups.ROUNDTRIP
+    out = _result(case)
+    k = dict(case.extra)["save_after"]
+    first = _reference(case)
+    torch.testing.assert_close(torch.tensor(out["first"]), torch.tensor(first["losses"][:k]), rtol=1e-5, atol=0)
+    expected = reference_from(case, out["exported"], k)
+    assert_equivalent(case, {"losses": out["losses"], "state": out["state"]}, expected)

@@ -1,0 +1,115 @@
+"""Faults: a worker killed mid-run under torchrun, a two-node launch, a p2p wait that times out,
+and a NaN in the loss or the gradients.
+
+The torchrun tests launch tests/runtime/fault_train.py on 127.0.0.1 and judge it against one
+device with the equivalence harness; the others are spawned cases of tests/shared_groups.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from equivalence import assert_equivalent, reference_run
+
+import shared_groups as groups
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fault_train.py")
+sys.path.insert(0, os.path.dirname(__file__))  # fault_train's CASE
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _judge(out, *, started_at: int | None = None):
+    from fault_train import CASE
+    lines = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    final = torch.load(out / "final.pt", weights_only=False)
+    latest = {}
+    for line in lines:  # a retried step's loss replaces the one of the attempt that died
+        latest[line["step"]] = line["loss"]
+    result = {"losses": [latest[s] for s in range(CASE.steps)], "state": final["state"]}
+    assert_equivalent(CASE, result, reference_run(CASE))
+    return lines, final
+
+
+def test_killed_worker_resumes_from_the_last_checkpoint(tmp_path):
+    """Rank 1 dies while writing step 3's checkpoint; torchrun restarts both ranks, they resume from
+    step 2's checkpoint, and the run ends where an uninterrupted one does."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    cmd = _torchrun("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                    SCRIPT, "--mesh", "1,2,1", "--ckpt", str(ckpt), "--out", str(out), "--kill-step", "2")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    lines, final = _judge(out)
+    assert final["attempt"] == 1 and final["start"] == 2
+    assert [(x["attempt"], x["step"]) for x in lines] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("step_"))[-1] == "step_00000005"
+
+
+def test_two_node_launch_trains_like_one_device(tmp_path):
+    """Two torchrun agents (nodes 0 and 1, one rank each, static rendezvous on 127.0.0.1), pp=2
+    across them."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                  "--master-port", port, SCRIPT, "--mesh", "1,2,1", "--ckpt", str(ckpt), "--out", str(out)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[1][-4000:] for o in outputs)
+    lines, final = _judge(out)
+    assert final["attempt"] == 0 and len(lines) == 5
+
+
+def _result(case):
+    result = groups.results(case.world_size)[case]
+    assert "error" not in result, f"{case.name()}:\n{result.get('traceback', result['error'])}"
+    return result
+
+
+def test_p2p_wait_that_times_out_names_rank_stage_action_and_peer():
+    """Stage 0 skips its step: stage 1's receive gives up after p2p_timeout_s instead of hanging."""
+    messages = _result(groups.P2P_TIMEOUT)["messages"]
+    assert messages[0] == ""
+    text = messages[1]
+    assert "waiting for the activation of edge 0, microbatch 0" in text
+    assert "rank 1, stage 1, action 1F0, peer rank 0 (stage 0)" in text
+    assert "p2p_timeout_s" in text
+
+
+def test_nan_in_loss_or_gradients_names_step_and_stage():
+    out = _result(groups.NONFINITE)
+    # a weight set to inf on stage 0: the loss of step 2 is NaN (reported first, from the last stage)
+    assert "non-finite value at training step 2: the loss of microbatch" in out["loss"]
+    assert "(stage 1)" in out["loss"] and "rank 1" in out["loss"]
+    # a loss that is finite but whose gradient is NaN: caught before the optimizer steps
+    assert "training step 1: the gradient of" in out["grad"] and "(stage " in out["grad"]
+    assert out["unchanged"] and out["step_count"] == 0

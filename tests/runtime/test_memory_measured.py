@@ -1,0 +1,65 @@
+"""Measured memory equals the calculator: model states per rank (ZeRO 0-3, dp 2 and 4, fp32 and bf16)
+within 2%, and bytes saved for backward per microbatch, under every recompute mode.
+
+Both sides count storages (a tensor's memory once, whatever views it has). Model states are read
+off the program after a step; activations are recorded by saved-tensor hooks around each stage
+forward of the first step (runtime/memory_probe.py) and predicted by a fake-tensor forward
+(autopar/memory/activations.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from equivalence import assert_equivalent, reference_run
+from memory_harness import ALL, MEMORY, RECOMPUTE, estimate, results
+
+pytestmark = pytest.mark.dist
+
+STATE_FIELDS = ("params", "master_params", "grads", "optimizer")
+STATE_RTOL = 0.02  # the issue's bound; the figures agree to the byte on these models
+ACTIVATION_RTOL = 0.01  # likewise exact here; the slack covers a kernel that saves a differently sized buffer
+
+
+def _result(case):
+    result = results(case.world_size)[case]
+    assert "error" not in result, f"{case.name()} failed:\n{result.get('traceback', result['error'])}"
+    return result
+
+
+@pytest.mark.parametrize("case", MEMORY, ids=lambda c: c.name().split("-", 1)[1])
+def test_model_states_match_the_calculator(case):
+    predicted = estimate(case)
+    for rank, seen in _result(case)["ranks"].items():
+        want = predicted.ranks[rank]
+        for field in STATE_FIELDS:
+            got, expected = getattr(seen["states"], field), getattr(want, field)
+            assert abs(got - expected) <= STATE_RTOL * max(expected, 1), (rank, field, got, expected)
+        assert seen["states"].buffers == want.buffers
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name().split("-", 1)[1])
+def test_activations_match_the_calculator(case):
+    predicted = estimate(case)
+    for rank, seen in _result(case)["ranks"].items():
+        assert seen["activations"], rank
+        for (stage, microbatch), got in seen["activations"].items():
+            expected = predicted.ranks[rank].per_microbatch[stage]
+            assert abs(got - expected) <= ACTIVATION_RTOL * expected, (rank, stage, microbatch, got, expected)
+
+
+def test_recompute_lowers_measured_memory_as_predicted():
+    """Per stage and rank: full < selective < none, measured and predicted alike."""
+    by_mode = {dict(c.options)["recompute"]: c for c in RECOMPUTE if c.model == "gpt_tiny"}
+    measured = {mode: _result(c)["ranks"] for mode, c in by_mode.items()}
+    for rank in measured["none"]:
+        for key in measured["none"][rank]["activations"]:
+            full, selective, none = (measured[m][rank]["activations"][key] for m in ("full", "selective", "none"))
+            assert full < selective < none, (rank, key, full, selective, none)
+    peaks = {mode: estimate(c).peak_rank().activations for mode, c in by_mode.items()}
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
+
+
+@pytest.mark.parametrize("case", [c for c in MEMORY if c.optimizer == "sgd" and ("precision", "fp32") in c.options],
+                         ids=lambda c: c.name().split("-", 1)[1])
+def test_fp32_memory_cases_still_train_like_one_device(case):
+    assert_equivalent(case, _result(case), reference_run(case))

@@ -1,0 +1,156 @@
+"""Mixed precision (bf16 compute, fp32 masters) and clipping by the global gradient norm.
+
+Clipping is judged by the shared harness at fp32 rounding (relative 1e-5) against
+``torch.nn.utils.clip_grad_norm_`` on one device, with ``max_grad_norm`` small enough that every
+step clips. bf16 is judged against the same fp32 single-device run with a bf16 tolerance:
+
+- losses within 1e-2 relative: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3); the
+  loss itself is a bf16 number (rounding alone is up to 2e-3) computed through a few bf16 layers;
+- each parameter's *update* (final minus initial; the fp32 masters start from the exact fp32
+  weights, so updates are where bf16 shows) within 10% of the fp32 update, by norm: gradients
+  computed with bf16 activations carry errors of a few 2^-8, and small tensors (biases, norms)
+  sum few terms, so their relative error is the largest.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import autopar
+from equivalence import Case, assert_equivalent, batches, build, make_optimizer
+from memory_harness import ALL, MEMORY, PRECISION, results
+from autopar.runtime.clip import clip_grad_norm, counted_here
+from autopar.runtime.mixed_precision import MasterWeights, low_precision_copy
+
+LOSS_RTOL = 1e-2
+UPDATE_RTOL = 0.10
+
+CLIPPED = [c for c in ALL if "max_grad_norm" in dict(c.options) and ("precision", "bf16") not in c.options]
+BF16 = PRECISION + [c for c in MEMORY if ("precision", "bf16") in c.options and c.optimizer == "sgd"]
+
+
+# -- plain ---------------------------------------------------------------------------------------
+def test_bad_options_are_plan_errors():
+    with pytest.raises(autopar.PlanError, match="precision"):
+        autopar.CompileOptions(precision="fp16")
+    with pytest.raises(autopar.PlanError, match="max_grad_norm"):
+        autopar.CompileOptions(max_grad_norm=0.0)
+
+
+def test_low_precision_copy_leaves_the_model_alone():
+    from autopar.models import build_model
+    model = build_model("mlp_tiny")
+    low = low_precision_copy(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in low.parameters())
+    x = torch.randn(4, model.layers[0].in_features)
+    assert low(x).dtype == torch.bfloat16  # float inputs are cast on the way in
+
+
+def test_master_weights_accumulate_in_fp32():
+    compute = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    masters = MasterWeights([("w", compute)], {"w": torch.full((3,), 1.0 + 2**-12)})
+    (_, master), = masters.named
+    assert master.dtype == torch.float32 and master[0].item() == 1.0 + 2**-12  # the exact fp32 value
+    for _ in range(3):
+        (compute * torch.tensor(2**-10, dtype=torch.bfloat16)).sum().backward()
+    assert compute.grad is None and master.grad.dtype == torch.float32
+    torch.testing.assert_close(master.grad, torch.full((3,), 3 * 2**-10))
+    with torch.no_grad():
+        master.sub_(1.0)
+    masters.publish()
+    assert compute.dtype == torch.bfloat16 and compute[0].item() == 2**-12
+
+
+def _plan(**kw):
+    defaults = dict(param_shards={"sharded": object()}, shared_params={"tied": (0, 3)})
+    return SimpleNamespace(**{**defaults, **kw})
+
+
+@pytest.mark.parametrize("name,coords,owned,counted", [
+    ("sharded", {"dp": 0, "pp": 0, "tp": 1}, None, True),     # tp shards: every tp rank
+    ("replica", {"dp": 0, "pp": 0, "tp": 1}, None, False),    # tp replicas: tp rank 0 only
+    ("replica", {"dp": 0, "pp": 0, "tp": 0}, None, True),
+    ("tied", {"dp": 0, "pp": 1, "tp": 0}, None, False),       # tied across stages: the first stage's rank
+    ("tied", {"dp": 0, "pp": 0, "tp": 0}, None, True),
+    ("replica", {"dp": 1, "pp": 0, "tp": 0}, None, False),    # dp replicas: dp rank 0
+    ("replica", {"dp": 1, "pp": 0, "tp": 0}, {"replica"}, True),  # ZeRO: the owner
+    ("replica", {"dp": 0, "pp": 0, "tp": 0}, {"other"}, False),
+])
+def test_each_gradient_counted_once(name, coords, owned, counted):
+    assert counted_here(name, plan=_plan(), coords=coords, stage_to_pp=[0, 0, 1, 1], owned=owned) is counted
+
+
+def test_clip_on_one_rank_is_torchs():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    ref = [p.grad.clone() for p in params]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for twin, g in zip(twins, ref):
+        twin.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(twins, 0.5)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    norm = clip_grad_norm(named, max_norm=0.5, plan=_plan(param_shards={}, shared_params={}),
+                          coords={"dp": 0, "pp": 0, "tp": 0}, stage_to_pp=[0], owned=None)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref])))
+    torch.testing.assert_close(norm, expected)
+    for p, twin in zip(params, twins):
+        torch.testing.assert_close(p.grad, twin.grad)
+
+
+# -- spawned groups ------------------------------------------------------------------------------
+def _result(case):
+    result = results(case.world_size)[case]
+    assert "error" not in result, f"{case.name()} failed:\n{result.get('traceback', result['error'])}"
+    return result
+
+
+def _reference(case: Case) -> dict:
+    """One device, fp32, clipped with torch's clip_grad_norm_ when the case clips: losses, norms, weights."""
+    from autopar.models import lm_loss
+    model = build(case)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = make_optimizer(case)(list(model.parameters()))
+    max_norm = dict(case.options).get("max_grad_norm")
+    losses, norms = [], []
+    for idx, tgt in batches(case, model.cfg.vocab_size):
+        opt.zero_grad()
+        loss = lm_loss(model(idx), tgt)
+        loss.backward()
+        if max_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "initial": initial,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CLIPPED, ids=lambda c: c.name().split("-", 1)[1])
+def test_clipping_matches_torch_on_one_device(case):
+    result, reference = _result(case), _reference(case)
+    assert_equivalent(case, result, reference)
+    max_norm = dict(case.options)["max_grad_norm"]
+    for seen in result["ranks"].values():  # every rank got the same global norm, torch's, and clipped
+        torch.testing.assert_close(torch.tensor(seen["grad_norms"]), torch.tensor(reference["norms"]),
+                                   rtol=1e-5, atol=0)
+        assert min(seen["grad_norms"]) > max_norm
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", BF16, ids=lambda c: c.name().split("-", 1)[1])
+def test_bf16_trains_like_fp32_within_bf16_tolerance(case):
+    result = _result(case)
+    reference = _reference(Case(model=case.model, options=(), optimizer=case.optimizer, steps=case.steps))
+    assert all(seen["dtypes"] == ["torch.bfloat16"] for seen in result["ranks"].values())
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
+                               rtol=LOSS_RTOL, atol=0)
+    for key, final in reference["state"].items():
+        want = final - reference["initial"][key]
+        got = result["state"][key] - reference["initial"][key]
+        assert result["state"][key].dtype == torch.float32  # the masters
+        assert torch.linalg.vector_norm(got - want) <= UPDATE_RTOL * torch.linalg.vector_norm(want) + 1e-7, key

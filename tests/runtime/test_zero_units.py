@@ -1,0 +1,80 @@
+"""Data-parallel pieces that need no process group: bucket plans, ZeRO checks, theory, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import PlanError
+from autopar.mesh import MeshInfo
+from autopar.options import CompileOptions
+from autopar.plan_model import MeshShape
+from autopar.runtime.comm_audit import CommLog, theory_bytes
+from autopar.runtime.ddp_buckets import plan_buckets
+from autopar.runtime.zero import ShardedOptimizer, check_elementwise
+
+
+def _named(sizes):
+    return [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+
+
+def test_buckets_follow_reverse_use_order_and_cap():
+    buckets = plan_buckets(_named([10, 10, 10, 10]), bucket_bytes=80, owners=None)
+    assert [b.names for b in buckets] == [["p3", "p2"], ["p1", "p0"]]
+
+
+def test_zero_buckets_hold_one_owner_each():
+    owners = {"p0": 0, "p1": 1, "p2": 0, "p3": 1}
+    buckets = plan_buckets(_named([10, 10, 10, 10]), bucket_bytes=1000, owners=owners)
+    assert {tuple(b.names): b.owner for b in buckets} == {("p3", "p1"): 1, ("p2", "p0"): 0}
+
+
+def test_zero3_theory_is_one_and_a_half_ddp():
+    ddp = theory_bytes(zero_stage=0, param_bytes=1000, dp=4)
+    assert ddp == 1500
+    assert theory_bytes(zero_stage=1, param_bytes=1000, dp=4) == ddp
+    assert theory_bytes(zero_stage=2, param_bytes=1000, dp=4) == ddp
+    assert theory_bytes(zero_stage=3, param_bytes=1000, dp=4) == 1.5 * ddp
+    assert theory_bytes(zero_stage=3, param_bytes=1000, dp=1) == 0
+
+
+def test_comm_log_sums_by_purpose():
+    log = CommLog()
+    log.add("all_reduce", "grad_all_reduce", 100, 100.0, 2)
+    log.add("broadcast", "param_broadcast", 100, 50.0, 2)
+    assert log.sent_bytes() == 150 and log.by_purpose() == {"grad_all_reduce": 100.0, "param_broadcast": 50.0}
+
+
+def test_zero3_refuses_non_elementwise_optimizers():
+    check_elementwise(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(PlanError, match="zero_stage=2"):
+        ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=3, dp_group=None,
+                         dp_ranks=[0, 1], dp_rank=0)
+    # ZeRO-1/2 own whole parameters: any optimizer is fine
+    ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=2, dp_group=None,
+                     dp_ranks=[0, 1], dp_rank=0)
+
+
+def _info(pp: int) -> MeshInfo:
+    return MeshInfo(MeshShape(dp=2, pp=pp), 0, {"dp": 0, "pp": 0, "tp": 0})
+
+
+@pytest.mark.parametrize("info,options,match", [
+    (_info(2), {}, "pp=2"),
+    (_info(1), {"zero_stage": 2}, "zero_stage=2"),
+    (_info(1), {"num_microbatches": 2}, "one pass"),
+])
+def test_dataparallel_refuses_what_it_cannot_run(info, options, match):
+    from autopar.runtime.data_parallel import compile_data_parallel
+    opts = CompileOptions(data_parallel="dataparallel", **options)
+    with pytest.raises(PlanError, match=match):
+        compile_data_parallel(torch.nn.Linear(2, 2), info=info, opts=opts, example_inputs=(torch.zeros(2, 2),),
+                              example_target=torch.zeros(2, 2), loss_fn=torch.nn.functional.mse_loss,
+                              optimizer_factory=None)
+
+
+def test_dataparallel_needs_a_loss():
+    from autopar.runtime.data_parallel import compile_data_parallel
+    with pytest.raises(PlanError, match="needs a loss"):
+        compile_data_parallel(torch.nn.Linear(2, 2), info=_info(1), opts=CompileOptions(data_parallel="dataparallel"),
+                              example_inputs=(torch.zeros(2, 2),), example_target=None, loss_fn=None,
+                              optimizer_factory=None)
