@@ -169,6 +169,23 @@ def run(*, schedules=tuple(PEERS), **timing) -> list[dict]:
                                                      t["warmup"]), timeout_s=3600)
 
 
+#: what a profile of both contenders showed (cProfile, every rank; see docs/benchmarks.md)
+NOTES = """Reading it: on 2 busy cores (load average 17-33 during the run) the wall times are mostly time spent
+descheduled, and the per-round wall ratios spread from 0.5 to 2; the CPU ratio is the gauge. autopar spends
+0.3-8% more CPU per step than the peer on every schedule. A cProfile of both (zb_h1, 4 steps, rank 0) shows
+where: (1) autopar's W action computes each weight use's gradient with its own `autograd.grad` call
+(`runtime/executor.py` `_backward_weight`: 50 weight uses per microbatch on rank 0 here, 816 engine calls in
+4 steps against the peer's 16), so the engine's per-call overhead is the zero-bubble schedules' extra (zb_h1 1.08, zb_v 1.03);
+batching the uses of a stage into one call needs the uses cut from their inputs first, or the gradient would
+flow on into earlier weights. (2) Every schedule pays the per-parameter finite check after backward
+(`torch.isfinite(...).all()` on each of the rank's 50 parameters, `runtime/numerics.py`), about 0.05 s per
+step and rank here, which the peer does not do. Nothing else differs: both spend the rest in the same forward and
+backward kernels and the same waits. The zb_v peer's last loss differs from autopar's (and from one-device
+training, which autopar's zb_v matches in tests/runtime/test_schedule_execution.py): torch's
+ScheduleZBVZeroBubble with the tied embedding and head on both of rank 0's stages computes a different
+gradient from step 2 on."""
+
+
 def section(rows: list[dict]) -> str:
     """This benchmark's part of docs/benchmarks.md."""
     return "\n".join([
@@ -188,6 +205,8 @@ def section(rows: list[dict]) -> str:
         "",
         "Stage starts: " + "; ".join(f"{r['autopar']}: {r['split']}" for r in rows) + ". autopar compile time "
         "(not in the step times): " + ", ".join(f"{r['autopar']} {r['compile_s']:.1f} s" for r in rows) + ".",
+        "",
+        NOTES,
     ])
 
 

@@ -2,7 +2,8 @@
 
 :func:`autopar.passes.tp_regions.find_tp_regions` nominates ``aten.linear`` calls only, and warns
 about each candidate it cannot shard. A weight multiplied by another op (``addmm``, ``mm``,
-``matmul``, ``bmm``, ``einsum``, as transformers' ``Conv1D`` in GPT-2 does) is never a candidate,
+``matmul``, ``bmm``, ``einsum``, as transformers' ``Conv1D`` in GPT-2 does, or convolved with
+``conv1d/2d/3d``) is never a candidate,
 so without this pass it would stay replicated silently. :func:`warn_unsharded_matmuls` logs one
 warning per such node, naming the module, the node and why.
 
@@ -30,7 +31,7 @@ __all__ = ["unsharded_matmuls", "warn_unsharded_matmuls"]
 
 log = logging.getLogger("autopar.passes.tp_regions")  # next to the region finder's own warnings
 
-_MATMULS = ("addmm", "mm", "matmul", "bmm", "baddbmm", "einsum")
+_MATMULS = ("addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d", "convolution")
 
 
 def _op(node: fx.Node) -> str:
@@ -42,7 +43,7 @@ def _reads_parameter(node: fx.Node) -> bool:
 
 
 def unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
-    """Matrix products with a weight read by get_attr that are not ``aten.linear``."""
+    """Matrix products and convolutions with a weight read by get_attr (``aten.linear`` excluded)."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and _op(n) in _MATMULS and _reads_parameter(n)]
 
 
@@ -51,11 +52,16 @@ def _path(node: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else "<root>"
 
 
+def _why(op: str) -> str:
+    if op.startswith("conv"):
+        return "convolutions have no tensor-parallel rule (only aten.linear is sharded)"
+    return (f"aten.{op} with a weight operand has no tensor-parallel rule (only aten.linear is sharded; "
+            "transformers' Conv1D computes addmm(bias, x, weight)); use nn.Linear to shard this projection")
+
+
 def warn_unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
     """Log a warning for each weight product tensor parallelism cannot shard; returns the nodes."""
     nodes = unsharded_matmuls(gm)
     for node in nodes:
-        log.warning("tensor parallel: %s (node %s) stays replicated: aten.%s with a weight operand has no "
-                    "tensor-parallel rule (only aten.linear is sharded; transformers' Conv1D computes "
-                    "addmm(bias, x, weight)); use nn.Linear to shard it", _path(node), node.name, _op(node))
+        log.warning("tensor parallel: %s (node %s) stays replicated: %s", _path(node), node.name, _why(_op(node)))
     return nodes

@@ -233,17 +233,18 @@ def bind_zero3(gm, *, group, size: int, comm_log=None) -> Zero3Runtime | None:
 
 def full_parameters(named: list[tuple[str, torch.nn.Parameter]], gms: list, *, group, size: int):
     """(name, full tensor) for every parameter: ZeRO-3 shards all-gathered over dp, others as they are."""
-    layout = {}
+    layout, by_name = {}, {}
     for gm in gms:
         for gather in _gathers(gm):
             for target, shape in zip(gather.targets, gather.shapes):
                 layout[id(gm.get_parameter(target))] = shape
+                by_name[target.partition(".")[2]] = shape  # user name: bf16 runs gather their fp32 masters
     out = []
     for name, p in named:
-        if id(p) not in layout:
+        shape = layout.get(id(p), by_name.get(name))
+        if shape is None:
             out.append((name, p))
             continue
-        shape = layout[id(p)]
         buffer = torch.empty(size * p.numel(), dtype=p.dtype, device=p.device)
         comm.all_gather_into(buffer, p.detach().contiguous(), group=group, size=size, log=None, purpose="state_dict")
         out.append((name, buffer[:math.prod(shape)].view(shape)))

@@ -44,3 +44,18 @@ def probe_run(case, mesh) -> dict:
     dist.all_gather_object(everyone, mine)
     state = program.full_state_dict()
     return {"losses": losses, "state": state, "ranks": everyone, "plan": program.plan.model_dump_json()}
+
+
+def dataparallel_infer_run(case, mesh) -> dict:
+    """DataParallel inference: ``program(global batch)`` returns the whole batch's output on every rank."""
+    import autopar
+    from equivalence import batches, build
+    from autopar.models import lm_loss
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss, example_target=data[0][1],
+                              data_parallel="dataparallel")
+    outputs = [program(program.shard_batch(idx)) for idx, _ in data]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, outputs)
+    return {"outputs": everyone}

@@ -23,20 +23,24 @@ def _case(mesh, *, model="gpt_tiny", optimizer="sgd", **options) -> Case:
 
 
 # ZeRO 0-3 x dp {2, 4} x fp32/bf16: measured model states against the calculator (both optimizer kinds).
-MEMORY = [_case((dp, 1, 1), zero_stage=z, precision=prec, optimizer=opt)
+# The dp=4 fp32 ones also clip (ZeRO-1/2 owners and ZeRO-3 shards each count their part of the norm).
+MEMORY = [_case((dp, 1, 1), zero_stage=z, precision=prec, optimizer=opt,
+                **({"max_grad_norm": 0.05} if (dp, prec) == (4, "fp32") else {}))
           for dp, opts in ((2, {"fp32": "adam", "bf16": "sgd"}), (4, {"fp32": "sgd", "bf16": "adam"}))
           for prec, opt in opts.items() for z in (0, 1, 2, 3)]
-# Recompute on a pp x tp mesh (collectives inside the regions, p2p outside): equal results, less memory.
-RECOMPUTE = [_case((1, 2, 2), recompute="none"), _case((1, 2, 2), recompute="selective"),
-             _case((1, 2, 2), recompute="full", max_grad_norm=0.05),
-             _case((1, 2, 2), model="llama_tiny", recompute="selective", max_grad_norm=0.05),
-             _case((1, 2, 2), model="llama_tiny", recompute="full")]
+# Recompute with tp collectives inside the regions and p2p outside them: equal results, less memory.
+RECOMPUTE = [_case((1, 1, 2), recompute="none"), _case((1, 1, 2), recompute="selective"),
+             _case((1, 1, 2), recompute="full", max_grad_norm=0.05),
+             _case((1, 2, 1), model="llama_tiny", recompute="selective", max_grad_norm=0.05),
+             _case((1, 2, 1), model="llama_tiny", recompute="full"),
+             _case((1, 2, 2), recompute="full", max_grad_norm=0.05),  # all of it on one mesh
+             _case((1, 2, 2), model="llama_tiny", recompute="selective")]
 # Clipping by the global norm (max_grad_norm small enough to be active): tp shards and replicas,
-# a weight tied across pp stages, dp replicas; more in RECOMPUTE.
-CLIP = [_case((2, 1, 2), model="llama_tiny", max_grad_norm=0.05),
-        _case((2, 2, 1), recompute="selective", max_grad_norm=0.05)]
-# bf16 on pp x tp (the dp cases are in MEMORY), judged with a bf16 tolerance.
-PRECISION = [_case((1, 2, 2), model="llama_tiny", precision="bf16")]
+# a weight tied across pp stages, dp replicas and ZeRO shards (more in MEMORY and RECOMPUTE).
+CLIP = [_case((1, 2, 1), max_grad_norm=0.05), _case((2, 1, 1), model="llama_tiny", max_grad_norm=0.05)]
+# bf16 over p2p (with recompute) and tp collectives (the dp ones are in MEMORY): a bf16 tolerance.
+PRECISION = [_case((1, 2, 1), precision="bf16", recompute="selective"),
+             _case((1, 1, 2), model="llama_tiny", precision="bf16")]
 ALL = MEMORY + RECOMPUTE + CLIP + PRECISION
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -34,11 +35,11 @@ RESUME_A = [_resume("A", m) for m in [(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 2)
 # saved under ZeRO-3 (flat dp shards of tp shards), loaded under ZeRO-1 on another mesh
 SAVE_Z = _save("Z", (2, 1, 2), options=(("zero_stage", 3),))
 RESUME_Z = [_resume("Z", (1, 2, 2))]
-# AdamW (state: step, exp_avg, exp_avg_sq) on one mesh against the same run without a stop
+# AdamW (state: step, exp_avg, exp_avg_sq; ZeRO-1 owners over dp=2) against the same run without a stop
 _ADAM = dict(optimizer="adamw", lr=0.01)
-ADAM_FULL = Case(mesh=(2, 2, 1), kind=_R + "uninterrupted", **{**_GPT4, **_ADAM})
-SAVE_ADAM = _save("ADAM", (2, 2, 1), **_ADAM)
-RESUME_ADAM = _resume("ADAM", (2, 2, 1), **_ADAM)
+ADAM_FULL = Case(mesh=(2, 1, 1), kind=_R + "uninterrupted", **{**_GPT4, **_ADAM})
+SAVE_ADAM = _save("ADAM", (2, 1, 1), **_ADAM)
+RESUME_ADAM = _resume("ADAM", (2, 1, 1), **_ADAM)
 
 CRASH = Case(mesh=(1, 2, 1), kind=_R + "crash_while_saving", extra=(("name", "C"),), **_GPT4)
 BAD = Case(mesh=(1, 1, 2), kind=_R + "bad_checkpoints", extra=(("name", "B"),), **_GPT4)
@@ -46,24 +47,25 @@ ROUNDTRIP = Case(mesh=(2, 1, 1), kind=_R + "full_state_dict_roundtrip", extra=((
 NONFINITE = Case(mesh=(1, 2, 1), kind=_R + "nonfinite", **_GPT4)
 P2P_TIMEOUT = Case(mesh=(1, 2, 1), kind=_R + "p2p_timeout", **_GPT4)  # poisons its own group: keep it last
 
-# models nobody here wrote (transformers), on dp, pp and tp; BatchNorm's ResNet with one microbatch
+# models nobody here wrote (transformers): every family on pp and tp, two on dp too (the 2 x 2 meshes
+# and Qwen2 are in docs/coverage.md); BatchNorm's ResNet with one microbatch
 HF_CASES = [
     Case(model="hf_gpt2", mesh=(2, 1, 1)), Case(model="hf_gpt2", mesh=(1, 2, 1)),
     Case(model="hf_gpt2", mesh=(1, 1, 2)),
-    Case(model="hf_llama", mesh=(2, 1, 1)), Case(model="hf_llama", mesh=(1, 2, 1)),
-    Case(model="hf_llama", mesh=(1, 1, 2)),
-    Case(model="hf_qwen2", mesh=(1, 1, 2)),
-    Case(model="hf_bert", mesh=(2, 1, 1)), Case(model="hf_bert", mesh=(1, 2, 1)),
-    Case(model="hf_bert", mesh=(1, 1, 2)),
-    Case(model="hf_convnext", mesh=(2, 1, 1)), Case(model="hf_convnext", mesh=(1, 2, 1)),
-    Case(model="hf_convnext", mesh=(1, 1, 2)),
+    Case(model="hf_llama", mesh=(1, 2, 1)), Case(model="hf_llama", mesh=(1, 1, 2)),
+    Case(model="hf_bert", mesh=(2, 1, 1)), Case(model="hf_bert", mesh=(1, 1, 2)),
+    Case(model="hf_convnext", mesh=(1, 2, 1)), Case(model="hf_convnext", mesh=(1, 1, 2)),
     Case(model="hf_resnet", mesh=(1, 2, 1), options=(("num_microbatches", 1), ("schedule", "gpipe"))),
     Case(model="hf_resnet", mesh=(1, 1, 2), options=(("num_microbatches", 1),)),
 ]
 
+if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it; without it, skip those
+    HF_CASES = []
+
 GROUPS = {
-    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, ADAM_FULL, SAVE_ADAM, RESUME_ADAM],
-    2: [*HF_CASES, *RESUME_A[3:], CRASH, BAD, ROUNDTRIP, NONFINITE, P2P_TIMEOUT],
+    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z],
+    2: [*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE,
+        P2P_TIMEOUT],
 }
 
 

@@ -92,11 +92,13 @@ class _FakeRun(fx.Interpreter):
         if name not in _SAVES and name not in _SAVES_NOTHING:
             log.warning("memory calculator: what %s saves for backward is not modelled; counted as nothing", name)
         saved = _SAVES[name](*args) if name in _SAVES else []
-        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not inputs:
             return out
         if isinstance(out, (tuple, list)):
-            return type(out)(_Saves.apply(t, *saved) if t.is_floating_point() else t for t in out)
-        return _Saves.apply(out, *saved)
+            return type(out)(_Saves.apply(t, len(saved), *saved, *inputs) if t.is_floating_point() else t
+                             for t in out)
+        return _Saves.apply(out, len(saved), *saved, *inputs)
 
     def _region(self, module: Recompute, args):
         body = _FakeRun(module.body, mode=self.mode, ledger=self.ledger, fakes=self.fakes,
@@ -130,13 +132,14 @@ class _Saves(torch.autograd.Function):
     """Fake of a communicating op's autograd node: passes ``out`` through, saves ``saved`` for backward."""
 
     @staticmethod
-    def forward(ctx, out, *saved):
-        ctx.save_for_backward(*saved)
-        return out.view_as(out)
+    def forward(ctx, out, num_saved, *tensors):
+        ctx.save_for_backward(*tensors[:num_saved])  # the rest are the op's inputs: they connect the graph
+        ctx.num_inputs = len(tensors)
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad,) + (None,) * len(ctx.saved_tensors)
+        return (grad, None) + (None,) * ctx.num_inputs
 
 
 def _vocab_cross_entropy_saves(logits, target):

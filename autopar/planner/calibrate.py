@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from autopar.planner.cluster import Cluster, Link, get_cluster
 
-__all__ = ["Calibration", "measure_compute", "measure_collectives", "calibrated_cluster", "calibrate"]
+__all__ = ["Calibration", "measure_compute", "measure_collectives", "measure_model", "fit_device",
+           "calibrated_cluster", "calibrate", "combine"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,49 @@ def measure_compute(*, repeats: int = 5, shape: tuple[int, int, int] = (512, 256
 
     t = _median_time(ops, repeats)
     return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "op_overhead_s": t / (2 * chain)}
+
+
+def measure_model(model, *, example_inputs: tuple, loss_fn, example_target, sizes=(1, 8), repeats: int = 3,
+                  optimizer=None) -> dict:
+    """Seconds of one forward and backward of ``model`` at each batch size in ``sizes`` (and of one
+    optimizer step when ``optimizer`` is given): the model's own profile of this machine."""
+    out = {}
+    for b in sizes:
+        inputs = tuple(t[:b] for t in example_inputs)
+        target = example_target[:b]
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(*inputs), target).backward()
+        out[b] = _median_time(step, repeats)
+    if optimizer is not None:
+        out["optimizer"] = _median_time(optimizer.step, repeats)
+    return out
+
+
+def fit_device(profile, timings: dict, *, memory_bandwidth: float, op_overhead_s: float | None = None) -> dict:
+    """Per-op overhead and matmul rate that make the cost model reproduce ``timings``.
+
+    The cost model charges a forward and backward ``3·(ops·o + b·(flops/R + bytes/BW))`` over the
+    model's chunks (tp=1). With ``op_overhead_s`` measured apart (the tiny-op chain of
+    :func:`measure_compute`), one batch size gives ``R``; with two, the part that does not grow with
+    the batch gives ``o`` too (noisier on a loaded machine).
+    """
+    chunks = profile.chunks[1]
+    ops = sum(c.ops for c in chunks)
+    flops = sum(c.flops for c in chunks)
+    written = sum(c.bytes_written for c in chunks)
+    sizes = sorted((b, t) for b, t in timings.items() if isinstance(b, int))
+    if op_overhead_s is None:
+        (b1, t1), (b2, t2) = sizes[:2]
+        per_sample = max((t2 - t1) / (b2 - b1), 1e-12)
+        op_overhead_s = max(t1 - b1 * per_sample, 0.0) / (3 * ops)
+    else:
+        b, t = sizes[-1]
+        per_sample = max(t - 3 * ops * op_overhead_s, 0.1 * t) / b
+    compute = per_sample / 3 - written / memory_bandwidth
+    rate = flops / compute if compute > 0 else flops / (per_sample / 3)
+    return {"op_overhead_s": op_overhead_s, "matmul_flops": rate}
 
 
 def _fit(sizes, times, factor) -> tuple[float, float]:

@@ -32,7 +32,7 @@ from autopar.memory.activations import stage_activations
 from autopar.memory.states import ParamEntry, rank_params
 from autopar.options import CompileOptions
 from autopar.passes.collective_audit import audit_collectives
-from autopar.passes.meta_keys import COST, get_meta
+from autopar.passes.meta_keys import COST, TENSOR, get_meta
 from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_pipeline
 from autopar.passes.recompute import recompute_stage
@@ -104,20 +104,35 @@ class ModelProfile:
         return tuple(sorted(self.chunks))
 
 
-def _chunk(stage, segments, start: int, end: int, b0: int) -> ChunkCost:
+def _signature(stage) -> tuple:
+    """What two chunks must share to have the same activation figures: ops, shapes, weights."""
+    ops = tuple((n.op, str(n.target) if n.op != "call_module" else type(stage.gm.get_submodule(n.target)).__name__,
+                 getattr(get_meta(n, TENSOR), "shape", None)) for n in stage.gm.graph.nodes if n.op != "get_attr")
+    return ops, tuple(tuple(p.shape) for p in stage.gm.parameters())
+
+
+def _chunk(stage, segments, start: int, end: int, b0: int, seen: dict) -> ChunkCost:
     calls = [n for s in segments[start:end] for n in s.nodes]
     flops = sum(c.flops for n in calls if (c := get_meta(n, COST)) is not None)
     written = sum(c.activation_bytes for n in calls if (c := get_meta(n, COST)) is not None)
     params, buffers = rank_params([stage])
-    saved, transient = {}, {}
-    for mode in RECOMPUTE:
-        probe = stage if mode == "none" else recompute_stage(_copy_stage(stage), mode=mode)
-        acts = stage_activations(probe.gm)
-        saved[mode], transient[mode] = acts.saved / b0, acts.transient / b0
+    is_block = segments[start].is_block
+    key = _signature(stage)
+    if key not in seen:  # identical blocks are measured once
+        saved, transient = {}, {}
+        for mode in (RECOMPUTE if is_block else ("none",)):  # recompute regions are whole blocks
+            probe = stage if mode == "none" else recompute_stage(_copy_stage(stage), mode=mode)
+            acts = stage_activations(probe.gm)
+            saved[mode], transient[mode] = acts.saved / b0, acts.transient / b0
+        for mode in RECOMPUTE:
+            saved.setdefault(mode, saved["none"])
+            transient.setdefault(mode, transient["none"])
+        seen[key] = (saved, transient)
+    saved, transient = seen[key]
     comms = tuple(CommCost(r.direction, r.op, r.nbytes / b0, r.recompute) for r in audit_collectives(stage.gm))
     recv = sum(_edge_bytes(e) for e in stage.recvs) / b0
     unit = user_name(segments[start].unit)
-    return ChunkCost(unit=unit, is_block=segments[start].is_block, flops=flops / b0, ops=len(calls),
+    return ChunkCost(unit=unit, is_block=is_block, flops=flops / b0, ops=len(calls),
                      bytes_written=written / b0, params=tuple(params), buffer_bytes=buffers, saved=saved,
                      transient=transient, comms=comms, recv_bytes=recv)
 
@@ -140,7 +155,8 @@ def _chunks_of(gm, b0: int) -> list[ChunkCost]:
     bounds = [0] + allowed + [len(segments)]
     gm, _ = assign_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
     stages = split_pipeline(gm, num_stages=len(bounds) - 1)
-    return [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0) for i in range(len(stages))]
+    seen: dict = {}
+    return [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0, seen) for i in range(len(stages))]
 
 
 def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:

@@ -162,10 +162,18 @@ def _structures(world, profile, cluster, space, rejected):
                 yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none")
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps a digit before the point (GiB, MiB, KiB)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _memory_reason(e: Estimate) -> str:
-    return (f"needs {e.memory / GiB:.1f} GiB on its fullest rank, has {e.capacity / GiB:.1f} GiB "
-            f"(activations {e.memory_parts.get('activations', 0) / GiB:.1f}, "
-            f"optimizer {e.memory_parts.get('optimizer', 0) / GiB:.1f} GiB)")
+    return (f"needs {fmt_bytes(e.memory)} on its fullest rank, has {fmt_bytes(e.capacity)} "
+            f"(activations {fmt_bytes(e.memory_parts.get('activations', 0))}, "
+            f"optimizer state {fmt_bytes(e.memory_parts.get('optimizer', 0))})")
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace = SearchSpace(),
@@ -193,6 +201,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: Search
         frugal = replace(c, zero_stage=frugal_zero if c.dp > 1 else 0, recompute=frugal_rc)
         try:
             e_fast, e_frugal = evaluate(fast), evaluate(frugal)
+            if not e_frugal.fits and c.num_stages > 1:  # stages sized to each rank's memory
+                e_frugal = evaluate(frugal, fits=_memory_fits(frugal, profile, cluster))
         except AutoparError as exc:
             rejected.append((c, exc.what))
             continue
@@ -277,7 +287,7 @@ def explain(result: SearchResult) -> list[str]:
     best = result.best
     c = best.candidate
     lines = [f"chosen: {c.label()}: {best.step_time:.4g} s/step estimated, "
-             f"{best.memory / GiB:.1f} of {best.capacity / GiB:.1f} GiB on the fullest rank"]
+             f"{fmt_bytes(best.memory)} of {fmt_bytes(best.capacity)} on the fullest rank"]
     axes = (("mesh", lambda x: (x.dp, x.pp, x.tp) != (c.dp, c.pp, c.tp)),
             ("microbatches", lambda x: (x.dp, x.pp, x.tp, x.schedule) == (c.dp, c.pp, c.tp, c.schedule)
              and x.num_microbatches != c.num_microbatches),

@@ -84,10 +84,11 @@ def _line(mark: str, v: NodeView, width: int = 80) -> str:
 
 def _changed(old: NodeView, new: NodeView) -> list[str]:
     """The ``~`` entry for a node whose code or shape changed (empty when it did not)."""
-    if old.line == new.line and old.shape == new.shape:
+    same_shape = old.shape == new.shape or old.kind == "output"  # a stage's output is a send token
+    if old.line == new.line and same_shape:
         return []
     out = [f"~ {old.line}" if old.line == new.line else f"~ {old.line}\n      now {new.line.split(' = ', 1)[-1]}"]
-    if old.shape != new.shape:
+    if not same_shape:
         placed = f"   placement {new.placement}" if new.placement else ""
         out.append(f"      shape {_shape(old.shape)} -> {_shape(new.shape)}{placed}")
     return ["\n".join(out)]
@@ -165,7 +166,7 @@ def _counts(entries, b: list[NodeView]) -> str:
              f"{kinds['send']} send", f"{kinds['recv']} recv"]
     if kinds["region"]:
         parts.append(f"{kinds['region']} recompute regions")
-    return (f"  {tags['+']} nodes inserted: " + ", ".join(parts)
+    return (f"  {tags['+']} node{'s' if tags['+'] != 1 else ''} inserted: " + ", ".join(parts)
             + f"; {tags['-']} removed or replaced; {tags['~']} changed (shard shapes, view sizes, inputs)")
 
 

@@ -1,21 +1,48 @@
-"""Every python example in docs/ runs as written and prints what its comments say."""
+"""Every example in docs/ runs as written: python blocks print what their comments say, the
+``autopar`` commands of shell blocks exit 0, and their ``torchrun`` launches train (``dist``).
+How a page's blocks are read is in tests/doc_blocks.py."""
 from __future__ import annotations
 
-import re
+import sys
 from pathlib import Path
 
 import pytest
 
+from doc_blocks import blocks, commands, promised, run_command, write_files
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-BLOCKS = [(path.name, i, block) for path in sorted(DOCS.glob("*.md"))
-          for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S))]
+PAGES = {path.name: blocks(path) for path in sorted(DOCS.glob("*.md"))}
+PYTHON = [b for page in PAGES.values() for b in page if b.lang == "python" and not b.file]
+SHELL = [(b, c) for page in PAGES.values() for b in page if b.lang == "bash" for c in commands(b)]
+SHELL_IDS = [f"{b.id}-{c.split()[0]}{i}" for i, (b, c) in enumerate(SHELL)]
 
 
-@pytest.mark.parametrize("name,index,block", BLOCKS, ids=[f"{n}-{i}" for n, i, _ in BLOCKS])
-def test_example_runs(name, index, block, capsys):
-    exec(compile(block, f"{name}[{index}]", "exec"), {})
+@pytest.fixture
+def page_folder(tmp_path):
+    """A fresh folder holding the page's ``# file:`` blocks."""
+    def make(page: str) -> Path:
+        write_files(PAGES[page], tmp_path)
+        return tmp_path
+    return make
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_example_runs(block, page_folder, monkeypatch, capsys):
+    files = [b.file for b in PAGES[block.page] if b.file]
+    if files:  # a page with files runs where the reader saved them, importing them afresh
+        folder = page_folder(block.page)
+        monkeypatch.chdir(folder)
+        monkeypatch.syspath_prepend(str(folder))
+        for name in files:
+            monkeypatch.delitem(sys.modules, name.removesuffix(".py"), raising=False)
+    exec(compile(block.text, f"{block.page}[{block.index}]", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
-    promised = [line.split("#", 1)[1].strip() for line in block.splitlines()
-                if line.lstrip().startswith("print(") and "#" in line]
-    for expected in promised:
-        assert any(expected in line for line in printed), f"{name}: expected {expected!r} in {printed}"
+    for expected in promised(block):
+        assert any(expected in line for line in printed), f"{block.page}: expected {expected!r} in {printed}"
+
+
+@pytest.mark.parametrize("block,command", [pytest.param(b, c, marks=[pytest.mark.dist] if c.startswith("torchrun")
+                                                        else []) for b, c in SHELL], ids=SHELL_IDS)
+def test_shell_example_runs(block, command, page_folder):
+    done = run_command(command, page_folder(block.page))
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

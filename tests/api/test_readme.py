@@ -45,3 +45,15 @@ def test_plan_example_runs_in_a_plain_process(capsys):
     assert "dp=2 x pp=2 x tp=2" in out
     assert "# rank 5: dp=1 pp=0 tp=1" in out
     assert "tp_reduce" in out and "send_" in out
+
+
+def test_readme_shell_commands_run(tmp_path):
+    """Every `autopar ...` command of the README's shell blocks exits 0 (the install lines are checked by CI)."""
+    from doc_blocks import blocks, commands, run_command
+
+    found = [c for b in blocks(README) if b.lang == "bash" for c in commands(b)]
+    assert any(c.startswith("autopar inspect") for c in found)
+    for command in found:
+        done = run_command(command, tmp_path)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+        assert "Plan for" in done.stdout

@@ -34,18 +34,20 @@ ONE_MB = ("num_microbatches", 1)
 AUDIT = {(dp, z, "sgd"): _case((dp, 1, 1), _z(z), *((SMALL_BUCKETS,) if z == 0 and dp == 2 else (ONE_MB,)))
          for dp in (2, 4) for z in (0, 1, 2, 3)}
 AUDIT.update({(2, z, "adamw"): _case((2, 1, 1), _z(z), ONE_MB, optimizer="adamw", steps=1) for z in range(4)})
+DDP_PP = _case((2, 2, 1), _z(0), SMALL_BUCKETS, ("num_microbatches", 4))
 EQUIVALENCE = [c for c in AUDIT.values() if c.optimizer == "sgd"] + [
     _case((2, 1, 1), DP), _case((4, 1, 1), DP), _case((2, 1, 2), DP),
-    _case((2, 2, 1), _z(0), SMALL_BUCKETS, ("num_microbatches", 4)), _case((2, 2, 1), _z(2)),
+    DDP_PP, _case((2, 2, 1), _z(2)),
     _case((2, 2, 1), _z(3), ("schedule", "interleaved_1f1b")),
     _case((2, 1, 2), _z(2)), _case((2, 2, 2), _z(3)),
 ]
-OVERLAP = [AUDIT[(2, 0, "sgd")], EQUIVALENCE[11]]
+OVERLAP = [AUDIT[(2, 0, "sgd")], DDP_PP]
+DP_INFER = Case(model="gpt_tiny", mesh=(2, 1, 1), kind="dp_probe:dataparallel_infer_run")
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = list(dict.fromkeys(c for c in EQUIVALENCE + list(AUDIT.values()) if c.world_size == world))
+    cases = list(dict.fromkeys(c for c in EQUIVALENCE + list(AUDIT.values()) + [DP_INFER] if c.world_size == world))
     return dict(zip(cases, run_cases(cases)))
 
 
@@ -63,6 +65,15 @@ def _reference() -> dict:
 @pytest.mark.parametrize("case", EQUIVALENCE, ids=lambda c: c.name())
 def test_matches_single_device(case: Case):
     assert_equivalent(case, _result(case), _reference())
+
+
+def test_dataparallel_inference_returns_the_whole_batch_everywhere():
+    import torch
+    from equivalence import reference_outputs
+    expected = reference_outputs(DP_INFER)
+    for outputs in _result(DP_INFER)["outputs"]:
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # -- DDP overlaps communication with backward ------------------------------------------------------

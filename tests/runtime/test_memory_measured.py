@@ -48,18 +48,26 @@ def test_activations_match_the_calculator(case):
 
 
 def test_recompute_lowers_measured_memory_as_predicted():
-    """Per stage and rank: full < selective < none, measured and predicted alike."""
-    by_mode = {dict(c.options)["recompute"]: c for c in RECOMPUTE if c.model == "gpt_tiny"}
+    """Per stage and rank, bytes held per microbatch: full < selective < none, measured and predicted alike.
+
+    The calculator's *peak* adds the largest region's recompute transient to the held bytes: on these
+    two-block models with one or two microbatches in flight it can outweigh the saving (on a deep
+    stage with many microbatches in flight it does not); docs/memory.md shows both.
+    """
+    by_mode = {dict(c.options)["recompute"]: c for c in RECOMPUTE if c.mesh == (1, 1, 2)}
     measured = {mode: _result(c)["ranks"] for mode, c in by_mode.items()}
+    predicted = {mode: estimate(c).ranks for mode, c in by_mode.items()}
     for rank in measured["none"]:
         for key in measured["none"][rank]["activations"]:
             full, selective, none = (measured[m][rank]["activations"][key] for m in ("full", "selective", "none"))
             assert full < selective < none, (rank, key, full, selective, none)
-    peaks = {mode: estimate(c).peak_rank().activations for mode, c in by_mode.items()}
-    assert peaks["full"] < peaks["selective"] < peaks["none"]
+            stage = key[0]
+            assert [predicted[m][rank].per_microbatch[stage] for m in ("full", "selective", "none")] == [
+                full, selective, none]
 
 
 @pytest.mark.parametrize("case", [c for c in MEMORY if c.optimizer == "sgd" and ("precision", "fp32") in c.options],
                          ids=lambda c: c.name().split("-", 1)[1])
 def test_fp32_memory_cases_still_train_like_one_device(case):
+    """ZeRO 0-3 over dp=4 with clipping: the norm each rank counts (owned parameters, shards) adds up."""
     assert_equivalent(case, _result(case), reference_run(case))

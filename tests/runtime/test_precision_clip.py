@@ -13,6 +13,7 @@ step clips. bf16 is judged against the same fp32 single-device run with a bf16 t
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,7 @@ def _result(case):
     return result
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(case: Case) -> dict:
     """One device, fp32, clipped with torch's clip_grad_norm_ when the case clips: losses, norms, weights."""
     from autopar.models import lm_loss

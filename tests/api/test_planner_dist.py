@@ -1,0 +1,64 @@
+"""The planner in running jobs: ``compile(plan="auto")`` and dynamic re-balancing, judged against one device.
+
+One spawned group of 2 gloo ranks runs every case (start-up costs seconds):
+
+- a GPT whose pipeline is deliberately mis-split (``blocks.1``: one block on the first stage, three
+  and the head on the second) is re-split during training; the proposal must be the split autopar
+  balances by cost, the weights and the SGD momentum move with their stages, and the losses and
+  final weights equal single-device training;
+- ``compile(model, mesh, plan="auto")`` on a fixed 2-rank mesh, and with ``mesh=None`` (the planner
+  picks the degrees and builds the mesh), train exactly like one device.
+"""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.models import build_model, lm_loss
+from equivalence import Case, assert_equivalent, batches, reference_run, run_cases
+
+pytestmark = pytest.mark.dist
+
+REBALANCE = Case(model="gpt_tiny", mesh=(1, 2, 1), steps=5, overrides=(("num_layers", 6), ("hidden", 128)),
+                 kind="planner_runners:rebalance_run",
+                 extra=(("bad_starts", ("blocks.1",)), ("switch_at", 3), ("m", 2)))
+CASES = [
+    REBALANCE,
+    Case(model="gpt_tiny", mesh=(1, 2, 1), steps=3, kind="planner_runners:auto_run"),
+    Case(model="llama_tiny", mesh=(2, 1, 1), steps=3, kind="planner_runners:auto_run", extra=(("no_mesh", True),)),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return dict(zip(CASES, run_cases(CASES, timeout_s=600)))
+
+
+def _balanced_starts(case: Case) -> tuple[str, ...]:
+    """What autopar's own cost-balanced partitioner chooses for the case's mesh."""
+    import torch
+    torch.manual_seed(0)
+    model = build_model(case.model, seq_len=max(case.seq, 16), **dict(case.overrides))
+    (idx, tgt), *_ = batches(case, model.cfg.vocab_size)
+    result = autopar.plan(model, case.mesh, example_inputs=(idx,), loss_fn=lm_loss, example_target=tgt,
+                          num_microbatches=dict(case.extra)["m"])
+    return tuple(result.plan.pipeline.stage_starts)
+
+
+def test_rebalance_proposes_the_balanced_split_and_trains_like_one_device(results):
+    result = results[REBALANCE]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    balanced = _balanced_starts(REBALANCE)
+    assert balanced != result["before"]
+    assert result["proposal"] == balanced
+    assert result["after"] == balanced
+    assert result["step_count"] == REBALANCE.steps  # the step counter moved over too
+    assert_equivalent(REBALANCE, result, reference_run(REBALANCE))
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: c.name())
+def test_compile_with_plan_auto_trains_like_one_device(results, case):
+    result = results[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    assert "est. s/step" in result["table"]
+    assert_equivalent(case, result, reference_run(case))

@@ -1,0 +1,168 @@
+"""The HTML report and the graph diff (autopar.report), read as text; test_report_browser.py renders it."""
+from __future__ import annotations
+
+import doctest
+import html
+import re
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.errors import PlanError
+from autopar.models import examples
+from autopar.report import graph_diff, render_report, timeline_svg, write_report
+from autopar.report import memory_view, nodes, timeline
+from autopar.report.collect import graph_groups
+from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
+from autopar.runtime.p2p import p2p_nodes
+from autopar.runtime.schedules.gpipe import gpipe
+from autopar.runtime.schedules.simulator import StageCosts, simulate
+
+GPT = "autopar.models.examples:gpt_tiny"
+
+
+@pytest.fixture(scope="module")
+def result():
+    model, (tokens,), loss_fn, targets = examples.gpt_tiny()
+    return autopar.plan(model, {"dp": 2, "pp": 2, "tp": 2}, example_inputs=(tokens,), loss_fn=loss_fn,
+                        example_target=targets)
+
+
+@pytest.fixture(scope="module")
+def page(result):
+    return render_report(result)
+
+
+def test_report_holds_the_plan_summary_and_its_json(result, page):
+    assert html.escape(result.plan.summary()) in page
+    json_text = html.unescape(re.search(r'<pre id="plan-json">(.*?)</pre>', page, flags=re.S).group(1))
+    assert autopar.Plan.model_validate_json(json_text) == result.plan
+
+
+def test_one_section_per_stage_and_tp_rank_listing_its_ranks(result, page):
+    sections = re.findall(r'<section class="graph" id="graph-s(\d)-t(\d)"', page)
+    assert sections == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    groups = graph_groups(result)
+    assert [g.ranks for g in groups] == [(0, 4), (1, 5), (2, 6), (3, 7)]  # dp replicas share a graph
+    assert len(re.findall(r'<tr class="rank-row" id="rank-\d+">', page)) == 8
+
+
+def test_collectives_and_transfers_are_marked_once_per_node(result, page):
+    groups = graph_groups(result)
+    collectives = sum(len(collective_nodes(g.graph.gm)) for g in groups)
+    transfers = sum(len(p2p_nodes(g.graph.gm)) for g in groups)
+    assert collectives >= 4 * 2 and transfers == 4  # every block: f and g twice; one send + one recv per tp rank
+    assert page.count('<tr class="n k-collective') == page.count('class="badge coll"') == collectives
+    assert page.count('class="badge p2p"') == transfers
+    assert "TpCopy" in page and "TpReduce" in page and "all_reduce(forward) over tp (2 ranks)" in page
+
+
+def test_nodes_show_shapes_placements_and_stage_colours(page):
+    row = re.search(r'<tr class="n k-compute pl-S"[^>]*><td>linear</td>.*?</tr>', page).group(0)
+    assert "(1, 32, 48)" in row and "S(2,chunks=3)" in row and "#1f77b4" in row  # stage 0's colour
+    assert '<tr class="n k-compute pl-P"' in page  # a row linear's partial sum
+
+
+def test_timeline_is_an_inline_svg_of_every_action(result, page):
+    svg = re.search(r'<svg class="timeline".*?</svg>', page, flags=re.S).group(0)
+    m, stages = result.plan.pipeline.num_microbatches, result.schedule.num_stages
+    assert svg.count('class="ev ev-F"') == svg.count('class="ev ev-B"') == m * stages
+    assert 'data-action="1B3"' in svg
+
+
+def test_memory_per_rank_from_the_calculator(page):
+    assert len(re.findall(r'<tr class="mem-row">', page)) == 8
+    assert "autopar.memory.estimate_memory" in page and "optimizer" in page
+
+
+def test_memory_falls_back_to_parameter_bytes_and_says_so(result, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("calculator offline")
+
+    monkeypatch.setattr(memory_view, "_from_calculator", broken)
+    table = memory_view.rank_memory(result)
+    assert "calculator offline" in table.note and "parameter bytes" in table.source
+    assert len(table.rows) == 8 and all(parts["params"] > 0 for _r, _c, parts in table.rows)
+    assert "could not answer" in memory_view.memory_html(table)
+
+
+def test_report_is_self_contained(page):
+    assert "<script" not in page and "<link" not in page and "<img" not in page
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    assert "@import" not in page and "url(" not in page
+
+
+def test_write_report(result, tmp_path):
+    path = write_report(result, tmp_path / "report.html", title="my report")
+    assert path.read_text().startswith("<!DOCTYPE html>") and "<title>my report</title>" in path.read_text()
+
+
+def test_timeline_svg_of_gpipe_counts_its_bars():
+    sim = simulate(gpipe(num_ranks=3, num_microbatches=4), costs=StageCosts(forward=1, backward=1, weight=1))
+    svg = timeline_svg(sim, title="gpipe")
+    assert svg.count('class="ev ev-F"') == svg.count('class="ev ev-B"') == 12 and "ev-W" not in svg
+    assert svg.count(">pp rank ") == 3
+
+
+# -- the diff ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def diff_rank1(result):
+    return graph_diff(result, 1)  # dp=0 pp=0 tp=1: stage 0, tensor-parallel rank 1
+
+
+def test_diff_marks_inserted_collectives_and_sends(result, diff_rank1):
+    gm = result.graph(1)
+    for node in collective_nodes(gm, TpCopy) + collective_nodes(gm, TpReduce) + p2p_nodes(gm):
+        assert re.search(rf"^\+ {node.name} = \w+\(", diff_rank1, flags=re.M), node.name
+    assert "+ send_0 = SendActivation(add_2)" in diff_rank1 and "[send to stage 1 (edge 0)]" in diff_rank1
+
+
+def test_diff_shows_shard_shapes_and_view_sizes(diff_rank1):
+    assert re.search(r"^~ model_blocks_0_attn_qkv_weight = param .*\n\s+shape \(96, 32\) -> \(48, 32\)$",
+                     diff_rank1, flags=re.M)
+    assert re.search(r"^~ view = aten.view\(getitem, \[1, 32, 4, 8\]\)\n\s+now aten.view\(getitem, \[1, 32, 2, 8\]\)",
+                     diff_rank1, flags=re.M)
+
+
+def test_diff_lists_replaced_nodes_and_summarises_other_stages(diff_rank1):
+    assert re.search(r"^- linear_1 = aten.linear\(view_3, ", diff_rank1, flags=re.M)  # the row linear, re-made
+    assert "nodes on other stages (not listed one by one):" in diff_rank1
+    assert re.search(r"^  stage 1 \(pp rank 1\): \d+ nodes of blocks.1 \(\d+\)", diff_rank1, flags=re.M)
+    assert "linear_4" not in diff_rank1  # stage 1's nodes are counted, not listed
+
+
+def test_diff_folds_unchanged_runs():
+    model, (tokens,), loss_fn, targets = examples.gpt_tiny()
+    result = autopar.plan(model, {"pp": 2}, example_inputs=(tokens,), loss_fn=loss_fn, example_target=targets)
+    text = graph_diff(result, 1)
+    assert re.search(r"^  ··· \d+ unchanged nodes$", text, flags=re.M)
+    assert "+ recv_0 = RecvActivation()" in text and "now aten.layer_norm(recv_0," in text
+
+
+def test_diff_of_a_stage_the_rank_does_not_run(result):
+    with pytest.raises(PlanError, match="rank 1 does not run stage 1"):
+        graph_diff(result, 1, stage=1)
+
+
+# -- the command line ----------------------------------------------------------------------------
+def test_inspect_diff_prints_the_diff(capsys):
+    assert main(["inspect", GPT, "--mesh", "pp=2,tp=2", "--diff", "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 3 (dp=0 pp=1 tp=1) against the captured graph")
+    assert "+ vocab_cross_entropy = VocabParallelCrossEntropy(" in out
+
+
+def test_inspect_html_writes_the_report(tmp_path, capsys):
+    path = tmp_path / "r.html"
+    assert main(["inspect", GPT, "--mesh", "pp=2,tp=2", "--html", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Plan for GPT") and "def forward" not in captured.out
+    assert f"wrote the report to {path}" in captured.err
+    assert path.read_text().count('<section class="graph"') == 4
+
+
+@pytest.mark.parametrize("module", [nodes, timeline], ids=lambda m: m.__name__)
+def test_module_docstrings_run(module):
+    failures, _ = doctest.testmod(module)
+    assert failures == 0

@@ -1,0 +1,90 @@
+"""The code blocks of a Markdown page, as the doc tests run them.
+
+- A ```` ```python ```` block runs in the test process; a ``print(x)  # text`` line promises that
+  ``text`` appears in what the block prints.
+- A python block whose first line is ``# file: NAME`` is a file the reader saves (a model, a
+  training script): it is written to the page's working folder before any block runs, and it
+  runs only when another block imports or launches it.
+- In a ```` ```bash ```` block, each command that starts with ``autopar`` or ``torchrun`` runs as
+  written, in that folder (backslash continuations joined, ``#`` comments dropped); other
+  commands (``pip install``, ``python -m pytest``) are the newcomer's set-up, checked elsewhere.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import socket
+import subprocess
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Block", "blocks", "write_files", "commands", "run_command", "promised", "free_port"]
+
+_FENCE = re.compile(r"^```(python|bash|sh|shell)\n(.*?)^```", flags=re.S | re.M)
+_FILE = re.compile(r"^# file: (\S+)")
+RUNNABLE = ("autopar", "torchrun")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page: its language, text, and the file name it is saved as (if any)."""
+
+    page: str
+    index: int
+    lang: str
+    text: str
+
+    @property
+    def file(self) -> str | None:
+        match = _FILE.match(self.text)
+        return match.group(1) if match and self.lang == "python" else None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}-{self.index}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """Every python and shell block of ``path``, numbered in page order."""
+    found = _FENCE.findall(path.read_text())
+    return [Block(path.name, i, "python" if lang == "python" else "bash", text) for i, (lang, text) in enumerate(found)]
+
+
+def write_files(page_blocks: list[Block], folder: Path) -> None:
+    """Save the page's ``# file:`` blocks into ``folder``."""
+    for block in page_blocks:
+        if block.file:
+            (folder / block.file).write_text(block.text)
+
+
+def commands(block: Block) -> list[str]:
+    """The ``autopar`` / ``torchrun`` commands of a shell block."""
+    text = re.sub(r"\\\n\s*", " ", block.text)
+    lines = [line.split(" #", 1)[0].strip() for line in text.splitlines()]
+    return [line for line in lines if line.split(" ", 1)[0] in RUNNABLE]
+
+
+def promised(block: Block) -> list[str]:
+    """The texts a python block's ``print(...)  # text`` comments promise (a ``#`` inside a string is no comment)."""
+    lines = block.text.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(block.text).readline)
+    return [tok.string[1:].strip() for tok in tokens
+            if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1].lstrip().startswith("print(")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_command(command: str, folder: Path, *, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``command`` with bash in ``folder``, this interpreter's scripts first on PATH, torchrun on a free port."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+               PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(free_port()))
+    return subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=timeout)
