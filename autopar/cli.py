@@ -29,6 +29,7 @@ _MAIN_EPILOG = """\
 examples:
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
   autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1 --json
+  autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=2 --html report.html
   autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
   autopar train --mesh dp=1,pp=2,tp=2 --steps 100
 
@@ -190,14 +191,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(result.plan.model_dump_json(indent=2))
         return 0
+    ranks = sorted(result.ranks) if args.all_ranks else [args.rank or 0]
     if args.diff:
         from autopar.report import graph_diff
-        print(graph_diff(result, args.rank or 0))
+        print("\n\n".join(graph_diff(result, rank) for rank in ranks))
         return 0
     print(result.summary())
     if args.html and args.rank is None and not args.all_ranks:  # the graphs are in the report
         return 0
-    ranks = sorted(result.ranks) if args.all_ranks else [args.rank or 0]
     for rank in ranks:
         print()
         print(result.describe_rank(rank))
@@ -219,8 +220,8 @@ def _add_inspect(sub) -> None:
     which.add_argument("--all-ranks", action="store_true", help="print every rank's graphs")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON instead (autopar.Plan)")
     p.add_argument("--diff", action="store_true",
-                   help="print the captured graph against rank R's rewritten graphs instead (+ inserted, "
-                        "- removed, ~ changed)")
+                   help="print the captured graph against rank R's (or every rank's) rewritten graphs instead "
+                        "(+ inserted, - removed, ~ changed)")
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report: the Plan, the "
                    "schedule's timeline, memory per rank and every rewritten graph (autopar.report)")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -149,11 +149,11 @@ def _region_plan(region: TpRegion) -> TpRegionPlan:
 
 
 def _select_vocab(gm: fx.GraphModule, *, mesh: MeshShape, options: CompileOptions, plan: Plan | None):
-    if mesh.tp == 1 or not options.tensor_parallel or not options.vocab_parallel:
+    if mesh.tp == 1 or not options.tensor_parallel or options.vocab_parallel is False:
         return VocabParallel()
     if plan is not None and not plan.vocab_parallel:
         return VocabParallel()
-    return find_vocab_parallel(gm, tp_size=mesh.tp)
+    return find_vocab_parallel(gm, tp_size=mesh.tp, strict=options.vocab_parallel is True)
 
 
 def _select_regions(gm: fx.GraphModule, *, mesh: MeshShape, options: CompileOptions, plan: Plan | None,

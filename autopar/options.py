@@ -27,7 +27,9 @@ class CompileOptions(UserModel):
     bucket_mb: float = Field(25.0, gt=0)  # DDP/ZeRO-1/2 gradient bucket size, reduced while backward runs
     capture: Literal["export", "symbolic_trace"] = "export"
     tensor_parallel: bool = True
-    vocab_parallel: bool = True  # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary
+    # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary. None: where the vocabulary
+    # divides by tp (else replicated, with a warning); True: required (ShardingError if it does not divide)
+    vocab_parallel: bool | None = None
     sequence_parallel: bool = False  # with tensor_parallel: norms/dropout/residuals sharded on the sequence
     p2p_timeout_s: float = Field(300.0, gt=0)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation on every stage
@@ -36,8 +38,12 @@ class CompileOptions(UserModel):
     # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
     block_capture: Literal["auto", "once", "every"] = "auto"
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
-    pipemare_lr_warmup_updates: int = Field(100, ge=0)  # PipeMare: updates until the lr is no longer cut by delay
-    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1)  # PipeMare: decay of the weight-velocity average
+    pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
+        "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
+        "(0: no rescheduling) ([schedules.md](schedules.md))"))
+    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1, description=(
+        "`pipemare` only: decay of the average weight change per update that corrects the backward's "
+        "weights toward the forward's ([schedules.md](schedules.md))"))
 
     @field_validator("schedule")
     @classmethod

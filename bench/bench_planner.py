@@ -241,13 +241,124 @@ def section(rows: list[dict], note: str) -> str:
     return "\n".join(lines)
 
 
+def _rebalance_body(rank: int, world: int, bad: tuple, rounds: int, steps: int):
+    """A mis-split GPT pipeline, re-split by the LoadBalancer; both programs then timed alternately."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import lm_loss
+    from autopar.plan_model import MeshShape, PipelinePlan, Plan
+    from autopar.planner.rebalance import LoadBalancer
+
+    x, y = _data("GPT")
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    plan = Plan(global_batch_size=BATCH, mesh=MeshShape(pp=2),
+                pipeline=PipelinePlan(schedule="1f1b", num_microbatches=4, stage_starts=bad))
+    old = autopar.compile(_build("GPT"), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=plan)
+    balancer = LoadBalancer(old)
+    for _ in range(4):
+        old.train_step(x, target=y)
+        balancer.observe()
+    proposal = balancer.propose()
+    new = balancer.apply(proposal)
+    new.train_step(x, target=y)  # warm-up
+    times = {"before": [], "after": []}
+    for r in range(rounds):
+        for key in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            program = old if key == "before" else new
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                program.train_step(x, target=y)
+                dist.barrier()
+                times[key].append(time.perf_counter() - t0)
+    return {"proposal": proposal.stage_starts, "gain": proposal.gain, "stage_seconds": proposal.stage_seconds,
+            "before": statistics.median(times["before"]), "after": statistics.median(times["after"]),
+            "bad": bad}
+
+
+def rebalance(*, bad=("blocks.1",), rounds: int = 6, steps: int = 2) -> dict:
+    """Step time of a mis-split 2-stage GPT pipeline before and after the LoadBalancer re-splits it."""
+    return spawn(_rebalance_body, world_size=2, args=(tuple(bad), rounds, steps), timeout_s=1800)
+
+
+def rebalance_section(r: dict, note: str) -> str:
+    return "\n".join([
+        "## Dynamic re-balancing: a mis-split pipeline, re-split while training", "", note, "",
+        f"GPT (8 blocks, width 256, sequence 64, batch 32, 4 microbatches, 1F1B) on 2 pipeline ranks, compiled "
+        f"with stage 1 starting at `{r['bad'][0]}` (one block on the first rank, seven and the head on the "
+        f"second). After 4 steps the `LoadBalancer` measured {r['stage_seconds'][0]:.3f} s and "
+        f"{r['stage_seconds'][1]:.3f} s of busy time per step on the two stages and proposed `"
+        f"{', '.join(r['proposal'])}` (predicted {r['gain']:.0%} off the slowest stage); `apply` recompiled and "
+        f"moved weights and Adam state through a checkpoint. Both programs were then timed in alternating "
+        f"rounds: **{r['before']:.3f} s/step before, {r['after']:.3f} s/step after** "
+        f"({r['after'] / r['before'] - 1:+.0%}).",
+    ])
+
+
+SCALE = {"llama2_70b": 1024, "gpt3_175b": 1536}  # preset -> global batch (sequences)
+
+
+def scale(name: str, *, world: int = 1024, rank: int = 0) -> dict:
+    """Plan ``name`` (meta device) for ``world`` A100-80GB ranks and build one rank's program; timed."""
+    import autopar
+    from autopar.models import build_model, lm_loss
+    from autopar.planner import get_cluster
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.device("meta"):
+        model = build_model(name)
+    tokens = torch.empty((SCALE[name], model.cfg.seq_len), dtype=torch.long, device="meta")
+    built = time.perf_counter() - t0
+    result = autopar.plan(model, world, plan="auto", cluster=get_cluster("a100-80g-8x", world=world),
+                          example_inputs=(tokens,), loss_fn=lm_loss, example_target=tokens, ranks=[rank],
+                          precision="bf16")
+    program = result.rank_program(rank)
+    nodes = sum(len(s.gm.graph.nodes) for s in program.stages)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    from autopar.planner.search import SearchSpace, search
+    report = result.planner
+    megatron = search(report.profile, report.cluster, world=world, space=SearchSpace(tp=(8,), pp=(8,))).best
+    return dict(name=name, world=world, rank=rank, wall_s=wall, cpu_s=cpu, build_s=built, plan=result.plan.summary(),
+                megatron=f"{megatron.candidate.label()}: {megatron.step_time:.4g} s/step, "
+                         f"{megatron.memory / 2**30:.1f} GiB",
+                table=result.planner.table(top=5, rejected=3), reasons=result.planner.summary(),
+                coords=program.coords, stages=[s.stage for s in program.stages], nodes=nodes,
+                load=os.getloadavg()[0])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--rebalance", action="store_true",
+                   help="instead: time a mis-split pipeline before and after the LoadBalancer re-splits it")
+    p.add_argument("--scale", nargs="*", metavar="PRESET", default=None,
+                   help="instead: plan llama2_70b / gpt3_175b for 1,024 A100s and build one rank's program, timed")
     args = p.parse_args(argv)
+    if args.rebalance:
+        load, t0 = os.getloadavg()[0], time.perf_counter()
+        r = rebalance(rounds=args.rounds, steps=args.steps)
+        note = run_note([dict(date=time.strftime("%c"), wall_s=time.perf_counter() - t0, load_before=load,
+                              load_after=os.getloadavg()[0])])
+        text = rebalance_section(r, note)
+        print(text)
+        if not args.no_docs:
+            update_section("planner_rebalance", text)
+        return 0
+    if args.scale is not None:
+        for name in args.scale or list(SCALE):
+            r = scale(name)
+            print(f"== {name} on {r['world']} ranks: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU "
+                  f"(model build {r['build_s']:.1f} s), load average {r['load']:.1f}; rank {r['rank']} "
+                  f"{r['coords']} runs stages {r['stages']} ({r['nodes']} graph nodes)")
+            print(r["table"])
+            print("pinned tp=8, pp=8:", r["megatron"])
+            print(r["reasons"])
+            print(r["plan"])
+        return 0
     load, t0 = os.getloadavg()[0], time.perf_counter()
     rows = run(worlds=tuple(args.worlds), rounds=args.rounds, steps=args.steps)
     note = run_note([dict(rows[0], date=time.strftime("%c"), wall_s=time.perf_counter() - t0, load_before=load,

@@ -85,6 +85,7 @@ class Recompute(nn.Module):
         self.body = body
         self.mode = mode
         self.observer = None
+        self._stored = None  # selective: the checkpoint's store of op outputs, while observed
 
     def _contexts(self):
         fwd, rec = create_selective_checkpoint_contexts(_selective_policy)

@@ -17,7 +17,9 @@ matrix (``ShardSpec(dim=0)``):
 A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean reduction, no
 class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
 classes as a token embedding has rows. Anything else stays replicated with a warning naming why;
-an embedding tied to a replicated head stays replicated too.
+an embedding tied to a replicated head stays replicated too. A vocabulary that does not divide
+by tp stays replicated with a warning, or raises :class:`ShardingError` when the user asked for
+``vocab_parallel=True``.
 
 Example::
 
@@ -196,20 +198,38 @@ def _reaches_loss(node: fx.Node) -> bool:
     return False
 
 
-def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None) -> VocabParallel:
+def _divisible(vp: VocabParallel, *, tp_size: int, vocab_sizes: set[int], strict: bool) -> VocabParallel:
+    """Drop what does not divide by tp: a classifier head always, a vocabulary unless ``strict``."""
+    classes = shape_of(vp.head)[-1] if vp.head is not None else 0
+    if classes % tp_size and (classes not in vocab_sizes or not strict):
+        what = f"vocabulary of {classes} does" if classes in vocab_sizes else f"{classes} classes do"
+        log.warning("tensor parallel: head %s stays replicated: its %s not divide by tp=%d (pad the "
+                    "vocabulary to a multiple of tp to shard it)", module_path(vp.head), what, tp_size)
+        weight = vp.head.args[1]
+        vp = VocabParallel(embeddings=[e for e in vp.embeddings if e.args[0] is not weight])
+    kept = []
+    for emb in vp.embeddings:
+        rows = shape_of(emb.args[0])[0]
+        if rows % tp_size and not strict:
+            log.warning("tensor parallel: embedding %s stays replicated: its vocabulary of %d does not divide by "
+                        "tp=%d (pad it to a multiple of tp to shard it)", module_path(emb), rows, tp_size)
+            continue
+        kept.append(emb)
+    vp.embeddings = kept
+    return vp
+
+
+def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None, strict: bool = False) -> VocabParallel:
     """The token embeddings and LM head of ``gm`` that shard on the vocabulary (may be empty).
 
-    With ``tp_size``, a classifier head (no token embedding has its width) whose classes do not
-    divide by tp stays replicated with a warning; a vocabulary that does not divide raises later.
+    With ``tp_size``, whatever does not divide by tp stays replicated with a warning, except a
+    vocabulary when ``strict`` (the user asked for ``vocab_parallel=True``): that raises
+    :class:`ShardingError` when the pass shards it. A classifier head (no token embedding has
+    its width) never raises.
     """
     embeddings = _token_embeddings(gm)
     vocab_sizes = {shape_of(e.args[0])[0] for e in embeddings}
     vp = _find_head(gm, vocab_sizes) or VocabParallel()
-    classes = shape_of(vp.head)[-1] if vp.head is not None else 0
-    if classes and tp_size and classes % tp_size and classes not in vocab_sizes:
-        log.warning("tensor parallel: output head %s stays replicated: its %d classes do not divide by tp=%d",
-                    module_path(vp.head), classes, tp_size)
-        vp = VocabParallel()
     head_weight = vp.head.args[1] if vp.head is not None else None
     for emb in embeddings:
         weight = emb.args[0]
@@ -226,7 +246,7 @@ def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None) -> Vo
             log.warning("tensor parallel: LM head %s stays replicated: its weight is also read by %s",
                         module_path(vp.head), [module_path(u) for u in tied_to_replicated])
             vp.head, vp.chain, vp.losses, vp.outputs = None, {}, [], []
-    return vp
+    return _divisible(vp, tp_size=tp_size, vocab_sizes=vocab_sizes, strict=strict) if tp_size else vp
 
 
 # -- the rewrite --------------------------------------------------------------------------------

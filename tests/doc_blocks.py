@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Block", "blocks", "write_files", "commands", "run_command", "promised", "free_port"]
+__all__ = ["Block", "blocks", "write_files", "commands", "run_command", "promised", "free_port", "shell_runs"]
 
 _FENCE = re.compile(r"^```(python|bash|sh|shell)\n(.*?)^```", flags=re.S | re.M)
 _FILE = re.compile(r"^# file: (\S+)")
@@ -81,10 +82,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_MODULES = {"autopar": "autopar", "torchrun": "torch.distributed.run"}
+
+
+def _path(folder: Path) -> str:
+    """PATH with this interpreter's scripts first; where pip put them elsewhere (a --user install),
+    a shim in ``folder/.bin`` runs ``python -m`` the same module instead."""
+    path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+    missing = [name for name in _MODULES if shutil.which(name, path=path) is None]
+    if missing:
+        shims = folder / ".bin"
+        shims.mkdir(exist_ok=True)
+        for name in missing:
+            shim = shims / name
+            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {_MODULES[name]} "$@"\n')
+            shim.chmod(0o755)
+        path = str(shims) + os.pathsep + path
+    return path
+
+
 def run_command(command: str, folder: Path, *, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``command`` with bash in ``folder``, this interpreter's scripts first on PATH, torchrun on a free port."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PATH=_path(folder), OMP_NUM_THREADS="1",
                PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(free_port()))
     return subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+
+_RUNS: dict = {}  # (command, page files) -> result, for this test session
+
+
+def shell_runs(command: str, folder: Path, files: tuple = ()) -> subprocess.CompletedProcess:
+    """:func:`run_command`, once per test session for the same command and page files (the README and a
+    doc page may show the same command)."""
+    key = (command, files)
+    if key not in _RUNS:
+        _RUNS[key] = run_command(command, folder)
+    return _RUNS[key]

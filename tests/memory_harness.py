@@ -34,7 +34,9 @@ RECOMPUTE = [_case((1, 1, 2), recompute="none"), _case((1, 1, 2), recompute="sel
              _case((1, 2, 1), model="llama_tiny", recompute="selective", max_grad_norm=0.05),
              _case((1, 2, 1), model="llama_tiny", recompute="full"),
              _case((1, 2, 2), recompute="full", max_grad_norm=0.05),  # all of it on one mesh
-             _case((1, 2, 2), model="llama_tiny", recompute="selective")]
+             _case((1, 2, 2), model="llama_tiny", recompute="selective"),
+             _case((1, 2, 1), recompute="full", schedule="zb_h1"),  # split backward: W re-enters regions
+             _case((2, 1, 1), recompute="selective", zero_stage=3, max_grad_norm=0.05)]  # gathers around regions
 # Clipping by the global norm (max_grad_norm small enough to be active): tp shards and replicas,
 # a weight tied across pp stages, dp replicas and ZeRO shards (more in MEMORY and RECOMPUTE).
 CLIP = [_case((1, 2, 1), max_grad_norm=0.05), _case((2, 1, 1), model="llama_tiny", max_grad_norm=0.05)]

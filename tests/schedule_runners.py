@@ -104,6 +104,7 @@ ASYNC_CASES = [
     _case("gpt_tiny", (1, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=4),
     _case("llama_tiny", (1, 2, 1), "pipemare", 2, kind="schedule_runners:async_run", steps=4,
           pipemare_lr_warmup_updates=4),
+    _case("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=3),  # dp, tied
 ]
 #: the measured-versus-simulated bubble at p=2: a model heavy enough that actions outweigh overheads
 TRACE_CASE = Case(model="gpt_tiny", mesh=(1, 2, 1), kind="schedule_runners:trace_run", steps=6, batch=16, seq=64,

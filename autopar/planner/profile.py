@@ -186,6 +186,14 @@ def _capture(model, *, example_inputs, loss_fn, example_target, options: Compile
         return cap, batch, True
 
 
+def _shard(cap: Captured, tp: int):
+    """The graph as tp rank 0 of ``tp`` runs it (a vocabulary tp does not divide stays whole, as lowering does)."""
+    sharded = dataclasses.replace(cap, mesh=MeshShape(dp=cap.mesh.dp, tp=tp))
+    with torch.random.fork_rng(devices=[]):
+        gm, _, regions, vocab = shard_captured(sharded, tp_rank=0)
+    return gm, regions, vocab
+
+
 def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
                   options: CompileOptions | None = None) -> ModelProfile:
     """Chunk costs of ``model`` for each tp degree (those that cannot shard go to ``tp_errors``)."""
@@ -197,10 +205,8 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
                            global_batch=cap.batch, precision=cap.precision, sample_batch=b0,
                            batch_statistics=stats, template=cap.template.path if cap.template else None)
     for tp in sorted(set(tp_degrees)):
-        sharded = dataclasses.replace(cap, mesh=MeshShape(dp=cap.mesh.dp, tp=tp))
         try:
-            with torch.random.fork_rng(devices=[]):
-                gm, _, regions, vocab = shard_captured(sharded, tp_rank=0)
+            gm, regions, vocab = _shard(cap, tp)
         except AutoparError as exc:
             profile.tp_errors[tp] = exc.what
             continue

@@ -36,8 +36,9 @@ OPTION_HELP = {
     "bucket_mb": "size of the gradient buckets DDP and ZeRO-1/2 reduce while backward runs, in MB",
     "capture": "`export` (torch.export, non-strict) or `symbolic_trace` (torch.fx first, then export)",
     "tensor_parallel": "shard the transformer blocks over tp; `False` keeps every weight replicated",
-    "vocab_parallel": "with tensor parallelism: embedding, LM head and cross-entropy sharded on the vocabulary "
-                      "([tensor_parallel.md](tensor_parallel.md))",
+    "vocab_parallel": "with tensor parallelism: embedding, LM head and cross-entropy sharded on the vocabulary; "
+                      "`None`: where the vocabulary divides by tp (else replicated, with a warning), `True`: "
+                      "required, `False`: never ([tensor_parallel.md](tensor_parallel.md))",
     "sequence_parallel": "with tensor parallelism: norms, dropout and the residual stream sharded on the sequence",
     "p2p_timeout_s": "seconds a pipeline transfer may wait before the step fails with an error naming the rank, "
                      "stage and peer",

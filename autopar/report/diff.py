@@ -30,9 +30,6 @@ from autopar.report.nodes import NodeView, describe_node, walk
 
 __all__ = ["graph_diff", "stage_of_nodes"]
 
-_INSERTED_KINDS = ("collective", "send", "recv", "region")
-
-
 def _views(gm: fx.GraphModule) -> list[NodeView]:
     return [describe_node(owner, node) for node, owner, _depth in walk(gm)]
 
@@ -82,16 +79,16 @@ def _line(mark: str, v: NodeView, width: int = 80) -> str:
     return f"{text:<{width}} {tail}" if len(text) < width else f"{text}\n{'':<{width}} {tail}"
 
 
-def _changed(old: NodeView, new: NodeView) -> list[str]:
-    """The ``~`` entry for a node whose code or shape changed (empty when it did not)."""
+def _changed(old: NodeView, new: NodeView) -> str | None:
+    """The ``~`` entry for a node whose code or shape changed (None when it did not)."""
     same_shape = old.shape == new.shape or old.kind == "output"  # a stage's output is a send token
     if old.line == new.line and same_shape:
-        return []
+        return None
     out = [f"~ {old.line}" if old.line == new.line else f"~ {old.line}\n      now {new.line.split(' = ', 1)[-1]}"]
     if not same_shape:
         placed = f"   placement {new.placement}" if new.placement else ""
         out.append(f"      shape {_shape(old.shape)} -> {_shape(new.shape)}{placed}")
-    return ["\n".join(out)]
+    return "\n".join(out)
 
 
 def _entries(a: list[NodeView], b: list[NodeView]) -> list[tuple[str, str]]:
@@ -129,7 +126,7 @@ def _entries(a: list[NodeView], b: list[NodeView]) -> list[tuple[str, str]]:
             out.append(("+", _line("+", v)))
             continue
         change = _changed(old[v.name], v)
-        out.append(("~", change[0]) if change else (" ", _line(" ", v)))
+        out.append(("~", change) if change else (" ", _line(" ", v)))
     return out
 
 
@@ -160,7 +157,7 @@ def _fold(entries: list[tuple[str, str]], context: int) -> list[str]:
 def _counts(entries, b: list[NodeView]) -> str:
     inserted = Counter(v.op for v in b if v.kind == "collective")
     tags = Counter(tag for tag, _text in entries)
-    kinds = Counter(v.kind for v in b if v.kind in ("send", "recv") or v.kind == "region")
+    kinds = Counter(v.kind for v in b if v.kind in ("send", "recv", "region"))
     colls = ", ".join(f"{op} x{n}" for op, n in sorted(inserted.items()))
     parts = [f"{sum(inserted.values())} collectives" + (f" ({colls})" if colls else ""),
              f"{kinds['send']} send", f"{kinds['recv']} recv"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
+from autopar.errors import PlanError
 from autopar.planning import coords_of
 from autopar.report.collect import graph_groups, original_graph
 from autopar.report.graph_view import graph_section, legend_html, original_section, stage_color
@@ -76,6 +77,14 @@ def _ranks_section(result, groups) -> str:
             + "".join(rows) + "</table></section>")
 
 
+def _flops(n: float) -> str:
+    """``1.70 MFLOP``, ``512 FLOP``."""
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} FLOP"
+
+
 def _schedule_section(result) -> str:
     schedule = result.schedule
     timing = simulate_plan(result)
@@ -83,7 +92,7 @@ def _schedule_section(result) -> str:
     lists = "\n".join(f"pp rank {r}: " + " ".join(str(a) for a in row) for r, row in enumerate(schedule.actions))
     rows = "".join(f"<tr><td>pp rank {r}</td><td>{b:.1%}</td><td>{a}</td></tr>"
                    for r, (b, a) in enumerate(zip(sim.bubble_fraction, sim.peak_activations)))
-    flops = ", ".join(f"stage {s}: {f / 1e6:,.2f} MFLOP" for s, f in enumerate(timing.stage_flops))
+    flops = ", ".join(f"stage {s}: {_flops(f)}" for s, f in enumerate(timing.stage_flops))
     title = f"{schedule.name}: {schedule.num_stages} stages on {schedule.num_ranks} pp ranks, " \
             f"{schedule.num_microbatches} microbatches"
     return (f'<section id="schedule"><h2>Schedule</h2><p>{escape(title)}. Simulated with each stage costing its '
@@ -122,5 +131,11 @@ def render_report(result, *, title: str | None = None) -> str:
 def write_report(result, path, *, title: str | None = None) -> Path:
     """Write :func:`render_report` of ``result`` to ``path``; returns the path."""
     path = Path(path)
-    path.write_text(render_report(result, title=title), encoding="utf-8")
+    text = render_report(result, title=title)
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"cannot write the report to {str(path)!r}: {exc.strerror or exc}",
+                        where="write_report(path) / autopar inspect --html",
+                        fix="give a file path in an existing folder you can write to") from exc
     return path

@@ -106,7 +106,8 @@ def timeline_svg(sim: SimResult, *, width: int = 960, title: str = "") -> str:
         parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#555"/>'
                      f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle" font-size="10">{t:g}</text>')
     legend_y = axis_y + _AXIS_H
-    for i, (kind, color) in enumerate(KIND_COLORS.items()):
+    present = {e.action.kind.name for row in rows for e in row}
+    for i, (kind, color) in enumerate((k, c) for k, c in KIND_COLORS.items() if k in present):
         lx = x0 + i * 110
         name = {"F": "forward", "B": "backward", "W": "weight grad"}[kind]
         parts.append(f'<rect x="{lx}" y="{legend_y - 9}" width="10" height="10" fill="{color}"/>'

@@ -29,6 +29,23 @@ def test_help_exits_0_and_shows_an_example(command, capsys):
     assert f"autopar {command[0] if command else 'inspect'} " in text
 
 
+def _subcommands() -> dict:
+    from autopar.cli import build_parser
+
+    return next(a for a in build_parser()._actions if a.dest == "command").choices
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_every_subcommand_says_what_it_does_with_an_example(name, capsys):
+    """Every subcommand, including ones added later: a one-line summary in `autopar --help`, a
+    description and an example of itself in its own --help."""
+    assert f"  {name} " in _help([], capsys)
+    parser = _subcommands()[name]
+    assert parser.description and len(parser.description) > 40
+    text = _help([name], capsys)
+    assert "examples:" in text and f"  autopar {name} " in text
+
+
 def test_python_dash_m_autopar_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "autopar", "--help"], capture_output=True, text=True,
                           timeout=60)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_blocks import blocks, commands, promised, run_command, write_files
+from doc_blocks import blocks, commands, promised, shell_runs, write_files
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = {path.name: blocks(path) for path in sorted(DOCS.glob("*.md"))}
@@ -28,10 +28,10 @@ def page_folder(tmp_path):
 
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
 def test_example_runs(block, page_folder, monkeypatch, capsys):
+    folder = page_folder(block.page)  # a fresh folder holding the page's files; what a block writes lands there
+    monkeypatch.chdir(folder)
     files = [b.file for b in PAGES[block.page] if b.file]
-    if files:  # a page with files runs where the reader saved them, importing them afresh
-        folder = page_folder(block.page)
-        monkeypatch.chdir(folder)
+    if files:  # the page's own modules, imported afresh
         monkeypatch.syspath_prepend(str(folder))
         for name in files:
             monkeypatch.delitem(sys.modules, name.removesuffix(".py"), raising=False)
@@ -44,5 +44,6 @@ def test_example_runs(block, page_folder, monkeypatch, capsys):
 @pytest.mark.parametrize("block,command", [pytest.param(b, c, marks=[pytest.mark.dist] if c.startswith("torchrun")
                                                         else []) for b, c in SHELL], ids=SHELL_IDS)
 def test_shell_example_runs(block, command, page_folder):
-    done = run_command(command, page_folder(block.page))
+    files = tuple((b.file, b.text) for b in PAGES[block.page] if b.file)
+    done = shell_runs(command, page_folder(block.page), files)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -44,7 +44,7 @@ def test_optimizer_kinds(optimizer):
 
 def test_zero_stages_shard_what_they_say():
     """ZeRO-1 splits optimizer state over dp, ZeRO-2 gradients too, ZeRO-3 parameters too (ceil(n/dp))."""
-    sizes, n = _sizes(), sum(_sizes())
+    sizes = _sizes()
     result = _plan((2, 1, 1))
     by_stage = {z: estimate_memory(result, optimizer="adam", zero_stage=z).ranks for z in range(4)}
     full = by_stage[0][0]

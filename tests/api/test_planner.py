@@ -43,12 +43,12 @@ def _batch():
 @pytest.fixture(scope="module")
 def profile():
     x, y = _batch()
-    return profile_model(_model(), example_inputs=(x,), loss_fn=lm_loss, example_target=y, tp_degrees=(1, 2, 4, 8))
+    return profile_model(_model(), example_inputs=(x,), loss_fn=lm_loss, example_target=y, tp_degrees=(1, 2, 8))
 
 
 def test_profile_has_one_chunk_per_cut_place_and_one_cost_per_tp(profile):
     assert profile.num_chunks == 6  # embeddings, 4 blocks, final norm + head + loss
-    assert profile.tp_degrees == (1, 2, 4)
+    assert profile.tp_degrees == (1, 2)
     assert "not divisible by tp=8" in profile.tp_errors[8]
     blocks = [c for c in profile.chunks[1] if c.is_block]
     assert [c.unit for c in blocks] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
@@ -93,8 +93,8 @@ def test_nothing_fits_is_a_plan_error(profile):
 
 
 def test_tensor_parallelism_stays_inside_a_node(profile):
-    result = search(profile, toy_cluster(per_node=2, nodes=2), world=4)
-    assert all(e.candidate.tp <= 2 for e in result.ranked)
+    result = search(profile, toy_cluster(per_node=1, nodes=2), world=2)
+    assert all(e.candidate.tp == 1 for e in result.ranked)
     assert any("all-reduces would cross nodes" in r for _, r in result.rejected)
 
 
@@ -204,8 +204,31 @@ def test_cluster_presets_and_validation():
 
 def test_cli_prints_the_ranked_table_and_the_reasons(capsys):
     from autopar.cli import main
-    assert main(["plan", "autopar.models.examples:gpt_tiny", "--world", "4", "--cluster", "cpu-2core"]) == 0
+    assert main(["plan", "autopar.models.examples:gpt_tiny", "--world", "2", "--cluster", "cpu-2core"]) == 0
     out = capsys.readouterr().out
     assert "est. s/step" in out and "chosen:" in out and "Plan for GPT" in out
     assert main(["plan", "autopar.models.examples:gpt_tiny", "--cluster", "nope"]) == 2
     assert "neither a preset nor a readable file" in capsys.readouterr().err
+
+
+def test_one_ranks_program_equals_the_full_builds():
+    x, y = _batch()
+    full = autopar.plan(_model(), (1, 2, 2), example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+    one = autopar.plan(_model(), (1, 2, 2), example_inputs=(x,), loss_fn=lm_loss, example_target=y, ranks=[3])
+    assert set(one.ranks) == {3} and one.plan == full.plan
+    assert one.describe_rank(3) == full.describe_rank(3)
+    assert one.describe_rank(0) == full.describe_rank(0)  # built on demand
+    with pytest.raises(PlanError, match="outside the mesh"):
+        one.rank_program(4)
+
+
+def test_a_long_meta_model_plans_one_rank_from_three_captured_blocks():
+    with torch.device("meta"):
+        model = build_model("llama_tiny", num_layers=8)
+    tokens = torch.empty((64, 32), dtype=torch.long, device="meta")
+    result = autopar.plan(model, (4, 4, 2), example_inputs=(tokens,), loss_fn=lm_loss, example_target=tokens,
+                          ranks=[31])
+    assert result.captured.template is not None and result.captured.template.num_blocks == 8
+    (stage,) = result.rank_program(31).stages
+    assert stage.stage == 3 and stage.is_last
+    assert len(result.plan.tp_regions) == 16  # two per block, for all 8 blocks

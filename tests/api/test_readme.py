@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from doc_blocks import blocks, commands, shell_runs
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -49,11 +51,9 @@ def test_plan_example_runs_in_a_plain_process(capsys):
 
 def test_readme_shell_commands_run(tmp_path):
     """Every `autopar ...` command of the README's shell blocks exits 0 (the install lines are checked by CI)."""
-    from doc_blocks import blocks, commands, run_command
-
     found = [c for b in blocks(README) if b.lang == "bash" for c in commands(b)]
     assert any(c.startswith("autopar inspect") for c in found)
     for command in found:
-        done = run_command(command, tmp_path)
+        done = shell_runs(command, tmp_path)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         assert "Plan for" in done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 import doctest
 import html
 import re
+import types
 
 import pytest
 
@@ -13,7 +14,7 @@ from autopar.errors import PlanError
 from autopar.models import examples
 from autopar.report import graph_diff, render_report, timeline_svg, write_report
 from autopar.report import memory_view, nodes, timeline
-from autopar.report.collect import graph_groups
+from autopar.report.collect import graph_groups, original_graph
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 from autopar.runtime.p2p import p2p_nodes
 from autopar.runtime.schedules.gpipe import gpipe
@@ -132,12 +133,11 @@ def test_diff_lists_replaced_nodes_and_summarises_other_stages(diff_rank1):
     assert "linear_4" not in diff_rank1  # stage 1's nodes are counted, not listed
 
 
-def test_diff_folds_unchanged_runs():
-    model, (tokens,), loss_fn, targets = examples.gpt_tiny()
-    result = autopar.plan(model, {"pp": 2}, example_inputs=(tokens,), loss_fn=loss_fn, example_target=targets)
-    text = graph_diff(result, 1)
-    assert re.search(r"^  ··· \d+ unchanged nodes$", text, flags=re.M)
-    assert "+ recv_0 = RecvActivation()" in text and "now aten.layer_norm(recv_0," in text
+def test_diff_of_the_last_stage_shows_the_vocabulary_parallel_loss(result):
+    text = graph_diff(result, 3)  # dp=0 pp=1 tp=1
+    assert text.startswith("rank 3 (dp=0 pp=1 tp=1) against the captured graph")
+    assert "+ recv_0 = RecvActivation()" in text and "+ vocab_cross_entropy = VocabParallelCrossEntropy(" in text
+    assert re.search(r"^- cross_entropy_loss = ", text, flags=re.M)
 
 
 def test_diff_of_a_stage_the_rank_does_not_run(result):
@@ -146,20 +146,39 @@ def test_diff_of_a_stage_the_rank_does_not_run(result):
 
 
 # -- the command line ----------------------------------------------------------------------------
-def test_inspect_diff_prints_the_diff(capsys):
-    assert main(["inspect", GPT, "--mesh", "pp=2,tp=2", "--diff", "--rank", "3"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("rank 3 (dp=0 pp=1 tp=1) against the captured graph")
-    assert "+ vocab_cross_entropy = VocabParallelCrossEntropy(" in out
-
-
-def test_inspect_html_writes_the_report(tmp_path, capsys):
+def test_inspect_writes_the_report_and_prints_the_diff(tmp_path, capsys):
     path = tmp_path / "r.html"
-    assert main(["inspect", GPT, "--mesh", "pp=2,tp=2", "--html", str(path)]) == 0
+    assert main(["inspect", GPT, "--mesh", "pp=2", "--html", str(path), "--diff", "--rank", "1"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("Plan for GPT") and "def forward" not in captured.out
     assert f"wrote the report to {path}" in captured.err
-    assert path.read_text().count('<section class="graph"') == 4
+    assert path.read_text().count('<section class="graph"') == 2
+    out = captured.out
+    assert out.startswith("rank 1 (dp=0 pp=1 tp=0) against the captured graph")
+    assert re.search(r"^  ··· \d+ unchanged nodes$", out, flags=re.M)  # no tensor parallelism: little changes
+    assert "+ recv_0 = RecvActivation()" in out and "now aten.layer_norm(recv_0," in out
+
+
+def test_inspect_html_prints_only_the_summary(tmp_path, capsys, monkeypatch):
+    import autopar.report
+
+    monkeypatch.setattr(autopar.report, "write_report", lambda result, path: path)  # the plan is what is tested
+    assert main(["inspect", "autopar.models.examples:mlp_tiny_model", "--mesh", "pp=2", "--input-shape", "8x16",
+                 "--input-dtype", "float", "--html", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Plan for MLP") and "def forward" not in out
+
+
+def test_report_to_a_missing_folder_exits_2(tmp_path, capsys):
+    path = tmp_path / "no_such_folder" / "r.html"
+    assert main(["inspect", "autopar.models.examples:mlp_tiny_model", "--mesh", "pp=2", "--input-shape", "8x16",
+                 "--input-dtype", "float", "--html", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the report to" in err and "Where: write_report(path)" in err and "Fix:" in err
+
+
+def test_a_result_without_its_captured_graph_is_refused():
+    with pytest.raises(PlanError, match="holds no captured graph"):
+        original_graph(types.SimpleNamespace(captured=None))
 
 
 @pytest.mark.parametrize("module", [nodes, timeline], ids=lambda m: m.__name__)

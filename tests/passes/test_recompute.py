@@ -140,3 +140,9 @@ def test_recompute_trains_like_one_device(case):
     """
     result = results(case.world_size)[case]
     assert_equivalent(case, result, reference_run(case))
+
+
+def test_describe_rank_shows_what_regions_run():
+    result, _ = _plan("gpt_tiny", (1, 2, 2), recompute="full")
+    text = result.describe_rank(0)
+    assert "### recompute_0 (full recompute)" in text and "self.tp_reduce_0(" in text

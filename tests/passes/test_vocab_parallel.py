@@ -98,11 +98,20 @@ def test_vocabulary_not_divisible_by_tp_raises_sharding_error():
     model = tiny_model("llama_tiny", (("num_kv_heads", 4), ("vocab_size", 126)))
     x, y = example_batch(126)
     with pytest.raises(autopar.ShardingError) as info:
-        autopar.plan(model, {"tp": 4}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+        autopar.plan(model, {"tp": 4}, example_inputs=(x,), loss_fn=lm_loss, example_target=y, vocab_parallel=True)
     err = info.value
     assert "vocabulary size 126" in err.what and "tp=4" in err.what
     assert "model.embed_tokens" in err.where
     assert "128" in err.fix and "vocab_parallel=False" in err.fix
+
+
+def test_vocabulary_not_divisible_stays_replicated_by_default(caplog):
+    model = tiny_model("gpt_tiny", (("vocab_size", 126),))
+    x, y = example_batch(126)
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.vocab_parallel"):
+        result = autopar.plan(model, {"tp": 4}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+    assert "its vocabulary of 126 does not divide by tp=4" in caplog.text and "pad the vocabulary" in caplog.text
+    assert result.plan.vocab_parallel == () and "lm_head.weight" not in result.plan.param_shards
 
 
 def _smoothed(logits, target):

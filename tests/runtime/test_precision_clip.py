@@ -50,6 +50,12 @@ def test_low_precision_copy_leaves_the_model_alone():
     assert low(x).dtype == torch.bfloat16  # float inputs are cast on the way in
 
 
+def test_bf16_needs_an_fp32_model():
+    from autopar.models import build_model
+    with pytest.raises(autopar.PlanError, match="fp32 model"):
+        low_precision_copy(build_model("mlp_tiny").half())
+
+
 def test_master_weights_accumulate_in_fp32():
     compute = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     masters = MasterWeights([("w", compute)], {"w": torch.full((3,), 1.0 + 2**-12)})
