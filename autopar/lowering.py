@@ -33,7 +33,7 @@ from autopar.passes.static_shapes import check_static_shapes
 from autopar.passes.tp_coverage import warn_unsharded_matmuls
 from autopar.passes.tp_regions import TpRegion, find_tp_regions
 from autopar.passes.vocab_parallel import VocabParallel, find_vocab_parallel, shard_vocab_parallel
-from autopar.passes.weight_grad_split import expose_weight_uses
+from autopar.passes.weight_grad_split import check_split_backward_recompute, expose_weight_uses
 from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.runtime.mixed_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
@@ -304,6 +304,8 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         stages = replicate_stages(stages, num_replicas=2)
     modes = recompute_modes(plan.recompute if plan is not None else (), options.recompute,
                             len(stages) if only is None else num_stages)
+    if cap.has_loss and _splits_backward(options.schedule):
+        check_split_backward_recompute(modes, schedule=options.schedule)
     # after the split (send/recv stay outside every region), before ZeRO-3 gathers around whole regions
     stages = [recompute_stage(s, mode=modes[i if only is None else s.stage]) for i, s in enumerate(stages)]
     if options.zero_stage == 3 and options.data_parallel == "ddp":

@@ -6,6 +6,7 @@ group of each axis and the global ranks along it.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass, field
@@ -39,8 +40,15 @@ def parse_mesh_shape(shape) -> MeshShape:
                     fix="pass {'dp': 2, 'pp': 2, 'tp': 1} or a (dp, pp, tp) tuple")
 
 
-def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None) -> DeviceMesh:
-    """Initialise the default process group from torchrun's environment and build the dp x pp x tp mesh."""
+def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None,
+              timeout_s: float | None = None) -> DeviceMesh:
+    """Initialise the default process group from torchrun's environment and build the dp x pp x tp mesh.
+
+    ``timeout_s`` (default: torch's, 30 min on gloo, 10 on NCCL) becomes the timeout of the default
+    group (when this call creates it) and of the mesh's axis groups: what bounds a collective on
+    NCCL and an object collective anywhere. autopar's own tensor collectives on gloo wait at most
+    compile's ``p2p_timeout_s`` whatever it is (:mod:`autopar.runtime.comm_guard`).
+    """
     shape = MeshShape(dp=dp, pp=pp, tp=tp)
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     if world != shape.world_size:
@@ -50,8 +58,14 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
     device = "cuda" if torch.cuda.is_available() and backend != "gloo" else "cpu"
     if not dist.is_initialized():
         # a prefix per torchrun attempt: a restarted job must not read the dead workers' addresses
-        dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"), **restart_safe_rendezvous())
-    return init_device_mesh(device, (dp, pp, tp), mesh_dim_names=MESH_AXES)
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"), **restart_safe_rendezvous(),
+                                **timeout)
+    mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=MESH_AXES)
+    if timeout_s is not None:  # DeviceMesh makes its axis groups with torch's default timeout
+        for axis in MESH_AXES:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.get_group(axis))
+    return mesh
 
 
 @dataclass

@@ -327,6 +327,21 @@ def scale(name: str, *, world: int = 1024, rank: int = 0) -> dict:
                 load=os.getloadavg()[0])
 
 
+PLANNER_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planner.md")
+
+
+def scale_section(results: list[dict]) -> str:
+    """The 1,024-rank plans as a section of ``docs/planner.md``."""
+    lines = [f"Measured {time.strftime('%c')} on this machine (`python bench/bench_planner.py --scale`):", ""]
+    for r in results:
+        lines += [f"**{r['name']} on {r['world']} ranks: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU** "
+                  f"(model built on the meta device in {r['build_s']:.1f} s; 1-minute load average "
+                  f"{r['load']:.1f}). Rank {r['rank']} at {r['coords']} runs stages {r['stages']} "
+                  f"({r['nodes']} graph nodes).", "", "```text", r["table"], "",
+                  f"pinned to Megatron's tp=8, pp=8: {r['megatron']}", "", r["reasons"], "", r["plan"], "```", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -349,15 +364,11 @@ def main(argv=None) -> int:
             update_section("planner_rebalance", text)
         return 0
     if args.scale is not None:
-        for name in args.scale or list(SCALE):
-            r = scale(name)
-            print(f"== {name} on {r['world']} ranks: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU "
-                  f"(model build {r['build_s']:.1f} s), load average {r['load']:.1f}; rank {r['rank']} "
-                  f"{r['coords']} runs stages {r['stages']} ({r['nodes']} graph nodes)")
-            print(r["table"])
-            print("pinned tp=8, pp=8:", r["megatron"])
-            print(r["reasons"])
-            print(r["plan"])
+        results = [scale(name) for name in args.scale or list(SCALE)]
+        text = scale_section(results)
+        print(text)
+        if not args.no_docs:
+            update_section("planner_scale", text, path=PLANNER_DOC)
         return 0
     load, t0 = os.getloadavg()[0], time.perf_counter()
     rows = run(worlds=tuple(args.worlds), rounds=args.rounds, steps=args.steps)

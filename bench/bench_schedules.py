@@ -170,20 +170,19 @@ def run(*, schedules=tuple(PEERS), **timing) -> list[dict]:
 
 
 #: what a profile of both contenders showed (cProfile, every rank; see docs/benchmarks.md)
-NOTES = """Reading it: on 2 busy cores (load average 17-33 during the run) the wall times are mostly time spent
-descheduled, and the per-round wall ratios spread from 0.5 to 2; the CPU ratio is the gauge. autopar spends
-0.3-8% more CPU per step than the peer on every schedule. A cProfile of both (zb_h1, 4 steps, rank 0) shows
-where: (1) autopar's W action computes each weight use's gradient with its own `autograd.grad` call
-(`runtime/executor.py` `_backward_weight`: 50 weight uses per microbatch on rank 0 here, 816 engine calls in
-4 steps against the peer's 16), so the engine's per-call overhead is the zero-bubble schedules' extra (zb_h1 1.08, zb_v 1.03);
-batching the uses of a stage into one call needs the uses cut from their inputs first, or the gradient would
-flow on into earlier weights. (2) Every schedule pays the per-parameter finite check after backward
-(`torch.isfinite(...).all()` on each of the rank's 50 parameters, `runtime/numerics.py`), about 0.05 s per
-step and rank here, which the peer does not do. Nothing else differs: both spend the rest in the same forward and
-backward kernels and the same waits. The zb_v peer's last loss differs from autopar's (and from one-device
-training, which autopar's zb_v matches in tests/runtime/test_schedule_execution.py): torch's
-ScheduleZBVZeroBubble with the tied embedding and head on both of rank 0's stages computes a different
-gradient from step 2 on."""
+NOTES = """Reading it: on 2 busy cores the wall times are mostly time spent descheduled, and the per-round wall
+ratios spread widely; the CPU ratio is the gauge. Two costs autopar had over the peer were found with cProfile
+(zb_h1, 4 steps, rank 0) and cut: (1) the non-finite check after backward ran `torch.isfinite(g).all()` on each
+of the rank's 50 gradients, 13 ms per step on one core (about 0.05 s on a loaded host); it is now one sum per
+gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made one `autograd.grad` per
+weight use (50 per microbatch on rank 0, against the peer's one per W); it now makes one per level of uses that
+do not feed each other (25), which saves about 45 us of engine overhead per call, some 3% of a W's 44 ms
+(`passes/weight_grad_split.py`, `runtime/executor.py`): W's time is its weight-gradient matmuls. A profile of
+1f1b (both contenders, every rank) shows nothing else: the same forward and backward kernels and the same
+waits, and autopar's own Python per action well under a millisecond. The zb_v peer's last loss differs from
+autopar's (and from one-device training, which autopar's zb_v matches in
+tests/runtime/test_schedule_execution.py): torch's ScheduleZBVZeroBubble with the tied embedding and head on
+both of rank 0's stages computes a different gradient from step 2 on."""
 
 
 def section(rows: list[dict]) -> str:

@@ -1,6 +1,6 @@
 """Run every benchmark (autopar against its torch-native peer) and rewrite ``docs/benchmarks.md``.
 
-    python bench/run_all.py            # about 3-4 minutes on 2 cores
+    python bench/run_all.py            # about 40 minutes on 2 cores (bench_planner.py runs apart)
     python bench/run_all.py --quick    # fewer rounds, for a smoke test (does not touch the docs)
 """
 from __future__ import annotations
@@ -12,7 +12,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_data_parallel  # noqa: E402
 import bench_pipeline  # noqa: E402
+import bench_schedules  # noqa: E402
+import bench_sequence_parallel  # noqa: E402
 import bench_tensor_parallel  # noqa: E402
 from _report import DOC_PATH, console_table, fence, machine_line, today  # noqa: E402
 from _timing import DEFAULTS  # noqa: E402
@@ -20,7 +23,9 @@ from _timing import DEFAULTS  # noqa: E402
 __all__ = ["BENCHMARKS", "main", "header", "kept_sections"]
 
 #: (section name, module) of every benchmark, in document order.
-BENCHMARKS = (("pipeline", bench_pipeline), ("tensor_parallel", bench_tensor_parallel))
+BENCHMARKS = (("pipeline", bench_pipeline), ("tensor_parallel", bench_tensor_parallel),
+              ("sequence_parallel", bench_sequence_parallel), ("schedules", bench_schedules),
+              ("data_parallel", bench_data_parallel))
 
 
 def header(*, rounds: int, steps_per_round: int, warmup: int) -> str:

@@ -275,8 +275,8 @@ class AsyncProgram(RankProgram):
         params = self.versions.params
         for p, g in zip(params, grads):
             p.grad = g
-        average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp)
-        sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"])
+        average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp, guard=self.comm_guard)
+        sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"], guard=self.comm_guard)
         scale = self.rule.lr_scale(self.stage.stage, update)
         groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
         for group, base in zip(groups, self._base_lrs):
@@ -294,8 +294,10 @@ class AsyncProgram(RankProgram):
         """The batch's mean loss from the last stage, averaged over dp, on every rank."""
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
         if self.plan.mesh.dp > 1:
-            dist.all_reduce(loss, group=self.info.groups["dp"])
+            self.comm_guard.run("all_reduce", dist.all_reduce, loss, group=self.info.groups["dp"],
+                                purpose="the batch's loss (mean over dp)")
             loss /= self.plan.mesh.dp
         if self.plan.mesh.pp > 1:
-            dist.broadcast(loss, src=self.last_stage_rank, group=self.info.groups["pp"])
+            self.comm_guard.run("broadcast", dist.broadcast, loss, src=self.last_stage_rank,
+                                group=self.info.groups["pp"], purpose="the batch's loss (from the last stage)")
         return loss

@@ -31,6 +31,7 @@ from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint_layout import Layout, join, piece_key, split
 from autopar.runtime.rank_tensors import Held, held_tensors
+from autopar.runtime import rng_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_full_state_dict"]
 
@@ -113,6 +114,10 @@ def _pieces_to_save(program) -> tuple[dict, dict]:
         entry["checksums"][piece] = files.checksum(value)
         state[piece] = value
     _optimizer_pieces(program, by_name, state, entries)
+    for key, value in rng_state.random_pieces(program, _rank()).items():  # this rank's generators
+        entries[key] = {**_entry(Layout(shape=tuple(value.shape)), "rng", value.dtype),
+                        "checksums": {key: files.checksum(value)}}
+        state[key] = value
     return state, entries
 
 
@@ -139,7 +144,12 @@ def _manifest(program, parts: list) -> dict:
     groups = next((g for _, g in parts if g), [])
     return {"format": files.FORMAT, "step": program.step_count, "model": program.plan.model_name,
             "mesh": program.plan.mesh.model_dump(), "plan": program.plan.model_dump_json(),
-            "optimizer_groups": groups, "tensors": _merge([e for e, _ in parts])}
+            "optimizer_groups": groups, "tensors": _merge([e for e, _ in parts]),
+            "rng": rng_state.rng_manifest(program, _world())}
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def save_checkpoint(program, root: str) -> str:
@@ -257,7 +267,31 @@ def _request(program, manifest: dict, held: list[Held]) -> tuple[dict, dict, dic
                 if Layout.from_json(entry["of"]) != h.layout:
                     raise _opaque_error(base, entry, h)
                 want(base, entry, [piece_key(base, h.tp_index, h.z_index)])
+    if rng_state.same_layout(manifest.get("rng"), program, _world()):  # else re-derived: rng_state.py
+        mine = f"rng/rank{_rank()}/"
+        for base, entry in manifest["tensors"].items():
+            if base.startswith(mine):
+                want(base, entry, [base])
     return request, params, states
+
+
+def _random(program, manifest: dict, request: dict) -> None:
+    """Restore this rank's generators (same mesh) or re-derive them (another mesh); rng_state.py."""
+    saved = manifest.get("rng")
+    if not saved:
+        log.warning("the checkpoint holds no random state (saved by an older autopar): the generators are "
+                    "left as they are")
+    elif rng_state.same_layout(saved, program, _world()):
+        rng_state.restore_random(program, {k: v for k, v in request.items() if k.startswith("rng/")}, _rank())
+    else:
+        seed = rng_state.reseed_random(program, seed=saved["seed"], step=int(manifest["step"]),
+                                       tp_rank=program.info.coords["tp"])
+        if _rank() == 0:
+            log.info("random state: saved on mesh (dp, pp, tp) = %s over %s ranks, loaded on %s over %s: the "
+                     "per-rank generators cannot map 1:1, so every rank is re-seeded from seed %s and step %s "
+                     "(derived seed %d)", tuple(saved["mesh"]), saved["world_size"],
+                     (program.plan.mesh.dp, program.plan.mesh.pp, program.plan.mesh.tp), _world(),
+                     saved["seed"], manifest["step"], seed)
 
 
 def _opaque_error(base: str, entry: dict, held: Held) -> CheckpointError:
@@ -358,6 +392,7 @@ def load_checkpoint(program, path: str) -> int:
     _agree(_check_index(folder, request))
     _agree(_read(folder, request, manifest))
     _apply(program, manifest, held, request, params, states)
+    _random(program, manifest, request)
     _barrier()
     log.info("loaded step %s from %s", manifest["step"], folder)
     return program.step_count

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.collectives import issue
+
 __all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_gradients"]
 
 
@@ -36,7 +38,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
 
 
 def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
-                     stage_to_pp: list[int], owned: set[str] | None, group=None) -> torch.Tensor:
+                     stage_to_pp: list[int], owned: set[str] | None, group=None, guard=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
     squares = torch.zeros((), dtype=torch.float64)
     for name, p in named:
@@ -44,16 +46,17 @@ def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coord
                                                owned=owned):
             squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
+        issue("all_reduce", dist.all_reduce, squares, group=group, guard=guard, purpose="the global gradient norm")
     return squares.sqrt().to(torch.float32)
 
 
 @torch.no_grad()
 def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: float, plan,
                    coords: dict[str, int], stage_to_pp: list[int], owned: set[str] | None,
-                   group=None) -> torch.Tensor:
+                   group=None, guard=None) -> torch.Tensor:
     """Scale every local gradient so the global norm is at most ``max_norm``; returns the norm before."""
-    total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned, group=group)
+    total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned, group=group,
+                             guard=guard)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, p in named:
         if p.grad is not None:
@@ -72,4 +75,5 @@ def clip_program_gradients(program, *, max_norm: float) -> torch.Tensor:
     else:
         owned = None  # replicated over dp: dp rank 0 counts
     return clip_grad_norm(program.named_params, max_norm=max_norm, plan=plan, coords=program.info.coords,
-                          stage_to_pp=list(program.schedule.stage_to_rank), owned=owned)
+                          stage_to_pp=list(program.schedule.stage_to_rank), owned=owned,
+                          guard=program.comm_guard)

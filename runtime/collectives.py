@@ -1,8 +1,10 @@
 """autopar's differentiable collectives, inserted into graphs as visible ``call_module`` nodes.
 
 Each module names the mesh axis it communicates over; the runtime binds the axis to a process
-group before the graph runs (:func:`bind_collectives`). Unbound (a plan read in a plain process),
-calling one raises. ``meta_forward`` gives the output's shape for shape propagation, and
+group, and the rank's :class:`~autopar.runtime.comm_guard.CommGuard`, before the graph runs
+(:func:`bind_collectives`): every collective then waits at most ``p2p_timeout_s`` and a missed
+one is a RuntimeCommError naming the node. Unbound (a plan read in a plain process), calling
+one raises. ``meta_forward`` gives the output's shape for shape propagation, and
 ``comm(in_bytes, out_bytes)`` says what the node sends (for the collective audit).
 
 Megatron's pair for tensor parallelism:
@@ -27,10 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
+from autopar.runtime.comm_guard import CommGuard
 
 __all__ = ["GraphCollective", "TpCopy", "TpReduce", "SpAllGather", "SpReduceScatter", "TpGather",
            "TpScatter", "Comm", "bind_collectives", "collective_nodes", "all_gather_dim",
-           "reduce_scatter_dim", "split_dim"]
+           "reduce_scatter_dim", "split_dim", "issue"]
 
 
 @dataclass(frozen=True)
@@ -44,28 +47,39 @@ class Comm:
 
 
 # -- tensor-dim collectives over one process group -----------------------------------------------
-def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def issue(collective: str, fn, /, *args, group, guard: CommGuard | None, purpose: str, **kwargs) -> None:
+    """Run collective ``fn`` (named ``collective``) over ``group``: under ``guard``'s deadline when there is one."""
+    if guard is None:
+        fn(*args, group=group, **kwargs)
+    else:
+        guard.run(collective, fn, *args, group=group, purpose=purpose, **kwargs)
+
+
+def all_gather_dim(x: torch.Tensor, dim: int, group, guard: CommGuard | None = None,
+                   purpose: str = "a tensor-parallel all-gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     size = dist.get_world_size(group)
     x = x.contiguous()
     flat = x.reshape(-1)
     buf = torch.empty(size * flat.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(buf, flat, group=group)
+    issue("all_gather", dist.all_gather_single, buf, flat, group=group, guard=guard, purpose=purpose)
     shape = list(x.shape)
     shape[dim] *= size
     return buf.view((size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
 
 
-def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group, guard: CommGuard | None = None,
+                       purpose: str = "a tensor-parallel reduce-scatter") -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
     size = dist.get_world_size(group)
     stacked = torch.stack(x.chunk(size, dim=dim), dim=0).contiguous()
     out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, stacked.reshape(-1), group=group)
+    issue("reduce_scatter", dist.reduce_scatter_single, out, stacked.reshape(-1), group=group, guard=guard,
+          purpose=purpose)
     return out.view(stacked.shape[1:])
 
 
-def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def split_dim(x: torch.Tensor, dim: int, group, guard=None, purpose: str = "") -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (no communication)."""
     piece = x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
     return piece.clone(memory_format=torch.contiguous_format)
@@ -73,27 +87,27 @@ def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, guard, purpose):
+        ctx.group, ctx.guard, ctx.purpose = group, guard, purpose
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        issue("all_reduce", dist.all_reduce, grad, group=ctx.group, guard=ctx.guard, purpose=ctx.purpose)
+        return grad, None, None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, guard, purpose):
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        issue("all_reduce", dist.all_reduce, out, group=group, guard=guard, purpose=purpose)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None, None
 
 
 class _DimCollective(torch.autograd.Function):
@@ -102,13 +116,14 @@ class _DimCollective(torch.autograd.Function):
     _OPS = {"all_gather": all_gather_dim, "reduce_scatter": reduce_scatter_dim, "split": split_dim}
 
     @staticmethod
-    def forward(ctx, x, dim, group, fwd, bwd):
-        ctx.dim, ctx.group, ctx.bwd = dim, group, bwd
-        return _DimCollective._OPS[fwd](x, dim, group)
+    def forward(ctx, x, dim, group, fwd, bwd, guard, purpose):
+        ctx.dim, ctx.group, ctx.bwd, ctx.guard, ctx.purpose = dim, group, bwd, guard, purpose
+        return _DimCollective._OPS[fwd](x, dim, group, guard, purpose)
 
     @staticmethod
     def backward(ctx, grad):
-        return _DimCollective._OPS[ctx.bwd](grad, ctx.dim, ctx.group), None, None, None, None
+        out = _DimCollective._OPS[ctx.bwd](grad, ctx.dim, ctx.group, ctx.guard, ctx.purpose)
+        return out, None, None, None, None, None, None
 
 
 class GraphCollective(nn.Module):
@@ -121,9 +136,17 @@ class GraphCollective(nn.Module):
         self.axis = axis
         self.size = size
         self.group = None
+        self.guard: CommGuard | None = None
+        self.node_name = type(self).__name__
 
-    def bind(self, group) -> None:
-        self.group = group
+    def bind(self, group, guard: CommGuard | None = None, name: str | None = None) -> None:
+        self.group, self.guard = group, guard
+        self.node_name = name or self.node_name
+
+    @property
+    def purpose(self) -> str:
+        """How a timeout names this node: its class, graph node and mesh axis."""
+        return f"{type(self).__name__} node {self.node_name} (mesh axis {self.axis})"
 
     def _require_group(self):
         if self.group is None:
@@ -150,7 +173,7 @@ class TpCopy(GraphCollective):
     kind = "all_reduce(backward)"
 
     def forward(self, x):
-        return _CopyToRegion.apply(x, self._require_group())
+        return _CopyToRegion.apply(x, self._require_group(), self.guard, f"the backward of {self.purpose}")
 
     def comm(self, in_bytes, out_bytes):
         return [Comm("backward", "all_reduce", in_bytes)]
@@ -162,7 +185,7 @@ class TpReduce(GraphCollective):
     kind = "all_reduce(forward)"
 
     def forward(self, x):
-        return _ReduceFromRegion.apply(x, self._require_group())
+        return _ReduceFromRegion.apply(x, self._require_group(), self.guard, self.purpose)
 
     def comm(self, in_bytes, out_bytes):
         return [Comm("forward", "all_reduce", out_bytes)]
@@ -178,7 +201,7 @@ class _DimModule(GraphCollective):
         self.dim = dim
 
     def forward(self, x):
-        return _DimCollective.apply(x, self.dim, self._require_group(), self.fwd, self.bwd)
+        return _DimCollective.apply(x, self.dim, self._require_group(), self.fwd, self.bwd, self.guard, self.purpose)
 
     def meta_forward(self, x):
         shape = list(x.shape)
@@ -237,8 +260,8 @@ def collective_nodes(gm, kind: type | None = None):
     return found
 
 
-def bind_collectives(gm: nn.Module, groups: dict) -> None:
-    """Bind every collective in ``gm`` to the process group of its mesh axis."""
-    for module in gm.modules():
+def bind_collectives(gm: nn.Module, groups: dict, guard: CommGuard | None = None) -> None:
+    """Bind every collective in ``gm`` to the process group of its mesh axis (and the rank's guard)."""
+    for name, module in gm.named_modules():
         if isinstance(module, GraphCollective) and module.axis in groups:
-            module.bind(groups[module.axis])
+            module.bind(groups[module.axis], guard, name)

@@ -2,7 +2,9 @@
 
 Every dp collective of the runtime (DDP buckets, ZeRO reductions and broadcasts, ZeRO-3's graph
 gathers, DataParallel's scatter/gather) goes through the wrappers here, which append one
-:class:`CommRecord` to the program's :class:`CommLog`. A record holds the payload and the bytes
+:class:`CommRecord` to the program's :class:`CommLog` and run the collective under the log's
+:class:`~autopar.runtime.comm_guard.CommGuard` (a deadline and autopar's error; the handle an
+``async_op=True`` call returns keeps both). A record holds the payload and the bytes
 *this rank sends* under the bandwidth-optimal ring algorithms, for a group of N ranks and a
 payload of n bytes (the whole, unsharded buffer):
 
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.comm_guard import CommGuard
+
 __all__ = ["CommRecord", "CommLog", "all_reduce", "reduce", "broadcast", "all_gather_into",
            "reduce_scatter_into", "scatter", "gather", "theory_bytes"]
 
@@ -54,6 +58,7 @@ class CommLog:
     """The dp collectives of one training step (reset by the program at each step's start)."""
 
     records: list[CommRecord] = field(default_factory=list)
+    guard: CommGuard | None = None  # the program's deadline for these collectives (runtime/comm_guard.py)
 
     def reset(self) -> None:
         self.records.clear()
@@ -83,22 +88,29 @@ def _log(log: CommLog | None, op: str, purpose: str, payload: int, sent: float, 
         log.add(op, purpose, payload, sent, size)
 
 
+def _issue(log: CommLog | None, op: str, purpose: str, fn, /, *args, group, async_op: bool, **kwargs):
+    """``fn(*args, ...)`` under the log's guard when it has one; else plainly."""
+    if log is not None and log.guard is not None:
+        return log.guard.run(op, fn, *args, group=group, purpose=purpose, async_op=async_op, **kwargs)
+    return fn(*args, group=group, async_op=async_op, **kwargs)
+
+
 def all_reduce(t: torch.Tensor, *, group, size: int, log: CommLog | None, purpose: str, async_op=False):
     """Sum ``t`` in place over ``group``."""
     _log(log, "all_reduce", purpose, _nbytes(t), 2 * _nbytes(t) * (size - 1) / size, size)
-    return dist.all_reduce(t, group=group, async_op=async_op)
+    return _issue(log, "all_reduce", purpose, dist.all_reduce, t, group=group, async_op=async_op)
 
 
 def reduce(t: torch.Tensor, *, dst: int, group, size: int, log: CommLog | None, purpose: str, async_op=False):
     """Sum ``t`` onto global rank ``dst``."""
     _log(log, "reduce", purpose, _nbytes(t), _nbytes(t) * (size - 1) / size, size)
-    return dist.reduce(t, dst=dst, group=group, async_op=async_op)
+    return _issue(log, "reduce", purpose, dist.reduce, t, dst=dst, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, *, src: int, group, size: int, log: CommLog | None, purpose: str, async_op=False):
     """Copy ``t`` from global rank ``src`` to every rank of ``group``."""
     _log(log, "broadcast", purpose, _nbytes(t), _nbytes(t) * (size - 1) / size, size)
-    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    return _issue(log, "broadcast", purpose, dist.broadcast, t, src=src, group=group, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, *, group, size: int, log: CommLog | None,
@@ -106,7 +118,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, *, group, size: int, l
     """``out`` (N x the shard) = every rank's ``inp`` in rank order."""
     _log(log, "all_gather", purpose, _nbytes(out), _nbytes(out) * (size - 1) / size, size)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10+
-    return fn(out, inp, group=group, async_op=async_op)
+    return _issue(log, "all_gather", purpose, fn, out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, *, group, size: int, log: CommLog | None,
@@ -114,7 +126,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, *, group, size: in
     """``out`` = this rank's 1/N block of the sum of every rank's ``inp``."""
     _log(log, "reduce_scatter", purpose, _nbytes(inp), _nbytes(inp) * (size - 1) / size, size)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return _issue(log, "reduce_scatter", purpose, fn, out, inp, group=group, async_op=async_op)
 
 
 def scatter(out: torch.Tensor, parts: list[torch.Tensor] | None, *, src: int, group, size: int,
@@ -122,14 +134,14 @@ def scatter(out: torch.Tensor, parts: list[torch.Tensor] | None, *, src: int, gr
     """Root ``src`` sends part i to the i-th rank of ``group``; ``parts`` only on the root."""
     sent = sum(_nbytes(p) for p in parts) * (size - 1) / size if parts is not None else 0.0
     _log(log, "scatter", purpose, _nbytes(out) * size, sent, size)
-    return dist.scatter(out, parts, src=src, group=group)
+    return _issue(log, "scatter", purpose, dist.scatter, out, parts, src=src, group=group, async_op=False)
 
 
 def gather(t: torch.Tensor, parts: list[torch.Tensor] | None, *, dst: int, group, size: int,
            log: CommLog | None, purpose: str):
     """Every rank's ``t`` into ``parts`` on root ``dst`` (``parts`` only on the root)."""
     _log(log, "gather", purpose, _nbytes(t) * size, 0.0 if parts is not None else float(_nbytes(t)), size)
-    return dist.gather(t, parts, dst=dst, group=group)
+    return _issue(log, "gather", purpose, dist.gather, t, parts, dst=dst, group=group, async_op=False)
 
 
 def theory_bytes(*, zero_stage: int, param_bytes: float, dp: int, num_microbatches: int = 1) -> float:

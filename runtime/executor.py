@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -80,13 +81,36 @@ def _backward_input(stage: StageGraph, out, num_microbatches: int, channel: P2PC
 
 
 def _backward_weight(stage: StageGraph, saved) -> None:
-    """Split backward, W: each parameter use's weight gradient, from the gradient B kept."""
+    """Split backward, W: the weight gradients of every use, from the gradients B kept at the uses.
+
+    One ``autograd.grad`` per group of uses (``WeightUses.groups``: none of a group feeds another,
+    so each alias gets its own use's gradient only, as with one call per use). A parameter's
+    contributions are added to ``.grad`` in use order once all are in, so the sums are the same
+    as one call per use would make.
+    """
     uses, aliases, grads = saved
-    for use, alias, grad, target in zip(uses, aliases, grads, stage.weight_uses.params):
-        if grad is None:
+    layout = stage.weight_uses
+    left = Counter(layout.params[i] for i, grad in enumerate(grads) if grad is not None)
+    pending: dict[str, list] = {}
+    for group in layout.groups:
+        live = [i for i in group if grads[i] is not None]
+        if not live:
             continue
-        (dw,) = torch.autograd.grad(use, alias, grad, retain_graph=True)
-        param = stage.gm.get_parameter(target)
+        heads: dict[int, int] = {}  # a use read by several aliases (weight and bias) is one output
+        for i in live:
+            heads.setdefault(id(uses[i]), i)
+        found = torch.autograd.grad([uses[i] for i in heads.values()], [aliases[i] for i in live],
+                                    [grads[i] for i in heads.values()], retain_graph=True)
+        for i, dw in zip(live, found):
+            target = layout.params[i]
+            pending.setdefault(target, []).append((i, dw))
+            left[target] -= 1
+            if left[target] == 0:
+                _accumulate(stage.gm.get_parameter(target), pending.pop(target))
+
+
+def _accumulate(param: torch.nn.Parameter, contributions: list[tuple[int, torch.Tensor]]) -> None:
+    for _, dw in sorted(contributions, key=lambda c: c[0]):  # in use order
         param.grad = dw if param.grad is None else param.grad + dw
 
 

@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.collectives import issue
 from autopar.runtime.comm_audit import CommLog
+from autopar.runtime.comm_guard import CommGuard
 from autopar.runtime.ddp_buckets import GradBuckets
 
 __all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
@@ -42,7 +44,7 @@ def flat_buckets(tensors: list[torch.Tensor], *, bucket_bytes: int = _BUCKET_BYT
         yield bucket
 
 
-def average_gradients(params: list[torch.nn.Parameter], *, group, size: int) -> None:
+def average_gradients(params: list[torch.nn.Parameter], *, group, size: int, guard: CommGuard | None = None) -> None:
     """All-reduce and average ``params``' gradients over ``group`` (missing grads count as zero)."""
     if size == 1:
         return
@@ -53,7 +55,7 @@ def average_gradients(params: list[torch.nn.Parameter], *, group, size: int) -> 
         grads.append(p.grad)
     for bucket in flat_buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
+        issue("all_reduce", dist.all_reduce, flat, group=group, guard=guard, purpose="the gradients' dp average")
         flat.div_(size)
         offset = 0
         for g in bucket:
@@ -62,7 +64,7 @@ def average_gradients(params: list[torch.nn.Parameter], *, group, size: int) -> 
 
 
 def sum_shared_gradients(shared: list[tuple[torch.nn.Parameter, list[int]]], *, rank: int,
-                         group) -> None:
+                         group, guard: CommGuard | None = None) -> None:
     """For each (param, peer global ranks holding a copy): grad += the peers' grads."""
     for param, peers in shared:
         others = [r for r in peers if r != rank]
@@ -75,7 +77,11 @@ def sum_shared_gradients(shared: list[tuple[torch.nn.Parameter, list[int]]], *, 
         ops = [dist.P2POp(dist.isend, mine, r, group=group) for r in others]
         ops += [dist.P2POp(dist.irecv, b, r, group=group) for b, r in zip(buffers, others)]
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            if guard is None:
+                work.wait()
+            else:
+                guard.wait(work, op=f"send/recv with ranks {others}", group=group,
+                           purpose="the gradient of a weight tied across stages")
         # sum in global-rank order so every copy gets bitwise the same value
         contributions = sorted([(rank, mine)] + list(zip(others, buffers)), key=lambda x: x[0])
         total = contributions[0][1].clone()
@@ -91,6 +97,7 @@ class GradientSync:
                  owners: dict[str, int] | None, uses: dict[str, int], comm_log: CommLog | None = None,
                  current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = ()):
         self.shared, self.info = shared, info
+        self.guard = comm_log.guard if comm_log is not None else None
         self.zero3_runtimes = zero3_runtimes
         self._t0 = time.perf_counter()
         mode = getattr(plan, "data_parallel", "ddp")
@@ -120,7 +127,7 @@ class GradientSync:
             self.buckets.finish()
         for runtime in self.zero3_runtimes:
             runtime.drain()
-        sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"])
+        sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"], guard=self.guard)
         if self.active:
             self.post.begin(1)
             self.post.finish()

@@ -1,7 +1,8 @@
 """Measure what a rank actually holds: model-state bytes, and activations saved for backward.
 
 - :func:`held_state_bytes` walks a :class:`~autopar.runtime.program.RankProgram`'s tensors
-  (stage-graph parameters and buffers, fp32 masters, every ``.grad``, the optimizer's state)
+  (stage-graph parameters and buffers, fp32 masters, every ``.grad`` (gradient slots' too: see
+  :mod:`autopar.runtime.mixed_precision`), the optimizer's state)
   and sums each *storage* once (deduplicated by ``data_ptr``: a gradient that is a view of a
   flat bucket counts the bucket once, a tied weight once).
 - :class:`SavedLedger` records the storages autograd saves for backward
@@ -103,10 +104,10 @@ def held_state_bytes(program) -> StateBytes:
     for p in compute:
         params.add(p)
     mixed = getattr(program, "mixed", None)
-    master_list = [m for _, m in mixed.named] if mixed is not None else []
-    for m in master_list:
+    for m in mixed.masters if mixed is not None else []:  # ZeRO-1/2: only the masters this rank steps
         masters.add(m)
-    for p in compute + master_list:
+    fp32 = [m for _, m in mixed.named] if mixed is not None else []  # masters and gradient slots
+    for p in compute + fp32:
         grads.add(p.grad)
     for gm in program.graphs.values():
         for b in gm.buffers():

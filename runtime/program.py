@@ -3,6 +3,7 @@
 ``train_step`` runs the schedule over this rank's data-parallel batch, sums tied-weight gradients
 across stages, averages gradients over dp, steps the (ZeRO-sharded) optimizer and returns the
 global mean loss on every rank. Calling the program (no loss) runs forward only.
+Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.runtime.comm_guard`).
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import run_actions
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.comm_audit import CommLog
+from autopar.runtime.comm_guard import CommGuard
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.p2p import P2PChannel
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.tp_grad_sync import sum_partial_gradients
-from autopar.runtime.zero import ShardedOptimizer
+from autopar.runtime.zero import ShardedOptimizer, stepped_here
 from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
@@ -67,20 +69,24 @@ class RankProgram:
         _own_parameters(mine)
         if self.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
             shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
-        self.comm_log = CommLog()  # this step's dp collectives (runtime/comm_audit.py)
         self.stages = {s.stage: s for s in mine}
+        self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        self.comm_guard = CommGuard(rank=info.rank, timeout_s=p2p_timeout_s, place=self._place)
+        self.comm_log = CommLog(guard=self.comm_guard)  # this step's dp collectives (runtime/comm_audit.py)
         self.stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
         self.channel = P2PChannel(rank=info.rank, stage_to_rank=self.stage_ranks, group=info.groups["pp"],
                                   timeout_s=p2p_timeout_s)
         for stage in mine:
-            bind_collectives(stage.gm, info.groups)
+            bind_collectives(stage.gm, info.groups, self.comm_guard)
             for module in stage.gm.modules():
                 if hasattr(module, "bind") and hasattr(module, "edge"):
                     module.bind(self.channel)
         zero3 = [bind_zero3(s.gm, group=info.groups["dp"], size=info.shape.dp, comm_log=self.comm_log) for s in mine]
         self.named_params = self._named_parameters()
         compute_ids = {n: id(p) for n, p in self.named_params}
-        self.mixed = MasterWeights(self.named_params, masters) if masters is not None else None
+        stepped = stepped_here(self.named_params, zero_stage=self.plan.zero_stage, dp_size=info.shape.dp,
+                               dp_rank=info.coords["dp"])  # ZeRO-1/2: masters only where a parameter is stepped
+        self.mixed = MasterWeights(self.named_params, masters, stepped=stepped) if masters is not None else None
         if self.mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
             self.named_params = self.mixed.named
         self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
@@ -88,7 +94,9 @@ class RankProgram:
         self.tp_partial_params = [p for n, p in self.named_params if n in partial]
         self.optimizer = ShardedOptimizer(self.named_params, optimizer_factory, zero_stage=self.plan.zero_stage,
                                           dp_group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"],
-                                          dp_rank=info.coords["dp"], comm_log=self.comm_log)
+                                          dp_rank=info.coords["dp"], comm_log=self.comm_log,
+                                          publish=self.mixed.publish if self.mixed is not None else None,
+                                          synced=self.mixed.compute if self.mixed is not None else None)
         uses: dict[int, int] = {}
         for stage in mine:
             for p in {id(stage.gm.get_parameter(t)) for t in stage.param_names}:
@@ -145,6 +153,12 @@ class RankProgram:
         local = tensor.shape[0] // self.plan.mesh.dp
         return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
 
+    def _place(self) -> str:
+        """Where this rank is, for a collective's error: its stages and the action or phase running."""
+        stages = ", ".join(str(s) for s in sorted(self.stages))
+        doing = f"action {self.channel.action}" if self.phase == "schedule" else self.phase
+        return f"stage {stages}, {doing}"
+
     def _shared_params(self) -> list:
         """(parameter, global ranks holding a copy) of the weights tied across pipeline ranks."""
         shared = []
@@ -168,19 +182,23 @@ class RankProgram:
         self.events = []
         self.comm_log.reset()
         self.grad_sync.begin(len(batches))
+        self.phase = "schedule"
         results = run_actions(self.schedule.actions[self.info.coords["pp"]], stages=self.stages,
                               microbatches=batches, channel=self.channel, train=True, events=self.events)
         if self.mixed is not None:
             self.mixed.collect()
+        self.phase = "gradient sync after the schedule"
         self._sync_gradients()
-        sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"])
+        sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"], guard=self.comm_guard)
+        self.phase = "non-finite check"
         check_finite(self, results)  # runtime/numerics.py: a NaN/inf stops the step on every rank
         if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
+            self.phase = "gradient clipping"
             self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
-        self.optimizer.step()
-        if self.mixed is not None:
-            self.mixed.publish()
+        self.phase = "optimizer step"
+        self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
         self.step_count += 1
+        self.phase = "loss reduction"
         return self._global_loss(results)
 
     def _global_loss(self, results: dict) -> torch.Tensor:
@@ -191,19 +209,23 @@ class RankProgram:
             loss = torch.zeros(())
         if len(self.loss_ranks) > 1:  # Chimera: each replica's last stage holds its microbatches' losses
             total = loss * len(results) if results else torch.zeros(())
-            dist.all_reduce(total, group=self.info.groups["pp"])
+            self.comm_guard.run("all_reduce", dist.all_reduce, total, group=self.info.groups["pp"],
+                                purpose="the loss of both Chimera replicas")
             loss = total / self.plan.pipeline.num_microbatches
         if self.plan.mesh.dp > 1:
-            dist.all_reduce(loss, group=self.info.groups["dp"])
+            self.comm_guard.run("all_reduce", dist.all_reduce, loss, group=self.info.groups["dp"],
+                                purpose="the step's loss (mean over dp)")
             loss /= self.plan.mesh.dp
         if self.plan.mesh.pp > 1 and len(self.loss_ranks) == 1:
-            dist.broadcast(loss, src=self.last_stage_rank, group=self.info.groups["pp"])
+            self.comm_guard.run("broadcast", dist.broadcast, loss, src=self.last_stage_rank,
+                                group=self.info.groups["pp"], purpose="the step's loss (from the last stage)")
         return loss
 
     @torch.no_grad()
     def __call__(self, *inputs: torch.Tensor):
         """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
         batches = self._microbatches(tuple(inputs))
+        self.phase = "schedule"
         actions = self.inference_schedule.actions[self.info.coords["pp"]]
         results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,
                               train=False)
@@ -212,16 +234,25 @@ class RankProgram:
             flat = [pytree.tree_flatten(results[i])[0] for i in sorted(results)]
             payload = [[torch.cat(parts, dim=0) for parts in zip(*flat)]]
         if self.plan.mesh.pp > 1:
-            dist.broadcast_object_list(payload, src=self.output_rank, group=self.info.groups["pp"])
+            self.phase = "output broadcast"
+            self.comm_guard.call("broadcast_object_list", dist.broadcast_object_list, payload, src=self.output_rank,
+                                 group=self.info.groups["pp"], purpose="the forward's outputs")
         outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
         return outputs
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
-        named = full_parameters(self.named_params, [s.gm for s in self.stages.values()],
+        named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()],
                                 group=self.info.groups["dp"], size=self.plan.mesh.dp)
         return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
                                       aliases=self.aliases, keys=self.state_keys)
+
+    def parameter_values(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, value) of every parameter this rank holds, fp32 masters under mixed precision, where
+        ZeRO-1/2 keep a master only on the parameter's owner: the others are fetched (collective over dp)."""
+        if self.mixed is None:
+            return self.named_params
+        return self.optimizer.owners_values(self.named_params)
 
     # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
     def save_checkpoint(self, root: str) -> str:
@@ -231,12 +262,12 @@ class RankProgram:
     def load_checkpoint(self, path: str) -> int:
         """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
         step = load_checkpoint(self, path)
-        if self.mixed is not None:
-            self.mixed.publish()
+        if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
+            self.optimizer.publish_parameters()
         return step
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
         load_full_state_dict(self, state_dict)
         if self.mixed is not None:
-            self.mixed.publish()
+            self.optimizer.publish_parameters()

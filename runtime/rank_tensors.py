@@ -2,6 +2,9 @@
 single-device name (the smallest of a tied weight's names), and how it is cut (a :class:`Layout`).
 
 Read by checkpoints (:mod:`autopar.runtime.checkpoint`) and by ``full_state_dict`` (buffers).
+The parameters are ``program.parameter_values()``: collective over dp under mixed precision with
+ZeRO-1/2, where a parameter's fp32 master lives on its owner only. A value fetched that way is a
+copy, so what a load writes into it is set on this rank by the program's ``publish_parameters``.
 """
 from __future__ import annotations
 
@@ -29,15 +32,16 @@ class Held:
 
 
 # -- what this rank holds -----------------------------------------------------------------------
-def _zero3_shapes(program) -> dict[int, tuple[int, ...]]:
-    """{id(parameter): tp-local shape} of the parameters held as flat ZeRO-3 shards."""
+def _zero3_shapes(program) -> dict[str, tuple[int, ...]]:
+    """{single-device name: tp-local shape} of the parameters held as flat ZeRO-3 shards (by name, so
+    their fp32 masters under bf16, flat blocks too, are found as well)."""
     from autopar.runtime.zero3_ops import ZeroGather
     shapes = {}
     for stage in program.stages.values():
         for module in stage.gm.modules():
             if isinstance(module, ZeroGather):
                 for target, shape in zip(module.targets, module.shapes):
-                    shapes[id(stage.gm.get_parameter(target))] = tuple(shape)
+                    shapes[user_name(target)] = tuple(shape)
     return shapes
 
 
@@ -62,15 +66,15 @@ def held_tensors(program) -> list[Held]:
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shapes(program)
     held = []
-    for name, p in program.named_params:
+    for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
         spec = plan.param_shards.get(name)
-        local = z3.get(id(p), tuple(p.shape))
+        local = z3.get(name, tuple(p.shape))
         shape = list(local)
         if spec is not None:
             shape[spec.dim] *= plan.mesh.tp
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
         layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
-                        z3=plan.mesh.dp if id(p) in z3 else None)
+                        z3=plan.mesh.dp if name in z3 else None)
         held.append(Held(aliases[0], aliases, p, layout, coords["tp"], coords["dp"], "param"))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))

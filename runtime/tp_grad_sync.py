@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.collectives import issue
+
 __all__ = ["sum_partial_gradients"]
 
 
-def sum_partial_gradients(params: list[torch.nn.Parameter], *, group) -> None:
+def sum_partial_gradients(params: list[torch.nn.Parameter], *, group, guard=None) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group``; missing gradients count as zero."""
     if not params or group is None:
         return
@@ -25,7 +27,8 @@ def sum_partial_gradients(params: list[torch.nn.Parameter], *, group) -> None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    issue("all_reduce", dist.all_reduce, flat, group=group, guard=guard,
+          purpose="the sequence-parallel partial gradients (tp)")
     offset = 0
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))

@@ -26,26 +26,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, reduce_scatter_dim
+from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear"]
 
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, ignore_index, group):
+    def forward(ctx, logits, target, vocab_start, ignore_index, group, guard, purpose):
         ctx.dtype = logits.dtype
         logits = logits.float()  # low-precision logits: sum the exponentials in fp32, as Megatron does
         local_vocab = logits.shape[-1]
         row_max = logits.detach().amax(dim=-1)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        issue("all_reduce", dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=group, guard=guard,
+              purpose=f"the row max of {purpose}")
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
         local_target = torch.where(owned, target - vocab_start, torch.zeros_like(target))
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * owned
         sums = torch.stack([exp.sum(dim=-1), picked])
-        dist.all_reduce(sums, group=group)
+        issue("all_reduce", dist.all_reduce, sums, group=group, guard=guard, purpose=f"the sums of {purpose}")
         sum_exp, target_logit = sums[0], sums[1]
         valid = target != ignore_index
         count = valid.sum()
@@ -60,13 +61,14 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax.clone()
         g.scatter_add_(-1, local_target.unsqueeze(-1), -hit.to(g.dtype).unsqueeze(-1))
         g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(-1))
-        return g.to(ctx.dtype), None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int,
-                                 ignore_index: int = -100, group=None) -> torch.Tensor:
+                                 ignore_index: int = -100, group=None, guard=None,
+                                 purpose: str = "the vocab-parallel cross-entropy") -> torch.Tensor:
     """Mean cross-entropy of ``logits[N, local_vocab]`` (classes from ``vocab_start``) against ``target[N]``."""
-    return _VocabParallelCE.apply(logits, target, vocab_start, ignore_index, group)
+    return _VocabParallelCE.apply(logits, target, vocab_start, ignore_index, group, guard, purpose)
 
 
 class VocabParallelCrossEntropy(GraphCollective):
@@ -82,7 +84,8 @@ class VocabParallelCrossEntropy(GraphCollective):
 
     def forward(self, logits, target):
         return vocab_parallel_cross_entropy(logits, target, vocab_start=self.vocab_start,
-                                            ignore_index=self.ignore_index, group=self._require_group())
+                                            ignore_index=self.ignore_index, group=self._require_group(),
+                                            guard=self.guard, purpose=self.purpose)
 
     def meta_forward(self, logits, target):
         return logits.new_empty(())
@@ -100,20 +103,21 @@ class _GatherLinears(torch.autograd.Function):
     """``[linear(all_gather(x), w_i, b_i)]``, saving ``x`` (the shard), not the gathered input."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, has_bias, *weights_and_biases):
-        full = all_gather_dim(x, dim, group)
+    def forward(ctx, x, dim, group, guard, purpose, has_bias, *weights_and_biases):
+        full = all_gather_dim(x, dim, group, guard, purpose)
         params, i = [], 0
         for bias in has_bias:
             params.append((weights_and_biases[i], weights_and_biases[i + 1] if bias else None))
             i += 2 if bias else 1
-        ctx.dim, ctx.group, ctx.has_bias = dim, group, has_bias
+        ctx.dim, ctx.group, ctx.has_bias, ctx.guard, ctx.purpose = dim, group, has_bias, guard, purpose
         ctx.save_for_backward(x, *[w for w, _ in params])
         return tuple(F.linear(full, w, b) for w, b in params)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = all_gather_dim(x, ctx.dim, ctx.group).reshape(-1, x.shape[-1])  # gathered again
+        full = all_gather_dim(x, ctx.dim, ctx.group, ctx.guard, f"the backward of {ctx.purpose}").reshape(
+            -1, x.shape[-1])  # gathered again
         grad_full, out = None, []
         for g, w, bias in zip(grads, weights, ctx.has_bias):
             if g is None:
@@ -129,8 +133,9 @@ class _GatherLinears(torch.autograd.Function):
         if grad_full is not None:
             shape = list(x.shape)
             shape[ctx.dim] *= dist.get_world_size(ctx.group)
-            grad_x = reduce_scatter_dim(grad_full.reshape(shape), ctx.dim, ctx.group)
-        return (grad_x, None, None, None, *out)
+            grad_x = reduce_scatter_dim(grad_full.reshape(shape), ctx.dim, ctx.group, ctx.guard,
+                                        f"the backward of {ctx.purpose}")
+        return (grad_x, None, None, None, None, None, *out)
 
 
 class SpGatherLinear(GraphCollective):
@@ -149,7 +154,8 @@ class SpGatherLinear(GraphCollective):
         self.has_bias = tuple(has_bias)
 
     def forward(self, x, *weights_and_biases):
-        return _GatherLinears.apply(x, self.dim, self._require_group(), self.has_bias, *weights_and_biases)
+        return _GatherLinears.apply(x, self.dim, self._require_group(), self.guard, self.purpose, self.has_bias,
+                                    *weights_and_biases)
 
     def meta_forward(self, x, *weights_and_biases):
         shape = list(x.shape)

@@ -13,8 +13,9 @@ peer's transfer (``ActionEvent.wait_s``) and the step's start (``ActionEvent.ori
   action to its last except while blocked on a transfer; the step spans all ranks.
 - :func:`replay`: the simulator run on the same schedule with each action's measured duration
   (its own time, less the transfer wait, plus the loop overhead since the previous action) and
-  the step's shortest transfer latency, so the simulated bubble differs from the measured one only
-  by slower transfers (and a process woken late) and the ranks' start skew.
+  the step's shortest transfer latency (:func:`transfer_latency`), so the simulated bubble differs
+  from the measured one only by slower transfers (and a process woken late) and the ranks' start
+  skew.
   :func:`bubble_report` prints them side by side.
 
     >>> events = [[TraceEvent("0F0", 0.0, 1.0), TraceEvent("0B0", 2.0, 3.0, wait=0.5)],
@@ -151,10 +152,17 @@ def action_durations(events: Sequence[Sequence[TraceEvent]]) -> dict[Action, flo
 
 
 def transfer_latency(schedule: Schedule, events: Sequence[Sequence[TraceEvent]]) -> float:
-    """The shortest time from a producer's end to its data reaching a consumer that was waiting for it.
+    """What a cross-rank dependency adds in the replay: the least, over consumers that waited, of the time
+    from the producer's end to the consumer's wait ending; 0 if that is negative.
 
-    The shortest, not a typical one: a longer one also holds the time the waiting process took to
-    be scheduled again, which on a busy host says nothing about the transfer."""
+    A producer sends before its action ends (a stage's send is its forward's last node, a gradient
+    leaves when backward reaches the receive, and the executor's bookkeeping follows), so the data
+    can arrive before the producer's recorded end and a sample can be negative: what the replay
+    needs is latency less that tail, which is small. A negative sample is therefore evidence of a
+    fast transfer, not noise; leaving it out would make the least *positive* sample the estimate, and
+    on a busy host that is typically a transfer whose receiver was woken late (milliseconds, where
+    the transfer took a tenth of one). The least, not a typical one: a longer sample also holds the
+    time the waiting process took to be scheduled again, which says nothing about the transfer."""
     from autopar.runtime.schedules.deps import dependencies
     end = {Action.parse(e.action): (rank, e.end) for rank, row in enumerate(events) for e in row}
     samples = []
@@ -164,7 +172,7 @@ def transfer_latency(schedule: Schedule, events: Sequence[Sequence[TraceEvent]])
                                     num_replicas=schedule.num_replicas):
                 if dep in end and end[dep][0] != rank and e.wait > 0:
                     samples.append(e.start + e.wait - end[dep][1])  # the wait ends when the data is in
-    return min((s for s in samples if s > 0), default=0.0)
+    return max(min(samples, default=0.0), 0.0)
 
 
 def replay(schedule: Schedule, events: Sequence[Sequence[TraceEvent]], *, p2p: float | None = None) -> SimResult:

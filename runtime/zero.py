@@ -7,6 +7,10 @@
   parameter groups by shape all see whole tensors). Gradients are reduced to the owner
   (:mod:`autopar.runtime.ddp_buckets`); each rank steps the user's optimizer over the parameters
   it owns; then every owner broadcasts its updated parameters (one flat buffer per owner).
+  Under mixed precision the optimizer steps fp32 masters, which exist only for the parameters a
+  rank owns (they are optimizer state, as in ZeRO's K = 12 bytes per parameter for Adam): the
+  owner rounds its masters into its bf16 compute copies (``publish``) and broadcasts those, half
+  the bytes, and exactly what a non-owner would get by rounding the master itself.
 - ZeRO-3: the parameters themselves are flat 1/N shards (:mod:`autopar.passes.zero3`), so each
   rank steps its shards and nothing is broadcast. An optimizer on flat shards computes the
   unsharded update only if it treats every element on its own, so ZeRO-3 accepts the
@@ -23,7 +27,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.runtime import comm_audit as comm
 
-__all__ = ["ShardedOptimizer", "partition_params", "ELEMENTWISE", "check_elementwise"]
+__all__ = ["ShardedOptimizer", "partition_params", "stepped_here", "ELEMENTWISE", "check_elementwise"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,14 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
         parts[k].append(name)
         loads[k] += p.numel()
     return parts
+
+
+def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dp_size: int,
+                 dp_rank: int) -> set[str] | None:
+    """Names of the trainable parameters dp rank ``dp_rank`` steps under ZeRO-1/2; None when it steps all."""
+    if zero_stage not in (1, 2) or dp_size == 1:
+        return None
+    return set(partition_params([(n, p) for n, p in named if p.requires_grad], dp_size)[dp_rank])
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
@@ -61,8 +73,13 @@ class ShardedOptimizer:
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  factory: Callable[[list], torch.optim.Optimizer], *, zero_stage: int,
-                 dp_group, dp_ranks: list[int], dp_rank: int, comm_log: comm.CommLog | None = None):
+                 dp_group, dp_ranks: list[int], dp_rank: int, comm_log: comm.CommLog | None = None,
+                 publish: Callable[[], None] | None = None, synced: dict[str, torch.Tensor] | None = None):
+        """``publish`` runs after the local step, before the owners' broadcast (mixed precision rounds the
+        masters into the compute copies there); ``synced`` are the tensors the owners broadcast, by name
+        (default: the parameters; the bf16 compute copies under mixed precision)."""
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.publish = publish
         self.zero_stage = zero_stage
         self.dp_group, self.dp_ranks, self.dp_rank = dp_group, dp_ranks, dp_rank
         self.comm_log = comm_log
@@ -76,6 +93,7 @@ class ShardedOptimizer:
         if zero_stage == 3 and len(dp_ranks) > 1 and self.optimizer is not None:
             check_elementwise(self.optimizer)
         self._by_name = by_name
+        self._synced = synced
 
     def owner_of(self) -> dict[str, int] | None:
         """{parameter name: dp index that owns it} under ZeRO-1/2; None when nothing is owned whole."""
@@ -96,22 +114,43 @@ class ShardedOptimizer:
             p.grad = None
 
     def step(self) -> None:
+        """Step this rank's parameters, publish them (mixed precision), and broadcast them from their owners."""
         if self.optimizer is not None:
             self.optimizer.step()
-        if self.sharded:
-            self._broadcast_updates()
+        self.publish_parameters()
 
-    def _broadcast_updates(self) -> None:
+    def publish_parameters(self) -> None:
+        """Make every rank's copies current after this rank's parameters changed (a step, a load)."""
+        if self.publish is not None:
+            self.publish()
+        if self.sharded:
+            synced = self._synced if self._synced is not None else {n: p.data for n, p in self.named}
+            self._broadcast_owned(synced, log=self.comm_log, purpose="param_broadcast")
+
+    def owners_values(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``named`` with each trainable tensor this rank does not step replaced by a copy of its owner's
+        (ZeRO-1/2; collective over dp): under mixed precision only owners hold a parameter's fp32 master."""
+        if not self.sharded:
+            return list(named)
+        mine = set(self.local_names)
+        values = {n: t if n in mine else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                  for n, t in named if n in self._by_name}
+        self._broadcast_owned(values, log=None, purpose="state_dict")
+        return [(n, values.get(n, t)) for n, t in named]
+
+    @torch.no_grad()
+    def _broadcast_owned(self, tensors: dict[str, torch.Tensor], *, log, purpose: str) -> None:
+        """Each owner's ``tensors`` into the same-named tensors of the other dp ranks (one flat buffer per owner)."""
         for owner_index, names in enumerate(self.owners):
             if not names:
                 continue
-            tensors = [self._by_name[n].data for n in names]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
+            chosen = [tensors[n] for n in names]
+            flat = torch.cat([t.detach().reshape(-1) for t in chosen])
             comm.broadcast(flat, src=self.dp_ranks[owner_index], group=self.dp_group, size=len(self.dp_ranks),
-                           log=self.comm_log, purpose="param_broadcast")
+                           log=log, purpose=purpose)
             if owner_index != self.dp_rank:
                 offset = 0
-                for t in tensors:
+                for t in chosen:
                     t.copy_(flat[offset: offset + t.numel()].view_as(t))
                     offset += t.numel()
 

@@ -27,7 +27,7 @@ from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 
 __all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "shard_zero3_parameters", "full_parameters",
-           "bind_zero3", "padded_numel"]
+           "bind_zero3", "padded_numel", "zero3_targets"]
 
 
 def padded_numel(numel: int, size: int) -> int:
@@ -198,6 +198,11 @@ class ZeroFree(GraphCollective):
 
 def _gathers(gm) -> list[ZeroGather]:
     return [m for m in gm.modules() if isinstance(m, ZeroGather)]
+
+
+def zero3_targets(gm) -> list[str]:
+    """Targets of ``gm``'s parameters that ZeRO-3 gathers (and therefore holds as flat 1/N shards)."""
+    return [t for gather in _gathers(gm) for t in gather.targets]
 
 
 def shard_zero3_parameters(gms: list, *, dp_rank: int, dp_size: int) -> None:

@@ -66,6 +66,64 @@ def uninterrupted(case, mesh) -> dict:
     return {"losses": _train(program, data), "state": program.full_state_dict()}
 
 
+def dropout_resume(case, mesh) -> dict:
+    """With dropout. Run A: ``save_after`` steps, save, the remaining steps. Run B: a fresh program
+    (other weights, another default random stream) loads the checkpoint and trains the remaining
+    steps. Then the checkpoint loaded once more with the default stream reseeded: the first loss
+    differs from A's (the masks matter, so A == B says the random state came back)."""
+    program, data = _compile(case, mesh)
+    k, root = dict(case.extra)["save_after"], _root(case)
+    first = _train(program, data[:k])
+    program.save_checkpoint(root)
+    a = {"losses": _train(program, data[k:]), "state": program.full_state_dict()}
+    fresh, _ = _compile(case, mesh, model=_scrambled(case))
+    torch.manual_seed(4321)
+    step = fresh.load_checkpoint(root)
+    b = {"losses": _train(fresh, data[step:]), "state": fresh.full_state_dict()}
+    fresh.load_checkpoint(root)
+    torch.manual_seed(4321)  # the default stream not restored (tp streams are)
+    other = _train(fresh, data[step:step + 1])
+    return {"first": first, "a": a, "b": b, "step": step, "unrestored_loss": other[0]}
+
+
+def dropout_reshard(case, mesh) -> dict:
+    """Load the dropout checkpoint on another mesh: every rank re-seeded from (saved seed, step), its
+    tp streams from the same seed and its tp rank, logged; twice the same losses."""
+    import logging
+
+    import torch.distributed as dist
+    from autopar.runtime import checkpoint_files as files
+    from autopar.runtime.rng_state import _trackers, derived_seed
+    from autopar.runtime.tp_rng import tp_rng_seed
+    root = _root(case)
+    saved = files.read_manifest(files.resolve(root))
+    expected = derived_seed(saved["rng"]["seed"], saved["step"])
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("autopar.runtime.checkpoint")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        runs, checks = [], []
+        for _ in range(2):
+            program, data = _compile(case, mesh, model=_scrambled(case))
+            torch.manual_seed(4321)
+            step = program.load_checkpoint(root)
+            tp_rank = program.info.coords["tp"]
+            trackers = _trackers(program)
+            checks.append(torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(expected).get_state())
+                          and bool(trackers) == (program.plan.mesh.tp > 1)
+                          and all(t.seed == tp_rng_seed(expected, tp_rank) and torch.equal(
+                              t.cpu_state, torch.Generator().manual_seed(t.seed).get_state()) for t in trackers))
+            runs.append(_train(program, data[step:]))
+    finally:
+        logger.removeHandler(handler)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, all(checks))
+    return {"runs": runs, "reseeded": every, "log": [r for r in records if "random state" in r]}
+
+
 def _fails(fn, error_type) -> str:
     try:
         fn()
@@ -219,6 +277,44 @@ def p2p_timeout(case, mesh) -> dict:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, message)
     return {"messages": gathered}
+
+
+def collective_timeout(case, mesh) -> dict:
+    """Rank 1 skips its step; rank 0 waits in a collective and must raise RuntimeCommError after
+    ``p2p_timeout_s`` (2 s): the dp gradient all-reduce at dp=2, a tp all-reduce inside the forward
+    at tp=2. Each on a group of the test's own (a timed-out group is unusable), made with a 20 s gloo
+    timeout so the abandoned operation ends; a watchdog ends the worker if anything hangs."""
+    import datetime
+    import faulthandler
+    import sys
+    import time
+
+    import torch.distributed as dist
+    from autopar.errors import RuntimeCommError
+    from torch.distributed.device_mesh import DeviceMesh
+    import autopar
+    from autopar.models import lm_loss
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)  # never a hang: the worker dies
+    out = {}
+    try:
+        for axis in ("dp", "tp"):
+            group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
+            mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(axis,))
+            model = build(case)
+            data = batches(case, model.cfg.vocab_size)
+            program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                                      example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=2.0)
+            message, seconds = "", 0.0
+            if dist.get_rank() == 0:
+                began = time.monotonic()
+                message = _fails(lambda: _train(program, data[:1]), RuntimeCommError)
+                seconds = time.monotonic() - began
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (message, seconds))
+            out[axis] = gathered
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return out
 
 
 # -- the spawned groups the checkpoint, fault and real-world-model tests share --------------------------

@@ -44,6 +44,9 @@ CLIP = [_case((1, 2, 1), max_grad_norm=0.05), _case((2, 1, 1), model="llama_tiny
 PRECISION = [_case((1, 2, 1), precision="bf16", recompute="selective"),
              _case((1, 1, 2), model="llama_tiny", precision="bf16")]
 ALL = MEMORY + RECOMPUTE + CLIP + PRECISION
+# bf16 under ZeRO-1/2/3 with Adam: after training, a checkpoint round trip (fp32 masters from their owners).
+ROUND_TRIP = [c for c in MEMORY if c.mesh[0] == 4 and ("precision", "bf16") in c.options
+              and dict(c.options)["zero_stage"] > 0]
 
 
 def measured_run(case: Case, mesh) -> dict:
@@ -71,7 +74,38 @@ def measured_run(case: Case, mesh) -> dict:
             "dtypes": sorted({str(p.dtype) for gm in program.graphs.values() for p in gm.parameters()})}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return {"losses": losses, "state": program.full_state_dict(), "ranks": {r["rank"]: r for r in every}}
+    out = {"losses": losses, "state": program.full_state_dict(), "ranks": {r["rank"]: r for r in every}}
+    if case in ROUND_TRIP:
+        out["round_trip"] = _checkpoint_round_trip(program, data[0])
+    return out
+
+
+def _checkpoint_round_trip(program, batch) -> dict:
+    """Save, take one more step, load: the fp32 masters come back exactly, every bf16 weight is their rounding."""
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    root = [tempfile.mkdtemp(prefix="autopar_bf16_zero_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    saved = program.full_state_dict()
+    folder = program.save_checkpoint(root[0])
+    idx, tgt = batch
+    program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt))
+    moved = max((program.full_state_dict()[k] - v).abs().max().item() for k, v in saved.items())
+    program.load_checkpoint(folder)
+    back = program.full_state_dict()
+    values = dict(program.parameter_values())
+    rounded = all(torch.equal(c, values[n].to(c.dtype).reshape(c.shape)) for n, c in program.mixed.compute.items())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rounded)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0], ignore_errors=True)
+    return {"moved": moved, "max_change": max((back[k] - v).abs().max().item() for k, v in saved.items()),
+            "rounded": every, "masters": {k: str(v.dtype) for k, v in back.items()}}
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,11 +41,17 @@ ADAM_FULL = Case(mesh=(2, 1, 1), kind=_R + "uninterrupted", **{**_GPT4, **_ADAM}
 SAVE_ADAM = _save("ADAM", (2, 1, 1), **_ADAM)
 RESUME_ADAM = _resume("ADAM", (2, 1, 1), **_ADAM)
 
+# dropout (default and tp streams): resumed on the same mesh exactly, on another re-derived
+_DROP = dict(model="gpt_tiny", overrides=(("num_layers", 4), ("dropout", 0.1)), steps=4)
+DROPOUT_RESUME = Case(mesh=(1, 2, 2), kind=_R + "dropout_resume", extra=(("name", "D"), ("save_after", 2)), **_DROP)
+DROPOUT_RESHARD = Case(mesh=(2, 1, 2), kind=_R + "dropout_reshard", extra=(("name", "D"),), **_DROP)
+
 CRASH = Case(mesh=(1, 2, 1), kind=_R + "crash_while_saving", extra=(("name", "C"),), **_GPT4)
 BAD = Case(mesh=(1, 1, 2), kind=_R + "bad_checkpoints", extra=(("name", "B"),), **_GPT4)
 ROUNDTRIP = Case(mesh=(2, 1, 1), kind=_R + "full_state_dict_roundtrip", extra=(("save_after", 2),), **_GPT4)
 NONFINITE = Case(mesh=(1, 2, 1), kind=_R + "nonfinite", **_GPT4)
 P2P_TIMEOUT = Case(mesh=(1, 2, 1), kind=_R + "p2p_timeout", **_GPT4)  # poisons its own group: keep it last
+COLLECTIVE_TIMEOUT = Case(mesh=(2, 1, 1), kind=_R + "collective_timeout", **_GPT4)  # its own groups too
 
 # models nobody here wrote (transformers): every family on pp and tp, two on dp too (the 2 x 2 meshes
 # and Qwen2 are in docs/coverage.md); BatchNorm's ResNet with one microbatch
@@ -63,9 +69,9 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
     HF_CASES = []
 
 GROUPS = {
-    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z],
+    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD],
     2: [*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE,
-        P2P_TIMEOUT],
+        P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
 }
 
 

@@ -8,8 +8,11 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
 - ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
   (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
   trainable parameter (flattened, zero-padded to a multiple of dp);
-- ``precision="bf16"`` keeps a bf16 compute copy plus an fp32 master of every parameter, and fp32
-  gradients; ``"fp32"`` keeps the parameter and an fp32 gradient.
+- ``precision="bf16"`` keeps a bf16 compute copy of every parameter and fp32 gradients, and an fp32
+  master where the parameter is stepped: the master is optimizer state (ZeRO's K = 12 bytes per
+  parameter for mixed-precision Adam), so ZeRO-1/2 keep it on the owner only and ZeRO-3 keeps the
+  rank's 1/N block (frozen parameters keep theirs everywhere); ``"fp32"`` keeps the parameter and
+  an fp32 gradient.
 """
 from __future__ import annotations
 
@@ -99,9 +102,10 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
     else:
         stepped = trainable
     with_grad = stepped if zero_stage == 2 and dp > 1 else trainable
+    with_master = stepped + [p for p in params if not p.trainable] if precision == "bf16" else []
     return StateFigures(
         params=sum(held(p) * p.itemsize for p in params),
-        master_params=sum(held(p) * FP32 for p in params) if precision == "bf16" else 0,
+        master_params=sum(held(p) * FP32 for p in with_master),
         grads=sum(held(p) * FP32 for p in with_grad),
         optimizer=sum(held(p) * FP32 * per_element + per_tensor for p in stepped),
         buffers=buffer_bytes,

@@ -129,13 +129,14 @@ def fit_device(profile, timings: dict, *, memory_bandwidth: float, op_overhead_s
 
 
 def _fit(sizes, times, factor) -> tuple[float, float]:
-    """Least squares t = a + b·size (a, b >= 0), returned as (latency a/factor_a, bandwidth)."""
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    var = sum((x - mx) ** 2 for x in sizes)
-    slope = max(1e-15, sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / var) if var else 1e-15
-    intercept = max(1e-7, my - slope * mx)
-    return intercept, factor / slope
+    """``t = a + size/b`` through the smallest and the largest size: (a, b).
+
+    Two points, not least squares: the largest transfer sets the bandwidth, the smallest the
+    latency; a regression over all sizes lets the big ones' noise swamp the latency.
+    """
+    (s0, t0), (s1, t1) = min(zip(sizes, times)), max(zip(sizes, times))
+    slope = max((t1 - t0) / (s1 - s0), 1e-15)
+    return max(t0 - slope * s0, 1e-7), factor / slope
 
 
 def measure_collectives(*, group=None, repeats: int = 3, sizes=(2**12, 2**18, 2**22, 2**25)) -> dict:

@@ -267,6 +267,19 @@ class CostModel:
             out.append(min((self.cluster.device_of(r) for r in ranks), key=lambda dev: dev.matmul_rate("fp32")))
         return out
 
+    def _zero3_comm(self, c: Candidate, ranges, link, device: Device) -> float:
+        """ZeRO-3: each unit's weights gathered in forward and again in backward, its gradients
+        reduce-scattered, every microbatch; plus the copies into and out of the gathered buffers."""
+        total = 0.0
+        for lo, hi in ranges:
+            for i in range(lo, hi):
+                _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),))
+                if grads == 0:
+                    continue
+                total += (2 * link.collective("all_gather", params, c.dp) + link.collective("reduce_scatter", grads, c.dp)
+                          + (2 * params + grads) / device.memory_bandwidth)
+        return total * c.num_microbatches
+
     # -- one candidate --------------------------------------------------------------------
     def stage_times(self, c: Candidate):
         """Per stage: forward, input-gradient and weight-gradient seconds of a microbatch, and tp comm seconds."""
@@ -317,7 +330,10 @@ class CostModel:
             mine_ranges = tuple(ranges[s] for s in mine)
             _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges)
             states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp)
-            dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster))
+            if c.zero_stage == 3 and c.dp > 1:  # one gather / reduce-scatter per unit and microbatch
+                dp_time = max(dp_time, self._zero3_comm(c, [ranges[s] for s in mine], dp_link, devices[q]))
+            else:
+                dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster))
             opt_time = max(opt_time, stepped * _OPT_BYTES[self.optimizer] / devices[q].memory_bandwidth)
             t = self.table(c.tp, b, c.recompute, devices[q], self._contention(c))
             per_stage = {s: t[ranges[s][1]][4] - t[ranges[s][0]][4] for s in mine}
@@ -364,10 +380,6 @@ def _analytic_pipeline(c: Candidate, per_rank, wgt, p2p) -> float:
 def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster: Cluster) -> float:
     if c.dp == 1:
         return 0.0
-    if c.zero_stage == 3:
-        gather = link.collective("all_gather", param_bytes, c.dp)
-        scatter = link.collective("reduce_scatter", grad_bytes, c.dp)
-        return (2 * gather + scatter) * c.num_microbatches
     if c.zero_stage == 0:
         t = link.collective("all_reduce", grad_bytes, c.dp)
     else:

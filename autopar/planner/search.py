@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
@@ -235,6 +234,10 @@ def _explore(structures, space, evaluate, profile, cluster, rejected) -> list[Es
                 continue
             for rc in space.recompute:
                 cand = replace(c, zero_stage=zero, recompute=rc)
+                if rc == "selective" and c.schedule in SPLIT_BACKWARD:
+                    rejected.append((cand, f"selective recompute does not combine with {c.schedule}: its W action "
+                                           f"walks each recomputed region a second time"))
+                    continue
                 try:
                     e = evaluate(cand)
                     if not e.fits and cand.num_stages > 1:
@@ -282,18 +285,25 @@ def _state_bytes_per_element(zero: int, dp: int, precision: str) -> float:
     return (p + master + 4 + 8) / dp
 
 
-def _rank_key(e: Estimate):
-    """Fastest first; within 0.5% of each other, the simpler plan (less ZeRO, less recomputation)."""
-    bucket = int(math.log(max(e.step_time, 1e-12)) / math.log(1.005))
-    c = e.candidate
-    return bucket, c.zero_stage, RECOMPUTE.index(c.recompute), c.num_virtual, e.step_time
+def _ranked(estimates: list[Estimate], *, tie: float = 0.01) -> list[Estimate]:
+    """Fastest first; a run of estimates within ``tie`` of its fastest is ordered simplest first
+    (less ZeRO, less recomputation, fewer virtual stages): the model cannot tell them apart."""
+    ordered = sorted(estimates, key=lambda e: e.step_time)
+    out, i = [], 0
+    while i < len(ordered):
+        j = i
+        while j < len(ordered) and ordered[j].step_time <= ordered[i].step_time * (1 + tie):
+            j += 1
+        out += sorted(ordered[i:j], key=lambda e: (e.candidate.zero_stage, RECOMPUTE.index(e.candidate.recompute),
+                                                   e.candidate.num_virtual, e.step_time))
+        i = j
+    return out
 
 
 def _simulate_top(fitting: list[Estimate], model: CostModel, top: int) -> list[Estimate]:
-    fitting.sort(key=_rank_key)
+    fitting = _ranked(fitting)
     head = [model.estimate(e.candidate, simulate_pipeline=True) for e in fitting[:top]]
-    head.sort(key=_rank_key)
-    return head + fitting[top:]
+    return _ranked(head) + fitting[top:]
 
 
 def explain(result: SearchResult) -> list[str]:

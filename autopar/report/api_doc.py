@@ -40,8 +40,9 @@ OPTION_HELP = {
                       "`None`: where the vocabulary divides by tp (else replicated, with a warning), `True`: "
                       "required, `False`: never ([tensor_parallel.md](tensor_parallel.md))",
     "sequence_parallel": "with tensor parallelism: norms, dropout and the residual stream sharded on the sequence",
-    "p2p_timeout_s": "seconds a pipeline transfer may wait before the step fails with an error naming the rank, "
-                     "stage and peer",
+    "p2p_timeout_s": "seconds a pipeline transfer or any collective autopar issues (gradient sync, ZeRO, tensor "
+                     "parallel, loss, non-finite check) may wait before the step fails with a RuntimeCommError "
+                     "naming the rank, stage, action and peers ([checkpoints.md](checkpoints.md))",
     "recompute": "activation recomputation on every stage: `none`, `selective` (keep the outputs of matmuls and "
                  "attention, recompute the rest; never repeats a forward collective) or `full` (keep only each block's input)",
     "precision": "`fp32`, or `bf16` (bf16 compute, fp32 master weights and gradients)",

@@ -217,6 +217,20 @@ def test_zero_stage_out_of_range_is_a_plan_error(gpt):
            fix="less than or equal to 3")
 
 
+def test_zero3_with_a_split_backward_schedule_is_a_plan_error(gpt):
+    with pytest.raises(autopar.PlanError) as info:
+        _plan(gpt, {"dp": 2, "pp": 2}, batch=8, schedule="zb_h1", num_microbatches=2, zero_stage=3)
+    _check(info, autopar.PlanError, what="zero_stage=3 does not combine with the split-backward schedule 'zb_h1'",
+           where="compile(zero_stage=3", fix="zero_stage<=2")
+
+
+def test_selective_recompute_with_a_split_backward_schedule_is_a_plan_error(gpt):
+    with pytest.raises(autopar.PlanError) as info:
+        _plan(gpt, {"pp": 2}, schedule="zb_h1", num_microbatches=2, recompute="selective")
+    _check(info, autopar.PlanError, what="recompute='selective' does not combine with the split-backward schedule",
+           where="stage(s) [0, 1]", fix="recompute='full'")
+
+
 def test_1f1b_with_fewer_microbatches_than_stages_is_a_schedule_error():
     model = build_model("gpt_tiny", num_layers=4)
     with pytest.raises(autopar.ScheduleError) as info:

@@ -163,3 +163,21 @@ def test_nan_in_a_gradient_alone_is_a_numerics_error(one_rank_mesh):
         program.train_step(x, target=x)
     after = program.full_state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_init_mesh_timeout_reaches_the_default_and_every_axis_group(monkeypatch):
+    """init_mesh(timeout_s=...) bounds every group it makes (NCCL's watchdog, object collectives)."""
+    import datetime
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    mesh = autopar.init_mesh(backend="gloo", timeout_s=7)
+    try:
+        groups = [dist.group.WORLD] + [mesh.get_group(axis) for axis in ("dp", "pp", "tp")]
+        for group in groups:
+            assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()

@@ -69,6 +69,19 @@ def test_bf16_keeps_bf16_params_fp32_masters_and_grads():
     assert r.per_microbatch[0] < 0.55 * fp32.per_microbatch[0]  # bf16 activations (the loss stays small)
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_bf16_masters_are_partitioned_with_the_optimizer_state(zero_stage):
+    """The fp32 master is optimizer state (ZeRO's K = 12 for Adam): held where the parameter is stepped."""
+    sizes = _sizes()
+    ranks = estimate_memory(_plan((2, 1, 1), precision="bf16"), optimizer="adam", zero_stage=zero_stage).ranks
+    assert sum(r.master_params for r in ranks.values()) == 4 * sum(
+        math.ceil(s / 2) * 2 if zero_stage == 3 else s for s in sizes)
+    for r in ranks.values():
+        assert 0 < r.master_params < 0.6 * 4 * sum(sizes)
+        steps = r.optimizer - 2 * r.master_params  # Adam: 2 x 4 bytes per master element + a 4-byte step per tensor
+        assert steps % 4 == 0 and 0 < steps // 4 <= len(sizes) and (zero_stage < 3 or steps // 4 == len(sizes))
+
+
 def test_pipeline_and_tensor_parallel_split_the_parameters():
     n = sum(_sizes())
     pp = estimate_memory(_plan((1, 2, 1)), optimizer="sgd").ranks
@@ -111,7 +124,11 @@ def test_70b_shaped_model_on_1024_ranks_on_meta():
     assert len(estimate.ranks) == 1024
     first = [estimate.ranks[autopar.planning.rank_of(dp=0, pp=q, tp=0, shape=result.plan.mesh)] for q in range(8)]
     assert sum(r.params for r in first) == 2 * sum(p.numel() for p in model.parameters())  # bf16
-    assert all(r.master_params == 2 * r.params for r in first)
+    for q, r in enumerate(first):  # ZeRO-1: each fp32 master on its owner only, 4 bytes per owned element
+        column = [estimate.ranks[autopar.planning.rank_of(dp=d, pp=q, tp=0, shape=result.plan.mesh)]
+                  for d in range(128)]
+        assert sum(c.master_params for c in column) == 2 * r.params
+        assert max(c.master_params for c in column) < 2 * r.params  # whole tensors spread over the owners
     layer = 8192 * (8192 * 2 + 1024 * 2 + 28672 * 3) + 8192 * 2  # attention, MLP, two norms
     assert first[3].params == 2 * layer
     assert first[3].peak_in_flight == 5  # 1F1B: pp - stage microbatches in flight

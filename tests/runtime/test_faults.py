@@ -113,3 +113,21 @@ def test_nan_in_loss_or_gradients_names_step_and_stage():
     # a loss that is finite but whose gradient is NaN: caught before the optimizer steps
     assert "training step 1: the gradient of" in out["grad"] and "(stage " in out["grad"]
     assert out["unchanged"] and out["step_count"] == 0
+
+
+def test_collective_that_times_out_names_rank_collective_and_group():
+    """Rank 1 skips its step: rank 0's dp gradient all-reduce (dp=2) and its tp all-reduce inside the
+    forward (tp=2) each give up after p2p_timeout_s (2 s) with a RuntimeCommError, on groups the user
+    made (DeviceMesh.from_group), long before the groups' own 20 s gloo timeout."""
+    out = _result(groups.COLLECTIVE_TIMEOUT)
+    for axis in ("dp", "tp"):
+        (text, seconds), (other, _) = out[axis]
+        assert other == ""
+        assert 2.0 <= seconds < 12.0, (axis, seconds)
+        assert "did not complete within 2 s" in text and "Operation timed out" in text
+        assert "Where: rank 0, stage 0" in text and "over ranks [0, 1]" in text
+        assert "p2p_timeout_s" in text and "resume from the last checkpoint" in text
+    dp_text, tp_text = out["dp"][0][0], out["tp"][0][0]
+    # ZeRO-1 (the default): each bucket is reduced to its owner, after backward
+    assert "the reduce (grad_reduce)" in dp_text and "gradient sync after the schedule" in dp_text
+    assert "the all_reduce (TpReduce node" in tp_text and "(mesh axis tp)" in tp_text and "action 0F0" in tp_text

@@ -21,7 +21,7 @@ import torch
 
 import autopar
 from equivalence import Case, assert_equivalent, batches, build, make_optimizer
-from memory_harness import ALL, MEMORY, PRECISION, results
+from memory_harness import ALL, MEMORY, PRECISION, ROUND_TRIP, results
 from autopar.runtime.clip import clip_grad_norm, counted_here
 from autopar.runtime.mixed_precision import MasterWeights, low_precision_copy
 
@@ -30,6 +30,7 @@ UPDATE_RTOL = 0.10
 
 CLIPPED = [c for c in ALL if "max_grad_norm" in dict(c.options) and ("precision", "bf16") not in c.options]
 BF16 = PRECISION + [c for c in MEMORY if ("precision", "bf16") in c.options and c.optimizer == "sgd"]
+ZERO_BF16 = [c for c in MEMORY if ("precision", "bf16") in c.options and dict(c.options)["zero_stage"] > 0]
 
 
 # -- plain ---------------------------------------------------------------------------------------
@@ -61,14 +62,38 @@ def test_master_weights_accumulate_in_fp32():
     masters = MasterWeights([("w", compute)], {"w": torch.full((3,), 1.0 + 2**-12)})
     (_, master), = masters.named
     assert master.dtype == torch.float32 and master[0].item() == 1.0 + 2**-12  # the exact fp32 value
+    seen = []
+    master.register_post_accumulate_grad_hook(lambda m: seen.append(len(seen) + 1))
     for _ in range(3):
         (compute * torch.tensor(2**-10, dtype=torch.bfloat16)).sum().backward()
     assert compute.grad is None and master.grad.dtype == torch.float32
+    assert seen == [1, 2, 3]  # the master's post-accumulate-grad hooks ran (DDP buckets start on them)
     torch.testing.assert_close(master.grad, torch.full((3,), 3 * 2**-10))
     with torch.no_grad():
         master.sub_(1.0)
     masters.publish()
     assert compute.dtype == torch.bfloat16 and compute[0].item() == 2**-12
+
+
+def test_masters_only_where_stepped():
+    """ZeRO-1/2: a parameter stepped elsewhere has a gradient slot (fp32 gradient, no values), not a master."""
+    mine, other = (torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16)) for _ in range(2))
+    masters = MasterWeights([("mine", mine), ("other", other)], {"mine": torch.full((2, 3), 1.0 + 2**-12),
+                                                                   "other": torch.full((2, 3), 3.0)},
+                            stepped={"mine"})
+    assert masters.slots == {"other"} and len(masters.masters) == 1
+    (_, master), (_, slot) = masters.named
+    assert master[0, 0].item() == 1.0 + 2**-12 and slot.shape == (2, 3) and torch.isnan(slot).all()
+    assert slot.untyped_storage().nbytes() == 4  # no fp32 copy of the weight
+    for _ in range(3):
+        ((mine + other) * torch.tensor(2**-10, dtype=torch.bfloat16)).sum().backward()
+    assert other.grad is None and slot.grad.dtype == torch.float32
+    torch.testing.assert_close(slot.grad, torch.full((2, 3), 3 * 2**-10))  # summed in fp32
+    with pytest.raises(RuntimeError, match="single memory location"):
+        with torch.no_grad():
+            slot.copy_(torch.zeros(2, 3))  # nothing can be stored in a slot by mistake
+    masters.publish()  # the slot has nothing to publish: the owner broadcasts the bf16 value
+    assert other[0, 0].item() == 1.0 and mine[0, 0].item() == 1.0
 
 
 def _plan(**kw):
@@ -162,3 +187,46 @@ def test_bf16_trains_like_fp32_within_bf16_tolerance(case):
         got = result["state"][key] - reference["initial"][key]
         assert result["state"][key].dtype == torch.float32  # the masters
         assert torch.linalg.vector_norm(got - want) <= UPDATE_RTOL * torch.linalg.vector_norm(want) + 1e-7, key
+
+
+def _zero0_twin(case: Case) -> Case:
+    options = {**dict(case.options), "zero_stage": 0}
+    return next(c for c in MEMORY if c.mesh == case.mesh and c.optimizer == case.optimizer and dict(c.options) == options)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ZERO_BF16, ids=lambda c: c.name().split("-", 1)[1])
+def test_zero_bf16_equals_zero0_bf16(case):
+    """ZeRO-1/2 step each fp32 master on its owner only and broadcast its bf16 rounding: bitwise
+    ZeRO-0's training (same fp32 gradient sums, same steps, same rounding), SGD and Adam alike.
+
+    ZeRO-3 reduce-scatters the bf16 gradients inside the graph (one bf16 rounding, unit roundoff
+    2^-8, of each dp sum) where ZeRO-0 all-reduces fp32 ones, so with SGD its updates agree to within
+    2^-7 of their norm; with Adam, which turns a near-zero gradient's rounding into an O(lr) step
+    (tests/equivalence.py), no such bound holds and only the losses are compared.
+    """
+    result, base = _result(case), _result(_zero0_twin(case))
+    if dict(case.options)["zero_stage"] in (1, 2):
+        assert result["losses"] == base["losses"]
+        for key, value in base["state"].items():
+            assert torch.equal(result["state"][key], value), key
+        return
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(base["losses"]), rtol=2**-8, atol=0)
+    if case.optimizer != "sgd":
+        return
+    initial = _reference(Case(model=case.model, options=(), optimizer=case.optimizer, steps=case.steps))["initial"]
+    for key, value in base["state"].items():
+        want, got = value - initial[key], result["state"][key] - initial[key]
+        assert torch.linalg.vector_norm(got - want) <= 2**-7 * torch.linalg.vector_norm(want), key
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ROUND_TRIP, ids=lambda c: c.name().split("-", 1)[1])
+def test_bf16_zero_checkpoint_round_trip(case):
+    """Masters live on their owners (ZeRO-1/2) or as 1/N blocks (ZeRO-3); a checkpoint still holds every
+    fp32 master, and loading it restores them exactly and rounds them into every rank's bf16 weights."""
+    trip = _result(case)["round_trip"]
+    assert trip["moved"] > 0  # the step between save and load changed the weights
+    assert trip["max_change"] == 0.0
+    assert all(trip["rounded"]) and len(trip["rounded"]) == case.world_size
+    assert set(trip["masters"].values()) == {"torch.float32"}

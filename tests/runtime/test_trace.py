@@ -54,18 +54,31 @@ def test_waits_count_as_idle_and_give_the_transfer_latency():
     events = [[TraceEvent("0F0", 0.0, 1.0), TraceEvent("0B0", 1.0, 4.5, wait=2.5)],
               [TraceEvent("1F0", 1.0, 2.7, wait=0.2), TraceEvent("1B0", 2.7, 3.7)]]
     schedule = build_schedule("gpipe", num_ranks=2, num_microbatches=1)
-    # 1F0's data came 0.2 after 0F0 ended, 0B0's gradient 0.8 after 1B0 ended: the shortest is the transfer
-    assert transfer_latency(schedule, events) == pytest.approx(0.2)
     assert measured_bubble(events) == pytest.approx((2.5 / 4.5, 1 - 2.5 / 4.5))
     assert "rank 1: measured" in bubble_report(schedule, events)
+    # 1F0's data came 0.2 after 0F0 ended, 0B0's gradient 0.2 before 1B0's recorded end (it leaves
+    # before the action ends): the least sample is negative, so a transfer adds nothing in the replay
+    assert transfer_latency(schedule, events) == 0.0
+    # with the gradient in 0.3 after 1B0's end, the least sample is the activation's 0.2
+    later = [[events[0][0], TraceEvent("0B0", 1.0, 5.0, wait=3.0)], events[1]]
+    assert transfer_latency(schedule, later) == pytest.approx(0.2)
 
 
 @pytest.mark.dist
 def test_measured_bubble_is_within_3_points_of_the_simulated_one_at_p2():
-    """Each step is replayed in the simulator with the action times and transfer latency measured in
-    that same step. Other jobs on the host stall a process at random (a stall while it waits for a
-    peer is idle time the simulator cannot know of), so the first step (warm-up) is dropped and the
-    best of the other five is judged: a retry, not an average that would carry the stalls along."""
+    """Each step is replayed in the simulator with the action times and the transfer latency measured in
+    that same step, and the median over the five steps after the warm-up step is judged.
+
+    Why the comparison is sound on a shared host: an action's duration is measured by the wall
+    clock less its waits on a peer, so time another job takes from the process *inside* an action
+    lengthens that action in the measurement and in the replay alike; the replay cannot know of a
+    stall while a process waits (a receiver woken late), which only the transfer latency could
+    carry. That latency is the least time from a producer's end to its consumer's wait ending, over
+    the step's transfers (runtime/trace.py ``transfer_latency``): the least because every other
+    sample adds a wake-up delay, and negative samples (data sent before the producer's action
+    ended) count, so a late wake-up is never taken for the transfer. A stall of a waiting process
+    is then the only thing left between the two figures; the median of five steps keeps one or two
+    steps hit by such stalls from deciding, without picking the best step (a retry)."""
     result = results(TRACE_CASE.world_size)[TRACE_CASE]
     assert "error" not in result, result.get("traceback", result.get("error"))
     gaps = []
@@ -73,5 +86,6 @@ def test_measured_bubble_is_within_3_points_of_the_simulated_one_at_p2():
         measured = statistics.mean(measured_bubble(events))
         simulated = statistics.mean(replay(result["schedule"], events).bubble_fraction)
         gaps.append(abs(measured - simulated))
-    best = min(range(len(gaps)), key=gaps.__getitem__)
-    assert gaps[best] <= 0.03, (gaps, bubble_report(result["schedule"], result["steps"][best + 1]))
+    assert len(gaps) == 5
+    middle = sorted(range(len(gaps)), key=gaps.__getitem__)[len(gaps) // 2]
+    assert gaps[middle] <= 0.03, (gaps, bubble_report(result["schedule"], result["steps"][middle + 1]))

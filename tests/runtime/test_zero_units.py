@@ -10,7 +10,7 @@ from autopar.options import CompileOptions
 from autopar.plan_model import MeshShape
 from autopar.runtime.comm_audit import CommLog, theory_bytes
 from autopar.runtime.ddp_buckets import plan_buckets
-from autopar.runtime.zero import ShardedOptimizer, check_elementwise
+from autopar.runtime.zero import ShardedOptimizer, check_elementwise, stepped_here
 
 
 def _named(sizes):
@@ -26,6 +26,22 @@ def test_zero_buckets_hold_one_owner_each():
     owners = {"p0": 0, "p1": 1, "p2": 0, "p3": 1}
     buckets = plan_buckets(_named([10, 10, 10, 10]), bucket_bytes=1000, owners=owners)
     assert {tuple(b.names): b.owner for b in buckets} == {("p3", "p1"): 1, ("p2", "p0"): 0}
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_bf16_masters_are_kept_where_the_optimizer_steps(zero_stage):
+    """The program gives a parameter an fp32 master exactly where ShardedOptimizer will step it."""
+    named = _named([30, 20, 10, 5, 5])
+    seen = set()
+    for rank in range(3):
+        opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
+                               dp_group=None, dp_ranks=[0, 1, 2], dp_rank=rank)
+        mine = stepped_here(named, zero_stage=zero_stage, dp_size=3, dp_rank=rank)
+        assert mine == set(opt.stepped_names()) and not mine & seen
+        seen |= mine
+    assert seen == {n for n, _ in named}
+    assert stepped_here(named, zero_stage=3, dp_size=3, dp_rank=0) is None
+    assert stepped_here(named, zero_stage=zero_stage, dp_size=1, dp_rank=0) is None
 
 
 def test_zero3_theory_is_one_and_a_half_ddp():
