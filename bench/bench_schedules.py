@@ -170,19 +170,22 @@ def run(*, schedules=tuple(PEERS), **timing) -> list[dict]:
 
 
 #: what a profile of both contenders showed (cProfile, every rank; see docs/benchmarks.md)
-NOTES = """Reading it: on 2 busy cores the wall times are mostly time spent descheduled, and the per-round wall
-ratios spread widely; the CPU ratio is the gauge. Two costs autopar had over the peer were found with cProfile
-(zb_h1, 4 steps, rank 0) and cut: (1) the non-finite check after backward ran `torch.isfinite(g).all()` on each
-of the rank's 50 gradients, 13 ms per step on one core (about 0.05 s on a loaded host); it is now one sum per
+NOTES = """Reading it: the CPU ratio is the steadier gauge (the wall ratio's per-round quartiles straddle 1 on
+every schedule). In the run above (a quiet machine, 16 alternating rounds) autopar's CPU per step is within
+2% of the peer's on gpipe, 1f1b, interleaved 1F1B and ZB-H1, below it on looped BFS, and 5% above it on ZB-V;
+an earlier 6-round run of the same code on the same day gave 0.98, 1.03, 1.02, 1.05, 0.98 and 1.02, so
+differences of 1-3% here are run-to-run noise, not a cost of either side. Two costs autopar had over the peer
+were found with cProfile (zb_h1, 4 steps, rank 0) and cut: (1) the non-finite check after backward ran
+`torch.isfinite(g).all()` on each of the rank's 50 gradients, 13 ms per step on one core; it is now one sum per
 gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made one `autograd.grad` per
-weight use (50 per microbatch on rank 0, against the peer's one per W); it now makes one per level of uses that
-do not feed each other (25), which saves about 45 us of engine overhead per call, some 3% of a W's 44 ms
-(`passes/weight_grad_split.py`, `runtime/executor.py`): W's time is its weight-gradient matmuls. A profile of
-1f1b (both contenders, every rank) shows nothing else: the same forward and backward kernels and the same
-waits, and autopar's own Python per action well under a millisecond. The zb_v peer's last loss differs from
-autopar's (and from one-device training, which autopar's zb_v matches in
-tests/runtime/test_schedule_execution.py): torch's ScheduleZBVZeroBubble with the tied embedding and head on
-both of rank 0's stages computes a different gradient from step 2 on."""
+weight use (50 per microbatch on rank 0); it now makes one per level of uses that do not feed each other (25),
+which saves about 45 us of engine overhead per call, some 3% of a W's 44 ms (`passes/weight_grad_split.py`,
+`runtime/executor.py`): W's time is its weight-gradient matmuls. A profile of 1f1b (both contenders, every
+rank) shows the same forward and backward kernels and the same waits, and autopar's own Python per action well
+under a millisecond. ZB-V is not a like-for-like comparison: the peer's last loss differs from autopar's (and
+from one-device training, which autopar's zb_v matches in tests/runtime/test_schedule_execution.py), because
+torch's ScheduleZBVZeroBubble with the tied embedding and head on both of rank 0's stages computes a different
+gradient from step 2 on; where autopar's remaining 5% there goes has not been found."""
 
 
 def section(rows: list[dict]) -> str:

@@ -304,14 +304,26 @@ class CostModel:
         work = [fwd[s] + bwd[s] + wgt[s] for s in range(len(ranges))]
         per_rank = [sum(work[s] for s in range(len(ranges)) if owner[s] == q) for q in range(c.pp)]
         simulated = (simulate_pipeline and c.pp * c.num_microbatches * c.num_virtual <= _MAX_SIMULATED) or c.pp == 1
-        if simulated:
-            full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
-                                  num_virtual=c.num_virtual)
-            pipeline = simulate(full, costs=StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)).step_time
-        else:
-            pipeline = _analytic_pipeline(c, per_rank, wgt, p2p)
+        k = self._contention(c)
+
+        def critical_path(scale: float) -> float:  # the schedule's step with compute times divided by scale
+            f, b_, w = ([x / scale for x in xs] for xs in (fwd, bwd, wgt))
+            if simulated:
+                full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
+                                      num_virtual=c.num_virtual)
+                return simulate(full, costs=StageCosts(forward=f, backward=b_, weight=w, p2p=p2p)).step_time
+            return _analytic_pipeline(c, [x / scale for x in per_rank], w, p2p)
+
         busiest = max(range(c.pp), key=lambda q: per_rank[q])
         compute = per_rank[busiest] * c.num_microbatches
+        if k > 1 and c.pp > 1:
+            # ranks share cores (CPU processes): a rank waiting in a bubble lends its core to the others,
+            # so the step is the larger of the critical path at a lone rank's speed and the node's
+            # total work spread over its cores (which, in contended seconds, is the mean rank's work)
+            pipeline = max(critical_path(k), sum(per_rank) / c.pp * c.num_microbatches)
+            compute = min(compute, pipeline)
+        else:
+            pipeline = critical_path(1.0)
         tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time, simulated=simulated,

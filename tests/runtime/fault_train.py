@@ -69,6 +69,7 @@ def main() -> None:
     state = program.full_state_dict()
     if rank == 0:
         torch.save({"state": state, "attempt": attempt, "start": start}, os.path.join(args.out, "final.pt"))
+    torch.distributed.destroy_process_group()  # a group left to the interpreter's exit can abort in gloo's threads
 
 
 if __name__ == "__main__":
