@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _setup import adamw, seeded_model, text_batches
 from _report import console_table, markdown_table, run_note, stamped, update_section
 from _spawn import spawn
 from _timing import DEFAULTS, Contender, measure, row_cells
@@ -43,20 +44,15 @@ ZERO_STAGES = (0, 1, 2, 3)
 PEERS = {0: "torch DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "DDP + ZeroRedundancyOptimizer", 3: "FSDP2"}
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+_optimizer = adamw
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from autopar.models import TextBatches
-    it = iter(TextBatches(seq_len=MODEL["seq_len"], batch_size=BATCH, seed=SEED))
-    return [next(it) for _ in range(NUM_BATCHES)]
+    return text_batches(MODEL, batch=BATCH, seed=SEED, count=NUM_BATCHES)
 
 
 def _build_model() -> nn.Module:
-    from autopar.models import build_model
-    torch.manual_seed(SEED)
-    return build_model(MODEL["name"], **{k: v for k, v in MODEL.items() if k != "name"})
+    return seeded_model(MODEL, seed=SEED)
 
 
 def _local(t):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _setup import adamw, seeded_model, text_batches
 from _report import console_table, markdown_table, run_note, stamped, update_section
 from _spawn import spawn
 from _timing import Contender, measure, row_cells
@@ -46,20 +47,15 @@ PEERS = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
 TIMING = dict(rounds=6, steps_per_round=1, warmup=2)
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+_optimizer = adamw
 
 
-def _data():
-    from autopar.models import TextBatches
-    it = iter(TextBatches(seq_len=MODEL["seq_len"], batch_size=BATCH, seed=SEED))
-    return [next(it) for _ in range(NUM_BATCHES)]
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return text_batches(MODEL, batch=BATCH, seed=SEED, count=NUM_BATCHES)
 
 
 def _build_model() -> nn.Module:
-    from autopar.models import build_model
-    torch.manual_seed(SEED)
-    return build_model(MODEL["name"], **{k: v for k, v in MODEL.items() if k != "name"})
+    return seeded_model(MODEL, seed=SEED)
 
 
 class GPTStage(nn.Module):

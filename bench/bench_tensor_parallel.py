@@ -29,6 +29,7 @@ import time
 import torch
 from torch import nn
 
+from _setup import adamw, seeded_model, text_batches
 from _report import console_table, markdown_table, run_note, stamped, update_section
 from _spawn import spawn
 from _timing import DEFAULTS, Contender, measure, row_cells
@@ -49,20 +50,15 @@ TP_PLAN = {
 }
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+_optimizer = adamw
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from autopar.models import TextBatches
-    it = iter(TextBatches(seq_len=MODEL["seq_len"], batch_size=BATCH, seed=SEED))
-    return [next(it) for _ in range(NUM_BATCHES)]
+    return text_batches(MODEL, batch=BATCH, seed=SEED, count=NUM_BATCHES)
 
 
 def _build_model() -> nn.Module:
-    from autopar.models import build_model
-    torch.manual_seed(SEED)
-    return build_model(MODEL["name"], **{k: v for k, v in MODEL.items() if k != "name"})
+    return seeded_model(MODEL, seed=SEED)
 
 
 #: Variants: name -> (autopar compile options, peer shards the vocabulary too).
