@@ -1,11 +1,12 @@
 """Where a step's time goes: cProfile of autopar and its peer, same benchmark setup, every rank.
 
-Builds the contenders exactly as ``bench_pipeline`` / ``bench_tensor_parallel`` do, warms them up,
+Builds the contenders exactly as ``bench_pipeline`` / ``bench_schedules`` / ``bench_tensor_parallel`` do, warms them up,
 then profiles ``--steps`` steps of each (alternating) with cProfile on every rank, and prints,
 per rank and contender, the functions with the most own time and the most cumulative time.
 For autopar it also prints the per-action timeline of the last step (``program.events``).
 
     python bench/profile_step.py pipeline --schedule 1f1b
+    python bench/profile_step.py schedules --schedule zb_v
     python bench/profile_step.py tensor_parallel --variant blocks
 """
 from __future__ import annotations
@@ -25,6 +26,11 @@ __all__ = ["main"]
 
 
 def _contenders(bench: str, schedule: str, variant: str, rank: int):
+    if bench == "schedules":
+        import bench_schedules as b
+        data, model = b._data(), b._build_model()
+        ap, program = b._autopar(model, data, schedule)
+        return [ap, b._peer(model, data, schedule, program, rank)], program
     if bench == "pipeline":
         import bench_pipeline as b
         data, model = b._data(), b._build_model()
@@ -70,8 +76,9 @@ def body(rank: int, world: int, bench: str, schedule: str, variant: str, steps: 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bench", choices=["pipeline", "tensor_parallel"])
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("bench", choices=["pipeline", "schedules", "tensor_parallel"])
+    parser.add_argument("--schedule", default="1f1b",
+                        help="pipeline: 1f1b or gpipe; schedules: any of bench_schedules.PEERS")
     parser.add_argument("--variant", default="blocks+vocab", choices=["blocks", "blocks+vocab", "auto"],
                         help="tensor_parallel only")
     parser.add_argument("--steps", type=int, default=6)

@@ -5,6 +5,11 @@ backward from the stage's outputs: the last stage's loss (scaled by 1/num_microb
 send tokens of an inner stage, whose backward receives the gradient from the next stage.
 When the schedule splits backward (zero bubble), B computes activation gradients only and W the
 weight gradients, from what :func:`autopar.passes.weight_grad_split.expose_weight_uses` exposed.
+A stage that sends no gradient upstream (the first stage: its inputs are tokens) gains nothing
+from the split: nobody waits for its B. There B only keeps the microbatch's outputs and W runs
+the whole backward in one autograd call, as torch.distributed.pipelining does for stage 0, which
+saves the split's second walk of the graph and its per-use bookkeeping; since the work moves
+later, never earlier, no send of this rank is delayed by it.
 Only validated schedules run (the caller validates).
 """
 from __future__ import annotations
@@ -80,6 +85,11 @@ def _backward_input(stage: StageGraph, out, num_microbatches: int, channel: P2PC
     return uses, aliases, list(found[n_recv:])
 
 
+def _whole_at_w(stage: StageGraph) -> bool:
+    """Split backward where no gradient leaves the stage: W runs the whole backward (module doc)."""
+    return stage.weight_uses.num_received == 0
+
+
 def _backward_weight(stage: StageGraph, saved) -> None:
     """Split backward, W: the weight gradients of every use, from the gradients B kept at the uses.
 
@@ -110,8 +120,22 @@ def _backward_weight(stage: StageGraph, saved) -> None:
 
 
 def _accumulate(param: torch.nn.Parameter, contributions: list[tuple[int, torch.Tensor]]) -> None:
-    for _, dw in sorted(contributions, key=lambda c: c[0]):  # in use order
-        param.grad = dw if param.grad is None else param.grad + dw
+    """Add ``contributions`` to ``param.grad`` in use order.
+
+    The first gradient is taken as it is (it may be shared, e.g. one tensor for two aliases);
+    the first sum makes a tensor only this parameter holds, and later ones add into it in place
+    (the same values as a new sum, without allocating a gradient-sized tensor per microbatch).
+    """
+    for _, dw in sorted(contributions, key=lambda c: c[0]):
+        grad = param.grad
+        if grad is None:
+            param.grad = dw
+        elif getattr(grad, "_autopar_owned_sum", False):
+            grad.add_(dw)
+        else:
+            total = grad + dw
+            total._autopar_owned_sum = True
+            param.grad = total
 
 
 def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], microbatches: list[dict],
@@ -135,6 +159,8 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
             out = held.pop((action.stage, action.microbatch))
             if stage.weight_uses is None:
                 _backward(stage, out, len(microbatches))
+            elif _whole_at_w(stage):
+                saved[(action.stage, action.microbatch)] = out[:stage.weight_uses.num_primary]
             else:
                 saved[(action.stage, action.microbatch)] = _backward_input(
                     stage, out, len(microbatches), channel, action.microbatch)
@@ -143,7 +169,10 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
                 raise ScheduleError(f"action {action} computes weight gradients, but stage {action.stage} "
                                     f"was not prepared for split backward", where=f"stage {action.stage}",
                                     fix="compile with the schedule that contains W actions")
-            _backward_weight(stage, saved.pop((action.stage, action.microbatch)))
+            if _whole_at_w(stage):
+                _backward(stage, saved.pop((action.stage, action.microbatch)), len(microbatches))
+            else:
+                _backward_weight(stage, saved.pop((action.stage, action.microbatch)))
         if events is not None:
             events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                             wait_s=channel.wait_s - waited))

@@ -71,3 +71,42 @@ def test_grouped_weight_gradients_equal_one_call_per_use_and_full_backward():
         assert torch.equal(grad, per_use[name]), name
         # a group that let one use's gradient reach another's weight would count it twice
         torch.testing.assert_close(grad, reference.gm.get_parameter(name).grad, rtol=1e-6, atol=1e-6)
+
+
+def _run(stage, actions: str, x_batches):
+    from autopar.runtime.executor import run_actions
+    from autopar.runtime.p2p import P2PChannel
+    from autopar.runtime.schedules.action import Action
+    parsed = tuple(Action(int(a[0]), a[1], int(a[2:])) for a in actions.split())
+    channel = P2PChannel(rank=0, stage_to_rank={0: 0})
+    run_actions(parsed, stages={0: stage}, microbatches=[{"x": x} for x in x_batches], channel=channel, train=True)
+
+
+def test_stage_sending_no_gradient_upstream_runs_whole_backward_at_w():
+    """The first stage's B has nobody waiting for it: B only keeps the outputs, W runs the whole backward."""
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    reference = _stage()
+    for x in xs:
+        (reference.gm(x)[0] / len(xs)).backward()
+    stage = expose_weight_uses(_stage())
+    assert stage.weight_uses.num_received == 0
+    _run(stage, "0F0 0F1 0F2 0B0 0B1 0B2", xs)
+    assert all(stage.gm.get_parameter(n).grad is None for n in NAMES)  # B computed nothing
+    stage = expose_weight_uses(_stage())
+    _run(stage, "0F0 0F1 0B0 0W0 0F2 0B1 0B2 0W1 0W2", xs)
+    for name in NAMES:
+        torch.testing.assert_close(stage.gm.get_parameter(name).grad, reference.gm.get_parameter(name).grad,
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_weight_gradients_of_several_microbatches_add_in_place_into_one_owned_sum():
+    """W's sums equal a fresh sum per microbatch, and a gradient shared by two parameters stays unchanged."""
+    from autopar.runtime.executor import _accumulate
+    shared = torch.ones(3)
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    _accumulate(a, [(0, shared)])
+    _accumulate(b, [(0, shared)])
+    for k in range(1, 4):
+        _accumulate(a, [(k, torch.full((3,), float(k)))])
+    assert torch.equal(a.grad, torch.full((3,), 7.0))
+    assert torch.equal(b.grad, torch.ones(3)) and torch.equal(shared, torch.ones(3))
