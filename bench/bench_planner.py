@@ -4,11 +4,14 @@ For each reference model (GPT and Llama, 8 blocks, width 256, sequence 64, globa
 and each world size (2 and 4 gloo ranks on this machine), one spawned process group:
 
 1. *Calibrate* (:mod:`autopar.planner.calibrate`): every rank, while the others do the same,
-   measures gloo all-reduce and p2p alpha/beta, then profiles the model itself: one forward and
-   backward at batch 16 and one AdamW step. The cost model's per-op overhead comes from a chain of
-   tiny ops, its matmul rate is fitted to the pass (:func:`~autopar.planner.calibrate.fit_device`), its
-   memory bandwidth to the optimizer step. That gives a :class:`~autopar.planner.cluster.Cluster`
-   for this machine and model, now.
+   measures gloo all-reduce and p2p alpha/beta and the switch time of ranks blocking on each other
+   (:func:`~autopar.planner.calibrate.measure_switch`), then profiles the model itself: forward and
+   backward at every microbatch size a configuration can have (1 to 32 samples) and one AdamW step.
+   The cost model's per-op overhead comes from a chain of tiny ops, its matmul rate is fitted to the
+   pass at 16 samples (:func:`~autopar.planner.calibrate.fit_device`) and its change with the
+   microbatch to the others (:func:`~autopar.planner.calibrate.fit_batch_efficiency`), its memory
+   bandwidth to the optimizer step. That gives a :class:`~autopar.planner.cluster.Cluster` for this
+   machine and model, now (where ranks outnumber cores, as a lone rank's figures plus the cores).
 2. *Predict*: the planner's cost model (profile of the model, computed once in the parent) gives
    each configuration's step time; the planner's own first choice (unrestricted search) joins the
    list if it is not on it.
@@ -43,19 +46,20 @@ __all__ = ["MODELS", "CONFIGS", "run", "section", "main"]
 
 BATCH = 32
 SEED = 0
-PROBE = 16  # batch of the calibration's forward and backward
+PROBE = 16  # batch of the calibration's forward and backward (the matmul rate is fitted there)
+SIZES = (1, 2, 4, 8, 16, 32)  # every microbatch a configuration of batch 32 can have: the rate at each
 MODELS = {
     "GPT": dict(name="gpt_tiny", num_layers=8, hidden=256, num_heads=8, seq_len=64),
     "Llama": dict(name="llama_tiny", num_layers=8, hidden=256, num_heads=8, num_kv_heads=8, intermediate=704,
                   seq_len=64),
 }
-# (dp, pp, tp, microbatches, schedule, zero_stage) per world size and model
+# (dp, pp, tp, microbatches, schedule, zero_stage[, virtual stages]) per world size and model
 CONFIGS = {
     2: {"GPT": [(2, 1, 1, 1, "1f1b", 0), (2, 1, 1, 1, "1f1b", 1), (1, 2, 1, 4, "1f1b", 0), (1, 2, 1, 4, "gpipe", 0),
-                (1, 2, 1, 8, "1f1b", 0), (1, 1, 2, 1, "1f1b", 0)],
+                (1, 2, 1, 8, "1f1b", 0), (1, 1, 2, 1, "1f1b", 0), (1, 2, 1, 4, "zb_v", 0, 2)],
         "Llama": [(2, 1, 1, 1, "1f1b", 0), (1, 2, 1, 4, "1f1b", 0), (1, 1, 2, 1, "1f1b", 0)]},
     4: {"GPT": [(4, 1, 1, 1, "1f1b", 0), (2, 2, 1, 4, "1f1b", 0), (1, 4, 1, 8, "1f1b", 0), (2, 1, 2, 1, "1f1b", 0),
-                (1, 2, 2, 4, "1f1b", 0), (1, 1, 4, 1, "1f1b", 0)],
+                (1, 2, 2, 4, "1f1b", 0), (1, 1, 4, 1, "1f1b", 0), (1, 4, 1, 16, "zb_v", 0, 2)],
         "Llama": [(4, 1, 1, 1, "1f1b", 0), (2, 2, 1, 4, "1f1b", 0), (2, 1, 2, 1, "1f1b", 0)]},
 }
 
@@ -82,26 +86,30 @@ def _profile(model_key: str, world: int):
 
 
 def _candidate(cfg):
+    """(dp, pp, tp, microbatches, schedule, zero_stage[, virtual stages]) as a Candidate."""
     from autopar.planner.cost_model import Candidate
-    dp, pp, tp, m, schedule, zero = cfg
-    return Candidate(dp, pp, tp, m, schedule, 1, zero, "none")
+    dp, pp, tp, m, schedule, zero, *virtual = cfg
+    return Candidate(dp, pp, tp, m, schedule, virtual[0] if virtual else 1, zero, "none")
 
 
 def _model_cluster(model_key: str, profile, base_figures: dict, world: int):
     """This machine for ``model_key``: collectives from the microbenchmarks, compute fitted to the
-    model's own forward/backward at two batch sizes and its optimizer step (every rank at once)."""
+    model's own forward/backward at every microbatch size and its optimizer step (every rank at once)."""
     from autopar.models import lm_loss
-    from autopar.planner.calibrate import calibrated_cluster, combine, fit_device, measure_model
+    from autopar.planner.calibrate import calibrated_cluster, combine, fit_batch_efficiency, fit_device, measure_model
 
     model = _build(model_key)
     x, y = _data(model_key)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    timing = measure_model(model, example_inputs=(x,), loss_fn=lm_loss, example_target=y, sizes=(PROBE,),
+    timing = measure_model(model, example_inputs=(x,), loss_fn=lm_loss, example_target=y, sizes=SIZES,
                            optimizer=opt, repeats=5)
     elements = sum(p.numel() for p in model.parameters())
     figures = dict(base_figures, memory_bandwidth=elements * 28 / timing["optimizer"])
-    figures.update(fit_device(profile, timing, memory_bandwidth=figures["memory_bandwidth"],
+    figures.update(fit_device(profile, {PROBE: timing[PROBE]}, memory_bandwidth=figures["memory_bandwidth"],
                               op_overhead_s=base_figures["op_overhead_s"]))
+    figures["batch_efficiency"] = fit_batch_efficiency(
+        profile, timing, memory_bandwidth=figures["memory_bandwidth"], op_overhead_s=base_figures["op_overhead_s"],
+        reference=PROBE)
     gathered = [None] * world
     dist.all_gather_object(gathered, figures)
     cal = combine(gathered, world)
@@ -127,13 +135,14 @@ def _body(rank: int, world: int, jobs: dict, rounds: int, steps: int):
     from autopar.models import lm_loss
     from autopar.options import CompileOptions
     from autopar.planner.auto import plan_from_estimate
-    from autopar.planner.calibrate import measure_collectives, measure_compute
+    from autopar.planner.calibrate import measure_collectives, measure_compute, measure_switch
     from autopar.planner.cost_model import CostModel
     from autopar.planner.search import search
     from autopar.planner.stage_cuts import weighted_cuts
 
     base = measure_compute()
     base.update(measure_collectives())
+    base["switch_s"] = measure_switch()
     entries, choices, calibrations, probes = [], {}, {}, {}
     for model_key, (profile, configs) in jobs.items():
         cluster, cal, probes[model_key] = _model_cluster(model_key, profile, base, world)
@@ -210,9 +219,12 @@ def section(rows: list[dict], note: str) -> str:
         "",
         "Models: GPT and Llama-style, 8 blocks, width 256, 8 heads, sequence 64, vocabulary 128, global batch 32, "
         "AdamW; gloo ranks with one thread each. Each group calibrates in its own process group, all ranks "
-        "measuring at once: all-reduce and p2p alpha/beta, per-op overhead (a chain of tiny ops), and a short "
-        "profile of each model (forward and backward at batch 16, one AdamW step) to which the cost model's "
-        "matmul rate and memory bandwidth are fitted. It then compiles every configuration from the planner's Plan and "
+        "measuring at once: all-reduce and p2p alpha/beta, per-op overhead (a chain of tiny ops), the CPU time an "
+        "action costs when ranks block on each other on shared cores (`measure_switch`), and a short profile of "
+        "each model (forward and backward at 1 to 32 samples, one AdamW step) to which the cost model's matmul "
+        "rate, its change with the microbatch size and the memory bandwidth are fitted; 4 ranks on 2 cores are "
+        "modelled as lone ranks sharing the cores (pipelines simulated with processor sharing, "
+        "`runtime/schedules/shared_cores.py`). It then compiles every configuration from the planner's Plan and "
         "times it in alternating rounds; each round re-runs that profile and scales that round's "
         "prediction by it (load drift). "
         "`predicted` is the cost model's step time (pipeline simulated), `measured` the median wall time of a "
@@ -237,7 +249,14 @@ def section(rows: list[dict], note: str) -> str:
     lines += ["", f"Calibration of the first group: matmul {cal['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, "
                   f"memory {cal['memory_bandwidth'] / 1e9:.2f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} µs per op, "
                   f"all-reduce alpha {cal['allreduce_latency_s'] * 1e6:.0f} µs, beta "
-                  f"{cal['allreduce_bandwidth'] / 1e9:.2f} GB/s, p2p alpha {cal['p2p_latency_s'] * 1e6:.0f} µs."]
+                  f"{cal['allreduce_bandwidth'] / 1e9:.2f} GB/s, p2p alpha {cal['p2p_latency_s'] * 1e6:.0f} µs; "
+                  "rate factor by samples per microbatch " + ", ".join(f"{b}: {f:.2f}" for b, f in cal["batch_efficiency"])
+                  + "."]
+    shared = [r for r in rows if r["calibration"].get("cores") and r["world"] > r["calibration"]["cores"]]
+    if shared:
+        cal = shared[0]["calibration"]
+        lines += ["", f"On {shared[0]['world']} ranks ({cal['cores']} cores): switch time "
+                      f"{cal['switch_s'] * 1e3:.2f} ms of CPU per pipeline action."]
     return "\n".join(lines)
 
 

@@ -166,22 +166,21 @@ def run(*, schedules=tuple(PEERS), **timing) -> list[dict]:
 
 
 #: what a profile of both contenders showed (cProfile, every rank; see docs/benchmarks.md)
-NOTES = """Reading it: the CPU ratio is the steadier gauge (the wall ratio's per-round quartiles straddle 1 on
-every schedule). In the run above (a quiet machine, 16 alternating rounds) autopar's CPU per step is within
-2% of the peer's on gpipe, 1f1b, interleaved 1F1B and ZB-H1, below it on looped BFS, and 5% above it on ZB-V;
-an earlier 6-round run of the same code on the same day gave 0.98, 1.03, 1.02, 1.05, 0.98 and 1.02, so
-differences of 1-3% here are run-to-run noise, not a cost of either side. Two costs autopar had over the peer
-were found with cProfile (zb_h1, 4 steps, rank 0) and cut: (1) the non-finite check after backward ran
-`torch.isfinite(g).all()` on each of the rank's 50 gradients, 13 ms per step on one core; it is now one sum per
-gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made one `autograd.grad` per
-weight use (50 per microbatch on rank 0); it now makes one per level of uses that do not feed each other (25),
-which saves about 45 us of engine overhead per call, some 3% of a W's 44 ms (`passes/weight_grad_split.py`,
-`runtime/executor.py`): W's time is its weight-gradient matmuls. A profile of 1f1b (both contenders, every
-rank) shows the same forward and backward kernels and the same waits, and autopar's own Python per action well
-under a millisecond. ZB-V is not a like-for-like comparison: the peer's last loss differs from autopar's (and
-from one-device training, which autopar's zb_v matches in tests/runtime/test_schedule_execution.py), because
-torch's ScheduleZBVZeroBubble with the tied embedding and head on both of rank 0's stages computes a different
-gradient from step 2 on; where autopar's remaining 5% there goes has not been found."""
+NOTES = """Reading it: the CPU ratio is the steadier gauge (the wall ratio's per-round quartiles straddle 1).
+Runs of the same code on the same quiet machine differ by 1-3% per schedule, so ratios within that of
+1 are parity, not a cost of either side. Costs autopar had over the peer, found with cProfile
+(`python bench/profile_step.py schedules --schedule zb_v`, every rank) and cut: (1) the non-finite check
+after backward ran `torch.isfinite(g).all()` on each of the rank's 50 gradients, 13 ms per step on one core;
+it is now one sum per gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made
+one `autograd.grad` per weight use (50 per microbatch on rank 0); it now makes one per level of uses that do
+not feed each other (25). (3) The first stage split its backward like every other, though nobody waits for
+its B (its inputs are tokens): autopar's ZB-V and ZB-H1 now run that stage's whole backward at W in one
+autograd call, as the peer does, and W adds a later microbatch's weight gradient in place
+(`runtime/executor.py`). With (3), a profile of ZB-V shows both contenders spending the same time in the
+autograd engine and in the forward kernels per rank. ZB-V is still not a like-for-like comparison: the
+peer's last loss differs from autopar's (and from one-device training, which autopar's zb_v matches in
+tests/runtime/test_schedule_execution.py), because torch's ScheduleZBVZeroBubble with the tied embedding
+and head on both of rank 0's stages computes a different gradient from step 2 on."""
 
 
 def section(rows: list[dict]) -> str:

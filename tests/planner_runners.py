@@ -58,4 +58,18 @@ def auto_run(case, mesh) -> dict:
             "table": program.planner.table()}
 
 
-__all__ = ["rebalance_run", "auto_run", "torch"]
+def calibration_run(case, mesh) -> dict:
+    """Every rank measures at once, as calibrate() does: compute, collectives and the switch time."""
+    import torch.distributed as dist
+
+    from autopar.planner.calibrate import calibrated_cluster, combine, measure_collectives, measure_compute, measure_switch
+
+    figures = measure_compute(repeats=2)
+    figures.update(measure_collectives(repeats=2, sizes=(2**12, 2**20)))
+    figures["switch_s"] = measure_switch(actions=8, repeats=2, action_s=0.005)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, figures)
+    return {"figures": gathered, "cluster": calibrated_cluster(combine(gathered, len(gathered)))}
+
+
+__all__ = ["rebalance_run", "auto_run", "calibration_run", "torch"]

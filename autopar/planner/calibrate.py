@@ -5,6 +5,11 @@ What the cost model needs, measured rather than looked up:
 - :func:`measure_compute`: matmul FLOP/s (fp32, one process, at transformer-like shapes), memory
   bandwidth (a large elementwise op) and the overhead of one graph op in forward and backward
   (a chain of tiny ops under autograd); each the median of a few repeats;
+- :func:`measure_model` and :func:`fit_device` / :func:`fit_batch_efficiency`: the model's own
+  forward and backward at a few batch sizes, to which the matmul rate and its change with the
+  microbatch size are fitted;
+- :func:`measure_switch` (every rank at once): the CPU time an action costs beyond its compute when
+  ranks block on each other between actions (on shared cores, a resumed rank's caches are cold);
 - :func:`measure_collectives` (every rank of a process group calls it): all-reduce latency and
   bandwidth fitted to the ring model ``2(n-1)·alpha + 2(n-1)/n·bytes/beta`` over a few sizes, and
   point-to-point ``alpha + bytes/beta`` from a ping-pong between ranks 0 and 1.
@@ -31,8 +36,8 @@ import torch.distributed as dist
 
 from autopar.planner.cluster import Cluster, Link, get_cluster
 
-__all__ = ["Calibration", "measure_compute", "measure_collectives", "measure_model", "fit_device",
-           "calibrated_cluster", "calibrate", "combine"]
+__all__ = ["Calibration", "measure_compute", "measure_collectives", "measure_model", "fit_device", "fit_batch_efficiency",
+           "measure_switch", "calibrated_cluster", "calibrate", "combine"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class Calibration:
     p2p_latency_s: float
     p2p_bandwidth: float
     world_size: int = 1
+    batch_efficiency: tuple[tuple[int, float], ...] = ()  # (samples, rate factor), from the model's own profile
+    cores: int | None = None  # CPU cores the ranks shared while measuring (None: a device each)
+    switch_s: float = 0.0  # CPU seconds per action when ranks block on each other (measure_switch)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,7 +90,8 @@ def measure_compute(*, repeats: int = 5, shape: tuple[int, int, int] = (512, 256
         z.sum().backward()
 
     t = _median_time(ops, repeats)
-    return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "op_overhead_s": t / (2 * chain)}
+    return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "op_overhead_s": t / (2 * chain),
+            "cores": None if torch.cuda.is_available() else os.cpu_count()}
 
 
 def measure_model(model, *, example_inputs: tuple, loss_fn, example_target, sizes=(1, 8), repeats: int = 3,
@@ -126,6 +135,22 @@ def fit_device(profile, timings: dict, *, memory_bandwidth: float, op_overhead_s
     compute = per_sample / 3 - written / memory_bandwidth
     rate = flops / compute if compute > 0 else flops / (per_sample / 3)
     return {"op_overhead_s": op_overhead_s, "matmul_flops": rate}
+
+
+def fit_batch_efficiency(profile, timings: dict, *, memory_bandwidth: float, op_overhead_s: float,
+                         reference: int | None = None) -> tuple[tuple[int, float], ...]:
+    """How the matmul rate changes with the microbatch: ``(samples, rate / rate at reference)`` for
+    every batch size in ``timings`` (:func:`measure_model` at several sizes), the rate at each size
+    fitted as :func:`fit_device` fits it at one. ``reference`` (default: the largest size) is the
+    size whose rate the device's ``flops`` hold. On a CPU small microbatches run below the large ones'
+    rate (a microbatch of 2 sequences of 64 tokens about 10% below one of 16) and very large ones
+    fall out of cache, so a schedule with many microbatches pays more than its FLOPs say.
+    """
+    sizes = sorted(b for b in timings if isinstance(b, int))
+    reference = sizes[-1] if reference is None else reference
+    rates = {b: fit_device(profile, {b: timings[b]}, memory_bandwidth=memory_bandwidth,
+                           op_overhead_s=op_overhead_s)["matmul_flops"] for b in sizes}
+    return tuple((b, rates[b] / rates[reference]) for b in sizes)
 
 
 def _fit(sizes, times, factor) -> tuple[float, float]:
@@ -175,17 +200,76 @@ def measure_collectives(*, group=None, repeats: int = 3, sizes=(2**12, 2**18, 2*
     return out
 
 
+def measure_switch(*, group=None, action_s: float = 0.01, working_set_bytes: int = 4 * 2**20, actions: int = 30,
+                   repeats: int = 3) -> float:
+    """CPU seconds one action costs beyond its compute when ranks block on each other between actions
+    (collective: every rank calls it at once).
+
+    Every rank runs ``actions`` matmul "actions" on a working set of ``working_set_bytes`` (a stage's
+    weights), first back to back, then passing a token round the ring after each one, so that each
+    rank blocks and resumes as pipeline ranks do. Where ranks outnumber cores, a rank that resumes
+    finds its caches filled by the ranks that ran meanwhile; the extra CPU time per action
+    (mean over ranks, at least 0) is what :class:`~autopar.planner.cluster.Cluster`'s
+    ``shared_core_switch_s`` charges each pipeline action there.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    side = int((working_set_bytes / 4) ** 0.5)
+    weight, x = torch.randn(side, side), torch.randn(256, side)
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        x @ weight
+        calls += 1
+    reps = max(1, round(action_s / (0.2 / calls)))
+    token, inbox = torch.zeros(256), torch.zeros(256)
+    peers = (dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world,
+             dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world)
+
+    def run(exchange: bool) -> float:
+        dist.barrier(group=group)
+        c0 = time.process_time()
+        for _ in range(actions):
+            for _ in range(reps):
+                x @ weight
+            if exchange and world > 1:
+                sent = dist.isend(token, peers[0], group=group)
+                dist.irecv(inbox, peers[1], group=group).wait()
+                sent.wait()
+        return time.process_time() - c0
+
+    plain, passing = [], []
+    for _ in range(repeats):
+        plain.append(run(False))
+        passing.append(run(True))
+    extra = torch.tensor([(statistics.median(passing) - statistics.median(plain)) / actions], dtype=torch.float64)
+    dist.all_reduce(extra, group=group)
+    return max(0.0, float(extra) / world)
+
+
 def calibrated_cluster(cal: Calibration, *, base: Cluster | str = "cpu-2core") -> Cluster:
-    """``base`` with this machine's measured device and links (contention already in the figures)."""
+    """``base`` with this machine's measured device and links.
+
+    Every rank measured compute while the others did the same. Where more ranks than cores did so
+    (CPU processes, ``k = world_size / cores``), each saw a ``k``-th of a core: the device is
+    given the figures of a rank alone on its core (rate and bandwidth times ``k``, per-op overhead
+    over ``k``) and the cluster its ``cores_per_node``, so that the cost model charges the sharing
+    itself where ranks are busy together and not where a rank waits in a pipeline bubble and
+    lends its core (:func:`autopar.planner.cost_model.CostModel.estimate`); there each pipeline action
+    also costs the measured ``switch_s`` (:func:`measure_switch`).
+    """
     base = get_cluster(base)
+    shared = cal.cores is not None and cal.world_size > cal.cores
+    k = cal.world_size / cal.cores if shared else 1.0
     device = base.device.model_copy(update={"name": f"{base.device.name} (calibrated)",
-                                            "flops": {"fp32": cal.matmul_flops, "bf16": cal.matmul_flops / 3},
-                                            "efficiency": 1.0, "memory_bandwidth": cal.memory_bandwidth,
-                                            "op_overhead_s": cal.op_overhead_s})
+                                            "flops": {"fp32": cal.matmul_flops * k, "bf16": cal.matmul_flops * k / 3},
+                                            "efficiency": 1.0, "memory_bandwidth": cal.memory_bandwidth * k,
+                                            "op_overhead_s": cal.op_overhead_s / k,
+                                            "batch_efficiency": tuple(cal.batch_efficiency)})
     link = Link(latency_s=cal.allreduce_latency_s, bandwidth=cal.allreduce_bandwidth)
     p2p = Link(latency_s=cal.p2p_latency_s, bandwidth=cal.p2p_bandwidth)
     return base.model_copy(update={"name": f"{base.name}-calibrated", "device": device, "intra": link,
-                                   "inter": link, "p2p": p2p, "cores_per_node": None}).for_world(cal.world_size)
+                                   "inter": link, "p2p": p2p, "cores_per_node": cal.cores if shared else None,
+                                   "shared_core_switch_s": cal.switch_s if shared else 0.0}
+                           ).for_world(cal.world_size)
 
 
 def _free_port() -> int:
@@ -201,6 +285,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     try:
         figures = measure_compute()
         figures.update(measure_collectives())
+        figures["switch_s"] = measure_switch()
         gathered = [None] * world
         dist.all_gather_object(gathered, figures)
         if rank == 0:
@@ -231,7 +316,12 @@ def combine(per_rank: list[dict], world_size: int) -> Calibration:
     """One Calibration from every rank's figures (medians; the slowest collective)."""
     def med(key):
         return statistics.median(f[key] for f in per_rank)
-    return Calibration(matmul_flops=med("matmul_flops"), memory_bandwidth=med("memory_bandwidth"),
+    tables = [dict(f["batch_efficiency"]) for f in per_rank if f.get("batch_efficiency")]
+    sizes = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
+    efficiency = tuple((b, statistics.median(t[b] for t in tables)) for b in sizes)
+    cores = [f.get("cores") for f in per_rank]
+    return Calibration(batch_efficiency=efficiency, cores=cores[0] if len(set(cores)) == 1 else None,
+                       switch_s=statistics.median(f.get("switch_s", 0.0) for f in per_rank), matmul_flops=med("matmul_flops"), memory_bandwidth=med("memory_bandwidth"),
                        op_overhead_s=med("op_overhead_s"), allreduce_latency_s=med("allreduce_latency_s"),
                        allreduce_bandwidth=med("allreduce_bandwidth"), p2p_latency_s=med("p2p_latency_s"),
                        p2p_bandwidth=med("p2p_bandwidth"), world_size=world_size)

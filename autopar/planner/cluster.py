@@ -17,6 +17,7 @@ gloo processes sharing 2 cores). Describe your own with ``Cluster(...)`` or edit
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -76,11 +77,33 @@ class Device(_Frozen):
     memory_gb: float = Field(gt=0)
     memory_bandwidth: float = Field(gt=0)  # bytes/s, for memory-bound ops and the optimizer step
     op_overhead_s: float = Field(5e-6, ge=0)  # per graph op in forward (kernel launch, Python dispatch)
+    # (samples per microbatch, factor on the matmul rate): how the rate changes with the microbatch,
+    # measured for the model being planned (calibrate.fit_batch_efficiency); empty: the same at every size
+    batch_efficiency: tuple[tuple[int, float], ...] = ()
 
-    def matmul_rate(self, precision: str) -> float:
-        """FLOP/s training reaches at ``precision``."""
+    def matmul_rate(self, precision: str, samples: int | None = None) -> float:
+        """FLOP/s training reaches at ``precision`` (with ``samples`` per microbatch, if measured)."""
         peak = self.flops.get(precision) or self.flops.get("fp32") or next(iter(self.flops.values()))
-        return peak * self.efficiency
+        return peak * self.efficiency * (self.rate_factor(samples) if samples is not None else 1.0)
+
+    def rate_factor(self, samples: int) -> float:
+        """``batch_efficiency`` at ``samples``: linear in log2(samples) between measured sizes, the
+        nearest measured size's factor outside them, 1 without a table.
+
+        >>> d = CPU_CORE.model_copy(update={"batch_efficiency": ((2, 0.8), (8, 1.0))})
+        >>> d.rate_factor(4), d.rate_factor(1), d.rate_factor(64)
+        (0.9, 0.8, 1.0)
+        """
+        table = sorted(self.batch_efficiency)
+        if not table:
+            return 1.0
+        if samples <= table[0][0]:
+            return table[0][1]
+        for (b0, f0), (b1, f1) in zip(table, table[1:]):
+            if samples <= b1:
+                w = (math.log2(samples) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                return f0 + w * (f1 - f0)
+        return table[-1][1]
 
 
 class NodeGroup(_Frozen):
@@ -102,6 +125,9 @@ class Cluster(_Frozen):
     inter: Link  # between nodes (per device)
     p2p: Link | None = None  # pipeline sends, when measured apart from the collectives (calibration)
     cores_per_node: int | None = Field(None, ge=1)  # CPU processes: more ranks than cores share them
+    # CPU seconds each pipeline action costs beyond its compute where ranks outnumber cores (a rank
+    # resuming after a wait finds its caches refilled by others; calibrate.measure_switch)
+    shared_core_switch_s: float = Field(0.0, ge=0)
     memory_reserve: float = Field(0.1, ge=0, lt=1)  # share of device memory kept free (allocator, workspace)
     dp_overlap: float = Field(0.0, ge=0, le=1)  # share of the dp gradient reduction hidden behind backward
 
@@ -179,7 +205,8 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "h100-80g-8x": Cluster(name="h100-80g-8x", devices_per_node=8, device=H100_80G, intra=_NVLINK4, inter=_NDR,
                            dp_overlap=0.7),
     "cpu-2core": Cluster(name="cpu-2core", devices_per_node=8, device=CPU_CORE, intra=_LOOPBACK,
-                         inter=_LOOPBACK, cores_per_node=2, memory_reserve=0.0),
+                         inter=_LOOPBACK, cores_per_node=2, memory_reserve=0.0,
+                         shared_core_switch_s=1.5e-3),  # calibrate.measure_switch, 4 ranks on 2 cores: 1.7 ms
 }
 
 

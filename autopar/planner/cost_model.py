@@ -1,7 +1,8 @@
 """The cost model: step time and memory per rank of one candidate plan, from the model profile.
 
 Time, per chunk and microbatch of ``b`` samples, on a device of matmul rate ``R`` (peak x
-efficiency), memory bandwidth ``BW`` and per-op overhead ``o``:
+efficiency x the measured factor at ``b`` samples, :meth:`Device.rate_factor`: small microbatches
+run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op overhead ``o``:
 
 - forward ``F = flops·b/R + bytes·b/BW + ops·o`` (+ the forward collectives);
 - backward twice the forward compute, split evenly into the input-gradient part ``B`` (with the
@@ -14,7 +15,11 @@ efficiency), memory bandwidth ``BW`` and per-op overhead ``o``:
 - data parallelism: the gradient all-reduce (ZeRO-0), reduce + broadcast (ZeRO-1/2), or a
   gather in forward and backward plus a reduce-scatter per microbatch (ZeRO-3), of which the
   cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3);
-- the optimizer step: every element the rank steps read and written once (memory bound).
+- ranks sharing cores (CPU processes, ``k`` ranks per core): the pipeline simulated with processor
+  sharing (:mod:`autopar.runtime.schedules.shared_cores`: a rank waiting lends its core), each
+  action costing the cluster's ``shared_core_switch_s`` more;
+- the optimizer step: every element the rank steps read and written once (memory bound; all ranks
+  of a node at once where they share cores).
 
 Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
 (the memory calculator's formulas, by ZeRO stage and precision) plus activations: the bytes a
@@ -34,6 +39,7 @@ from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.profile import ChunkCost, ModelProfile
 from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
 __all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of", "SPLIT_BACKWARD"]
@@ -138,7 +144,7 @@ def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recomput
 def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: Cluster, precision: str,
                 recompute: str, contention: float = 1.0) -> tuple[float, float, float]:
     """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``."""
-    rate = device.matmul_rate(precision) / contention
+    rate = device.matmul_rate(precision, samples=b) / contention
     matmul = chunk.flops * b / rate
     memory = chunk.bytes_written * b / device.memory_bandwidth * contention
     ops = chunk.ops * device.op_overhead_s * contention
@@ -317,10 +323,9 @@ class CostModel:
         busiest = max(range(c.pp), key=lambda q: per_rank[q])
         compute = per_rank[busiest] * c.num_microbatches
         if k > 1 and c.pp > 1:
-            # ranks share cores (CPU processes): a rank waiting in a bubble lends its core to the others,
-            # so the step is the larger of the critical path at a lone rank's speed and the node's
-            # total work spread over its cores (which, in contended seconds, is the mean rank's work)
-            pipeline = max(critical_path(k), sum(per_rank) / c.pp * c.num_microbatches)
+            # ranks share cores (CPU processes): a rank waiting in a bubble lends its core to the
+            # others, and each action costs the cluster's switch time (caches refilled after a wait)
+            pipeline = self._shared_core_pipeline(c, fwd, bwd, wgt, p2p, per_rank, simulated, critical_path)
             compute = min(compute, pipeline)
         else:
             pipeline = critical_path(1.0)
@@ -331,6 +336,26 @@ class CostModel:
                                "bubble": max(0.0, pipeline - compute), "p2p": p2p, "dp_comm": dp_time,
                                "optimizer": opt_time},
                         memory=memory, memory_parts=parts, capacity=capacity)
+
+    def _shared_core_pipeline(self, c: Candidate, fwd, bwd, wgt, p2p, per_rank, simulated, critical_path) -> float:
+        """The pipeline's step where its ranks share cores (contention ``k`` > 1), in seconds.
+
+        Simulated: :func:`~autopar.runtime.schedules.shared_cores.simulate_shared_cores` on lone-rank
+        costs (the contended ones over ``k``) plus the switch time per action, with the pipeline's
+        ``pp / k`` cores. For ranking: the larger of the critical path at a lone rank's speed and
+        the mean rank's work with its switches (all of a node's work spread over its cores).
+        """
+        k, switch = self._contention(c), self.cluster.shared_core_switch_s
+        split = c.schedule in SPLIT_BACKWARD
+        if simulated:
+            full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
+                                  num_virtual=c.num_virtual)
+            costs = StageCosts(forward=[x / k + switch for x in fwd], backward=[x / k + switch for x in bwd],
+                               weight=[x / k + (switch if split else 0.0) for x in wgt], p2p=p2p)
+            return simulate_shared_cores(full, costs=costs, cores=c.pp / k)
+        actions = c.num_microbatches * c.num_virtual * (3 if split else 2)  # per rank
+        mean = sum(per_rank) / c.pp * c.num_microbatches + actions * switch * k
+        return max(critical_path(k), mean)
 
     def _ranks(self, c: Candidate, ranges, owner, counts, schedule):
         """(exposed dp communication, optimizer step, (memory, parts, capacity) of the most over-full pp rank)."""
@@ -346,7 +371,8 @@ class CostModel:
                 dp_time = max(dp_time, self._zero3_comm(c, [ranges[s] for s in mine], dp_link, devices[q]))
             else:
                 dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster))
-            opt_time = max(opt_time, stepped * _OPT_BYTES[self.optimizer] / devices[q].memory_bandwidth)
+            opt_time = max(opt_time, stepped * _OPT_BYTES[self.optimizer] / devices[q].memory_bandwidth
+                           * self._contention(c))  # every rank steps at once
             t = self.table(c.tp, b, c.recompute, devices[q], self._contention(c))
             per_stage = {s: t[ranges[s][1]][4] - t[ranges[s][0]][4] for s in mine}
             if c.num_virtual == 1:

@@ -6,6 +6,7 @@ One spawned group of 2 gloo ranks runs every case (start-up costs seconds):
   and the head on the second) is re-split during training; the proposal must be the split autopar
   balances by cost, the weights and the SGD momentum move with their stages, and the losses and
   final weights equal single-device training;
+- every rank calibrates at once (compute, collectives, the switch time of ranks blocking on each other);
 - ``compile(model, None, plan="auto")`` (the planner picks the degrees, the schedule, ZeRO and
   recomputation, and builds the mesh) trains exactly like one device.
 """
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.dist
 REBALANCE = Case(model="gpt_tiny", mesh=(1, 2, 1), steps=6, overrides=(("num_layers", 6), ("hidden", 128)),
                  kind="planner_runners:rebalance_run",
                  extra=(("bad_starts", ("blocks.1",)), ("switch_at", 4), ("m", 2)))
+CALIBRATION = Case(model="gpt_tiny", mesh=(2, 1, 1), steps=1, kind="planner_runners:calibration_run")
 CASES = [
     REBALANCE,
+    CALIBRATION,
     Case(model="llama_tiny", mesh=(2, 1, 1), steps=3, kind="planner_runners:auto_run", extra=(("no_mesh", True),)),
 ]
 
@@ -55,9 +58,21 @@ def test_rebalance_proposes_the_balanced_split_and_trains_like_one_device(result
     assert_equivalent(REBALANCE, result, reference_run(REBALANCE))
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: c.name())
+@pytest.mark.parametrize("case", CASES[2:], ids=lambda c: c.name())
 def test_compile_with_plan_auto_trains_like_one_device(results, case):
     result = results[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
     assert "est. s/step" in result["table"]
     assert_equivalent(case, result, reference_run(case))
+
+
+def test_calibration_measures_every_figure_on_every_rank(results):
+    result = results[CALIBRATION]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    for figures in result["figures"]:
+        assert figures["switch_s"] >= 0 and figures["switch_s"] < 0.05
+        assert all(figures[k] > 0 for k in ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "p2p_bandwidth"))
+    cluster = result["cluster"]
+    import os
+    if (os.cpu_count() or 1) >= 2:  # two ranks on two cores or more: no sharing to model
+        assert cluster.cores_per_node is None and cluster.shared_core_switch_s == 0.0
