@@ -241,10 +241,13 @@ def section(rows: list[dict], note: str) -> str:
     for (world, model), group in _groups(rows):
         best = min(group, key=lambda r: r["measured"])
         pick = min(group, key=lambda r: r["predicted"])
+        chosen = next((r for r in group if r["planner_choice"]), None)
+        unrestricted = (f"{chosen['label']}, measured {chosen['measured']:.3f} s "
+                        f"({chosen['measured'] / best['measured'] - 1:+.1%})" if chosen else group[0]["choice"])
         lines.append(f"- {world} ranks, {model}: the planner's first choice among these, {pick['label']}, measured "
                      f"{pick['measured']:.3f} s, {pick['measured'] / best['measured'] - 1:+.1%} from the best "
                      f"measured ({best['label']}, {best['measured']:.3f} s); its unrestricted first choice was "
-                     f"{group[0]['choice']}.")
+                     f"{unrestricted}.")
     cal = rows[0]["calibration"]
     lines += ["", f"Calibration of the first group: matmul {cal['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, "
                   f"memory {cal['memory_bandwidth'] / 1e9:.2f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} µs per op, "

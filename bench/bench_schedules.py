@@ -167,8 +167,9 @@ def run(*, schedules=tuple(PEERS), **timing) -> list[dict]:
 
 #: what a profile of both contenders showed (cProfile, every rank; see docs/benchmarks.md)
 NOTES = """Reading it: the CPU ratio is the steadier gauge (the wall ratio's per-round quartiles straddle 1).
-Runs of the same code on the same quiet machine differ by 1-3% per schedule, so ratios within that of
-1 are parity, not a cost of either side. Costs autopar had over the peer, found with cProfile
+Runs of the same code on the same quiet machine differ by up to 5% per schedule (1f1b's CPU ratio was
+1.010 in one 16-round run and 1.056 in the next), so ratios within that of 1 are parity, not a cost of
+either side. Costs autopar had over the peer, found with cProfile
 (`python bench/profile_step.py schedules --schedule zb_v`, every rank) and cut: (1) the non-finite check
 after backward ran `torch.isfinite(g).all()` on each of the rank's 50 gradients, 13 ms per step on one core;
 it is now one sum per gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made
@@ -176,8 +177,11 @@ one `autograd.grad` per weight use (50 per microbatch on rank 0); it now makes o
 not feed each other (25). (3) The first stage split its backward like every other, though nobody waits for
 its B (its inputs are tokens): autopar's ZB-V and ZB-H1 now run that stage's whole backward at W in one
 autograd call, as the peer does, and W adds a later microbatch's weight gradient in place
-(`runtime/executor.py`). With (3), a profile of ZB-V shows both contenders spending the same time in the
-autograd engine and in the forward kernels per rank. ZB-V is still not a like-for-like comparison: the
+(`runtime/executor.py`). With (3), a profile of ZB-V shows both contenders making the same kernel calls
+(same counts of mm, addmm, attention and GELU per rank, torch.profiler) and spending the same time in the
+autograd engine; the same kernels' times swing by 10-15% between two windows a few seconds apart on this
+virtual machine (autopar's ahead in one window, the peer's in the next), which is the run-to-run noise of
+the table. ZB-V is still not a like-for-like comparison: the
 peer's last loss differs from autopar's (and from one-device training, which autopar's zb_v matches in
 tests/runtime/test_schedule_execution.py), because torch's ScheduleZBVZeroBubble with the tied embedding
 and head on both of rank 0's stages computes a different gradient from step 2 on."""
