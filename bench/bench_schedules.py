@@ -177,11 +177,14 @@ one `autograd.grad` per weight use (50 per microbatch on rank 0); it now makes o
 not feed each other (25). (3) The first stage split its backward like every other, though nobody waits for
 its B (its inputs are tokens): autopar's ZB-V and ZB-H1 now run that stage's whole backward at W in one
 autograd call, as the peer does, and W adds a later microbatch's weight gradient in place
-(`runtime/executor.py`). With (3), a profile of ZB-V shows both contenders making the same kernel calls
-(same counts of mm, addmm, attention and GELU per rank, torch.profiler) and spending the same time in the
-autograd engine; the same kernels' times swing by 10-15% between two windows a few seconds apart on this
-virtual machine (autopar's ahead in one window, the peer's in the next), which is the run-to-run noise of
-the table. ZB-V is still not a like-for-like comparison: the
+(`runtime/executor.py`). (4) W left a linear's weight gradient transposed (the layout autograd returns
+for `t(weight)`), so AdamW, the non-finite check and the gradient collectives read it strided; W now
+copies a gradient of another layout into the parameter's, as autograd's own accumulation does (AdamW's
+ops per step 2.9 ms -> 1.6 ms on rank 0, the peer's 1.4 ms). With these, torch.profiler shows both
+contenders making the same kernel calls (same counts of mm, addmm, attention and GELU per rank) in the
+same time; the same kernels' times swing by 10-15% between two windows a few seconds apart on this
+virtual machine (autopar's ahead in one window, the peer's in the next), which is the run-to-run noise
+of the table. ZB-V is still not a like-for-like comparison: the
 peer's last loss differs from autopar's (and from one-device training, which autopar's zb_v matches in
 tests/runtime/test_schedule_execution.py), because torch's ScheduleZBVZeroBubble with the tied embedding
 and head on both of rank 0's stages computes a different gradient from step 2 on."""

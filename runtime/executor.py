@@ -122,14 +122,21 @@ def _backward_weight(stage: StageGraph, saved) -> None:
 def _accumulate(param: torch.nn.Parameter, contributions: list[tuple[int, torch.Tensor]]) -> None:
     """Add ``contributions`` to ``param.grad`` in use order.
 
-    The first gradient is taken as it is (it may be shared, e.g. one tensor for two aliases);
-    the first sum makes a tensor only this parameter holds, and later ones add into it in place
-    (the same values as a new sum, without allocating a gradient-sized tensor per microbatch).
+    The first gradient is taken as it is when it has the parameter's layout (it may be shared,
+    e.g. one tensor for two aliases); one in another layout (a linear's weight gradient arrives
+    transposed) is copied into the parameter's, as autograd's own accumulation does, so the
+    optimizer and the gradient collectives read it contiguously. The first sum makes a tensor only
+    this parameter holds, and later ones add into it in place (the same values as a new sum,
+    without allocating a gradient-sized tensor per microbatch).
     """
     for _, dw in sorted(contributions, key=lambda c: c[0]):
         grad = param.grad
-        if grad is None:
+        if grad is None and dw.stride() == param.stride():
             param.grad = dw
+        elif grad is None:
+            total = torch.empty_like(param, memory_format=torch.preserve_format).copy_(dw)
+            total._autopar_owned_sum = True
+            param.grad = total
         elif getattr(grad, "_autopar_owned_sum", False):
             grad.add_(dw)
         else:
