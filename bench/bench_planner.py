@@ -253,8 +253,8 @@ def section(rows: list[dict], note: str) -> str:
                   f"memory {cal['memory_bandwidth'] / 1e9:.2f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} µs per op, "
                   f"all-reduce alpha {cal['allreduce_latency_s'] * 1e6:.0f} µs, beta "
                   f"{cal['allreduce_bandwidth'] / 1e9:.2f} GB/s, p2p alpha {cal['p2p_latency_s'] * 1e6:.0f} µs; "
-                  "rate factor by samples per microbatch " + ", ".join(f"{b}: {f:.2f}" for b, f in cal["batch_efficiency"])
-                  + "."]
+                  "rate factor by samples per microbatch "
+                  + ", ".join(f"{b}: {f:.2f}" for b, f in cal["batch_efficiency"]) + "."]
     shared = [r for r in rows if r["calibration"].get("cores") and r["world"] > r["calibration"]["cores"]]
     if shared:
         cal = shared[0]["calibration"]

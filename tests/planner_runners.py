@@ -62,7 +62,8 @@ def calibration_run(case, mesh) -> dict:
     """Every rank measures at once, as calibrate() does: compute, collectives and the switch time."""
     import torch.distributed as dist
 
-    from autopar.planner.calibrate import calibrated_cluster, combine, measure_collectives, measure_compute, measure_switch
+    from autopar.planner.calibrate import (calibrated_cluster, combine, measure_collectives, measure_compute,
+                                           measure_switch)
 
     figures = measure_compute(repeats=2)
     figures.update(measure_collectives(repeats=2, sizes=(2**12, 2**20)))

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from autopar.planner.cluster import Cluster, Link, get_cluster
 
-__all__ = ["Calibration", "measure_compute", "measure_collectives", "measure_model", "fit_device", "fit_batch_efficiency",
+__all__ = ["Calibration", "measure_compute", "measure_collectives", "measure_model", "fit_device",
+           "fit_batch_efficiency",
            "measure_switch", "calibrated_cluster", "calibrate", "combine"]
 
 
@@ -321,7 +322,8 @@ def combine(per_rank: list[dict], world_size: int) -> Calibration:
     efficiency = tuple((b, statistics.median(t[b] for t in tables)) for b in sizes)
     cores = [f.get("cores") for f in per_rank]
     return Calibration(batch_efficiency=efficiency, cores=cores[0] if len(set(cores)) == 1 else None,
-                       switch_s=statistics.median(f.get("switch_s", 0.0) for f in per_rank), matmul_flops=med("matmul_flops"), memory_bandwidth=med("memory_bandwidth"),
+                       switch_s=statistics.median(f.get("switch_s", 0.0) for f in per_rank),
+                       matmul_flops=med("matmul_flops"), memory_bandwidth=med("memory_bandwidth"),
                        op_overhead_s=med("op_overhead_s"), allreduce_latency_s=med("allreduce_latency_s"),
                        allreduce_bandwidth=med("allreduce_bandwidth"), p2p_latency_s=med("p2p_latency_s"),
                        p2p_bandwidth=med("p2p_bandwidth"), world_size=world_size)
