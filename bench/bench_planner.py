@@ -102,7 +102,7 @@ def _model_cluster(model_key: str, profile, base_figures: dict, world: int):
     x, y = _data(model_key)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     timing = measure_model(model, example_inputs=(x,), loss_fn=lm_loss, example_target=y, sizes=SIZES,
-                           optimizer=opt, repeats=5)
+                           optimizer=opt, repeats=5, sync=dist.barrier, min_seconds=0.8)
     elements = sum(p.numel() for p in model.parameters())
     figures = dict(base_figures, memory_bandwidth=elements * 28 / timing["optimizer"])
     figures.update(fit_device(profile, {PROBE: timing[PROBE]}, memory_bandwidth=figures["memory_bandwidth"],
@@ -122,7 +122,7 @@ def _probe(model_key: str) -> float:
     from autopar.planner.calibrate import measure_model
     x, y = _data(model_key)
     return measure_model(_build(model_key), example_inputs=(x,), loss_fn=lm_loss, example_target=y, sizes=(PROBE,),
-                         repeats=2)[PROBE]
+                         repeats=2, sync=dist.barrier, min_seconds=0.8)[PROBE]
 
 
 def _body(rank: int, world: int, jobs: dict, rounds: int, steps: int):
@@ -248,13 +248,14 @@ def section(rows: list[dict], note: str) -> str:
                      f"{pick['measured']:.3f} s, {pick['measured'] / best['measured'] - 1:+.1%} from the best "
                      f"measured ({best['label']}, {best['measured']:.3f} s); its unrestricted first choice was "
                      f"{unrestricted}.")
+    for (world, model), group in _groups(rows):
+        table = ", ".join(f"{b}: {f:.2f}" for b, f in group[0]["calibration"]["batch_efficiency"])
+        lines.append(f"- {world} ranks, {model}: matmul rate factor by samples per microbatch {table}.")
     cal = rows[0]["calibration"]
     lines += ["", f"Calibration of the first group: matmul {cal['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, "
                   f"memory {cal['memory_bandwidth'] / 1e9:.2f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} µs per op, "
                   f"all-reduce alpha {cal['allreduce_latency_s'] * 1e6:.0f} µs, beta "
-                  f"{cal['allreduce_bandwidth'] / 1e9:.2f} GB/s, p2p alpha {cal['p2p_latency_s'] * 1e6:.0f} µs; "
-                  "rate factor by samples per microbatch "
-                  + ", ".join(f"{b}: {f:.2f}" for b, f in cal["batch_efficiency"]) + "."]
+                  f"{cal['allreduce_bandwidth'] / 1e9:.2f} GB/s, p2p alpha {cal['p2p_latency_s'] * 1e6:.0f} µs."]
     shared = [r for r in rows if r["calibration"].get("cores") and r["world"] > r["calibration"]["cores"]]
     if shared:
         cal = shared[0]["calibration"]

@@ -95,21 +95,44 @@ def measure_compute(*, repeats: int = 5, shape: tuple[int, int, int] = (512, 256
             "cores": None if torch.cuda.is_available() else os.cpu_count()}
 
 
+def _mean_time(fn, repeats: int, min_seconds: float) -> float:
+    """Mean seconds of ``fn`` over at least ``repeats`` back-to-back calls lasting ``min_seconds``."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while calls < repeats or time.perf_counter() - t0 < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
 def measure_model(model, *, example_inputs: tuple, loss_fn, example_target, sizes=(1, 8), repeats: int = 3,
-                  optimizer=None) -> dict:
+                  optimizer=None, sync=None, min_seconds: float = 0.0) -> dict:
     """Seconds of one forward and backward of ``model`` at each batch size in ``sizes`` (and of one
-    optimizer step when ``optimizer`` is given): the model's own profile of this machine."""
+    optimizer step when ``optimizer`` is given): the model's own profile of this machine.
+
+    Each figure is the median of ``repeats`` calls, or with ``min_seconds`` the mean over calls
+    back to back for at least that long. Ranks that measure at once on shared cores need both
+    that and ``sync`` (e.g. ``torch.distributed.barrier``, run before each size, so that they time
+    the same size together): the operating system gives the cores to two of four ranks for a few
+    milliseconds at a time, so a short pass timed alone may run at a lone rank's speed, and small
+    sizes then come out faster than they are.
+    """
     out = {}
     for b in sizes:
+        if sync is not None:
+            sync()
         inputs = tuple(t[:b] for t in example_inputs)
         target = example_target[:b]
 
         def step():
             model.zero_grad(set_to_none=True)
             loss_fn(model(*inputs), target).backward()
-        out[b] = _median_time(step, repeats)
+        out[b] = _mean_time(step, repeats, min_seconds) if min_seconds else _median_time(step, repeats)
     if optimizer is not None:
-        out["optimizer"] = _median_time(optimizer.step, repeats)
+        if sync is not None:
+            sync()
+        out["optimizer"] = (_mean_time(optimizer.step, repeats, min_seconds) if min_seconds
+                            else _median_time(optimizer.step, repeats))
     return out
 
 

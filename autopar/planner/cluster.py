@@ -80,6 +80,9 @@ class Device(_Frozen):
     # (samples per microbatch, factor on the matmul rate): how the rate changes with the microbatch,
     # measured for the model being planned (calibrate.fit_batch_efficiency); empty: the same at every size
     batch_efficiency: tuple[tuple[int, float], ...] = ()
+    # what a backward split into B and W (zero-bubble schedules) costs beyond a whole one, as a share
+    # of it: the split walks the graph twice and re-reads each use's gradient in W
+    split_backward_overhead: float = Field(0.0, ge=0)
 
     def matmul_rate(self, precision: str, samples: int | None = None) -> float:
         """FLOP/s training reaches at ``precision`` (with ``samples`` per microbatch, if measured)."""
@@ -189,7 +192,10 @@ H100_80G = Device(name="H100-SXM5-80GB", flops={"bf16": 989e12, "fp32": 67e12}, 
                   memory_gb=80, memory_bandwidth=3.35e12, op_overhead_s=4e-6)
 #: One core of this kind of 2-core machine as one gloo process sees it (calibrate for real figures).
 CPU_CORE = Device(name="cpu-core", flops={"fp32": 25e9, "bf16": 8e9}, efficiency=1.0, memory_gb=2.5,
-                  memory_bandwidth=8e9, op_overhead_s=2.5e-5)
+                  memory_bandwidth=8e9, op_overhead_s=2.5e-5,
+                  # measured on this machine (GPT 8x256, 2 ranks): a split stage's B + W took 12-19%
+                  # longer than 1F1B's whole backward of the same blocks
+                  split_backward_overhead=0.15)
 
 _NVLINK3 = Link(latency_s=8e-6, bandwidth=230e9)  # A100 NVLink, all-reduce bus bandwidth
 _NVLINK4 = Link(latency_s=6e-6, bandwidth=360e9)

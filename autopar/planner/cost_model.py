@@ -6,7 +6,9 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
 
 - forward ``F = flops·b/R + bytes·b/BW + ops·o`` (+ the forward collectives);
 - backward twice the forward compute, split evenly into the input-gradient part ``B`` (with the
-  backward collectives) and the weight-gradient part ``W``; full recomputation adds ``F`` (and its
+  backward collectives) and the weight-gradient part ``W``; where a schedule splits them (every
+  stage but the first, which runs its backward whole), ``W`` also carries the device's
+  ``split_backward_overhead`` share of the backward; full recomputation adds ``F`` (and its
   collectives) to ``B``, selective recomputation its non-matmul part;
 - every collective by the alpha-beta model of the link it runs on (tp: inside a node);
 - the pipeline from :func:`autopar.runtime.schedules.simulator.simulate` on the per-stage
@@ -293,9 +295,12 @@ class CostModel:
         devices = self.stage_devices(c)
         out = ([], [], [], [])
         for s, (lo, hi) in enumerate(_stage_ranges(c.cuts, self.profile.num_chunks)):
-            t = self.table(c.tp, self._b(c), c.recompute, devices[schedule.stage_to_rank[s]], self._contention(c))
+            device = devices[schedule.stage_to_rank[s]]
+            t = self.table(c.tp, self._b(c), c.recompute, device, self._contention(c))
             for k in range(4):
                 out[k].append(t[hi][k] - t[lo][k])
+            if c.schedule in SPLIT_BACKWARD and s > 0:  # the first stage runs its backward whole (executor)
+                out[2][-1] += device.split_backward_overhead * (out[1][-1] + out[2][-1])
         return out
 
     def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:

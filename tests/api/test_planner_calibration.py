@@ -1,6 +1,7 @@
 """Calibration's fits and the cost model's CPU terms: microbatch-size efficiency, ranks sharing cores.
 
-Synthetic figures only (no process is timed here); ``measure_switch`` runs in tests/api/test_planner_dist.py.
+Synthetic figures (nothing is judged by a timing; one tiny ``measure_model`` call checks its protocol);
+``measure_switch`` runs in tests/api/test_planner_dist.py.
 """
 from __future__ import annotations
 
@@ -92,3 +93,28 @@ def test_calibrated_cluster_turns_shared_figures_into_a_lone_rank_and_its_cores(
     assert alone.cores_per_node is None and alone.shared_core_switch_s == 0.0
     assert alone.device.matmul_rate("fp32") == pytest.approx(1e10)
     assert Calibration(**{**cal, "batch_efficiency": ()}).world_size == 1
+
+
+def test_measure_model_syncs_before_each_size_and_times_for_at_least_min_seconds():
+    from autopar.planner.calibrate import measure_model
+    torch.manual_seed(0)
+    model = build_model("gpt_tiny", num_layers=1, seq_len=8, hidden=32, num_heads=2)
+    x = torch.randint(0, 128, (4, 8))
+    synced = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = measure_model(model, example_inputs=(x,), loss_fn=lm_loss, example_target=x, sizes=(1, 4), repeats=2,
+                        optimizer=opt, sync=lambda: synced.append(1), min_seconds=0.05)
+    assert set(out) == {1, 4, "optimizer"} and all(v > 0 for v in out.values())
+    assert len(synced) == 3  # before each size and before the optimizer step
+
+
+def test_split_backward_overhead_is_charged_to_every_split_stage_but_the_first(profile):
+    plain = CostModel(profile, _cluster(2))
+    split = CostModel(profile, _cluster(2, device=_device(split_backward_overhead=0.2)))
+    c = Candidate(1, 2, 1, 4, "zb_v", num_virtual=2)
+    c = replace(c, cuts=tuple(weighted_cuts(plain.chunk_costs(c), c.num_stages)))
+    (_, b0, w0, _), (_, b1, w1, _) = plain.stage_times(c), split.stage_times(c)
+    assert w1[0] == w0[0]  # the first stage runs its backward whole
+    assert w1[1:] == pytest.approx([w + 0.2 * (b + w) for b, w in zip(b0[1:], w0[1:])])
+    one_f_one_b = Candidate(1, 2, 1, 4, "1f1b", cuts=c.cuts[:1])
+    assert split.stage_times(one_f_one_b) == plain.stage_times(one_f_one_b)  # nothing split, nothing added
