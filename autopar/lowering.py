@@ -38,7 +38,7 @@ from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.runtime.mixed_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
 from autopar.runtime.chimera import replicate_stages
-from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
 
 __all__ = ["Lowered", "Captured", "lower", "capture_and_annotate", "shard_captured", "lower_captured", "choose_microbatches",
            "user_name"]
@@ -128,14 +128,12 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:
-    """Virtual stages per pp rank: as requested, else 2 for the looping schedules, else 1."""
-    if requested is not None:
-        return requested
-    return 2 if schedule in ("interleaved_1f1b", "looped_bfs", "zb_v") else 1
+    """Virtual stages per pp rank: as requested, else the schedule family's (runtime/schedules/registry.py)."""
+    return default_stages_per_rank(schedule, requested)
 
 
 def _splits_backward(schedule: str) -> bool:
-    return schedule in ("zb_h1", "zb_h2", "zb_v")
+    return splits_backward(schedule)
 
 
 def _slice_batch(tensors: tuple, size: int) -> tuple:

@@ -12,13 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autopar.errors import PlanError
+from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
            "SCHEDULE_NAMES", "UserModel", "plan_error_from"]
 
 MESH_AXES = ("dp", "pp", "tp")
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "chimera",
-                  "pipedream", "pipedream_2bw", "pipemare")
+SCHEDULE_NAMES = schedule_names()  # the registry's (runtime/schedules/registry.py)
 
 
 def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:

@@ -13,6 +13,7 @@ head) on the same character batches (global batch 32, 4 microbatches) with the s
 | ``looped_bfs`` | ``ScheduleLoopedBFS`` | 2 (stage s on rank s % 2) |
 | ``zb_h1`` | ``ScheduleInterleavedZeroBubble`` | 1 (torch's interleaved zero bubble, one stage per rank, is ZB-H1) |
 | ``zb_v`` | ``ScheduleZBVZeroBubble`` | 2 (rank r: stages r and 3 - r) |
+| ``dualpipev`` | ``ScheduleDualPipeV`` | 2 (rank r: stages r and 3 - r) |
 
 The tied weight's two gradients are summed with one all-reduce after the peer's backward when its
 two uses sit on different ranks (autopar does the same in its gradient sync).
@@ -43,7 +44,8 @@ BATCH, NUM_MICROBATCHES, NUM_BATCHES, SEED = 32, 4, 4, 0
 #: autopar schedule -> (torch schedule class, stages per rank)
 PEERS = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "looped_bfs": ("ScheduleLoopedBFS", 2),
-         "zb_h1": ("ScheduleInterleavedZeroBubble", 1), "zb_v": ("ScheduleZBVZeroBubble", 2)}
+         "zb_h1": ("ScheduleInterleavedZeroBubble", 1), "zb_v": ("ScheduleZBVZeroBubble", 2),
+         "dualpipev": ("ScheduleDualPipeV", 2)}
 TIMING = dict(rounds=6, steps_per_round=1, warmup=2)
 
 
@@ -203,7 +205,7 @@ def section(rows: list[dict]) -> str:
         "cost-based stage starts (column *split*). Mapping: gpipe = ScheduleGPipe, 1f1b = Schedule1F1B, "
         "interleaved_1f1b = ScheduleInterleaved1F1B, looped_bfs = ScheduleLoopedBFS (both with 2 stages "
         "per rank), zb_h1 = ScheduleInterleavedZeroBubble with one stage per rank (torch's interleaved "
-        "zero bubble at v = 1 is ZB-H1), zb_v = ScheduleZBVZeroBubble.",
+        "zero bubble at v = 1 is ZB-H1), zb_v = ScheduleZBVZeroBubble, dualpipev = ScheduleDualPipeV.",
         "",
         markdown_table(rows),
         "",

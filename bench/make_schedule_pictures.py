@@ -26,7 +26,7 @@ P, M, BATCHES = 4, 8, 3
 ASYNC = {"pipedream": pipedream, "pipedream_2bw": pipedream_2bw, "pipemare": pipemare}
 #: name -> stages per rank within one replica (the cost of a stage is 1 / that)
 SCHEDULES = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 1, "zb_h2": 1,
-             "zb_v": 2, "chimera": 1, "pipedream": 1, "pipedream_2bw": 1, "pipemare": 1}
+             "zb_v": 2, "dualpipev": 2, "chimera": 1, "pipedream": 1, "pipedream_2bw": 1, "pipemare": 1}
 
 
 def _schedule(name: str):

@@ -37,11 +37,12 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
 from autopar.passes.pipeline_split import StageGraph
+from autopar.runtime.schedules.registry import schedule_names, splits_backward
 from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
 
 __all__ = ["shard_parameters_zero3", "zero3_groups", "check_zero3", "SPLIT_BACKWARD_SCHEDULES"]
 
-SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zb_h2", "zb_v")
+SPLIT_BACKWARD_SCHEDULES = tuple(n for n in schedule_names() if splits_backward(n))
 
 
 def check_zero3(options) -> None:

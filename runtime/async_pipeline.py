@@ -63,6 +63,9 @@ class _Proxy:
         if self.replay is None or is_grad:  # a recompute does not send its activations again
             self.channel.send(tensor, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
 
+    def expect_gradient(self, shape, dtype, *, stage, edge, microbatch, my_stage) -> None:
+        """Nothing to note: this loop posts no receives ahead (runtime/executor.py does)."""
+
     def recv(self, shape, dtype, *, stage, edge, microbatch, is_grad, my_stage):
         if is_grad:
             return self.channel.recv(shape, dtype, stage=stage, edge=edge, microbatch=microbatch,

@@ -10,6 +10,9 @@ from the split: nobody waits for its B. There B only keeps the microbatch's outp
 the whole backward in one autograd call, as torch.distributed.pipelining does for stage 0, which
 saves the split's second walk of the graph and its per-use bookkeeping; since the work moves
 later, never earlier, no send of this rank is delayed by it.
+Receives are posted one action ahead: while an action computes, the activations its successor
+reads (a forward's recv nodes) and the gradients it waits for (a backward's, as its forward's
+sends noted them) are already on their way, so a transfer's latency hides under compute.
 Only validated schedules run (the caller validates).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from autopar.errors import ScheduleError
 from autopar.passes.pipeline_split import StageGraph
-from autopar.runtime.p2p import P2PChannel
+from autopar.runtime.p2p import P2PChannel, forward_receives
 from autopar.runtime.schedules.action import Action, ActionKind
 
 __all__ = ["run_actions", "ActionEvent"]
@@ -151,8 +154,11 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     held: dict[tuple[int, int], object] = {}
     saved: dict[tuple[int, int], object] = {}
     results: dict[int, object] = {}
+    receives = {s: forward_receives(stage.gm) for s, stage in stages.items()}
     start = time.perf_counter()
-    for action in actions:
+    for index, action in enumerate(actions):
+        if index + 1 < len(actions):  # the next action's transfers land while this one computes
+            _post_receives(actions[index + 1], receives=receives, channel=channel, train=train)
         channel.action = str(action)
         t0, waited = time.perf_counter(), channel.wait_s
         stage = stages[action.stage]
@@ -185,6 +191,13 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
                                             wait_s=channel.wait_s - waited))
     channel.flush()
     return results
+
+
+def _post_receives(action: Action, *, receives: dict, channel: P2PChannel, train: bool) -> None:
+    if action.kind is ActionKind.F:
+        channel.post_forward(receives[action.stage], microbatch=action.microbatch)
+    elif action.kind is ActionKind.B and train:
+        channel.post_backward(stage=action.stage, microbatch=action.microbatch)
 
 
 def _detach(out):

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
 
-__all__ = ["P2PChannel", "SendActivation", "RecvActivation", "p2p_nodes"]
+__all__ = ["P2PChannel", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 
 log = logging.getLogger(__name__)
 _MB_BITS = 12
@@ -45,6 +45,8 @@ class P2PChannel:
         self.wait_s = 0.0  # seconds spent blocked on peers' transfers so far (traces subtract it)
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._local: dict[int, torch.Tensor] = {}
+        self._posted: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (src, tag) -> irecv, buffer
+        self._gradients: dict[tuple[int, int], list[tuple]] = {}  # (stage, microbatch) -> its backward's receives
 
     def send(self, tensor: torch.Tensor, *, stage: int, edge: int, microbatch: int, is_grad: bool):
         tensor = tensor.detach().contiguous()
@@ -55,14 +57,37 @@ class P2PChannel:
             return
         self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
 
+    def post(self, shape, dtype, *, stage: int, edge: int, microbatch: int, is_grad: bool) -> None:
+        """Post the receive of a later :meth:`recv` now, so the transfer lands while this rank computes."""
+        src = self.stage_to_rank[stage]
+        key = (src, _tag(edge, microbatch, is_grad))
+        if src != self.rank and key not in self._posted:
+            buffer = torch.empty(shape, dtype=dtype)
+            self._posted[key] = (dist.irecv(buffer, src, group=self.group, tag=key[1]), buffer)
+
+    def expect_gradient(self, shape, dtype, *, stage: int, edge: int, microbatch: int, my_stage: int) -> None:
+        """Note that the backward of ``(my_stage, microbatch)`` will receive this gradient from ``stage``."""
+        self._gradients.setdefault((my_stage, microbatch), []).append((shape, dtype, stage, edge))
+
+    def post_forward(self, receives, *, microbatch: int) -> None:
+        """Post the activation receives of one forward (``receives``: :func:`forward_receives`)."""
+        for module in receives:
+            self.post(module.shape, module.dtype, stage=module.src_stage, edge=module.edge,
+                      microbatch=microbatch, is_grad=False)
+
+    def post_backward(self, *, stage: int, microbatch: int) -> None:
+        """Post the gradient receives of one backward, as its forward's sends noted them."""
+        for shape, dtype, src, edge in self._gradients.pop((stage, microbatch), ()):
+            self.post(shape, dtype, stage=src, edge=edge, microbatch=microbatch, is_grad=True)
+
     def recv(self, shape, dtype, *, stage: int, edge: int, microbatch: int, is_grad: bool,
              my_stage: int) -> torch.Tensor:
         src = self.stage_to_rank[stage]
         tag = _tag(edge, microbatch, is_grad)
         if src == self.rank:
             return self._local.pop(tag)
-        buffer = torch.empty(shape, dtype=dtype)
-        work = dist.irecv(buffer, src, group=self.group, tag=tag)
+        self.post(shape, dtype, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
+        work, buffer = self._posted.pop((src, tag))
         began = time.perf_counter()
         try:
             work.wait(self.timeout)
@@ -86,6 +111,11 @@ class P2PChannel:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self._gradients.clear()  # (a backward whose receives were not posted ahead posted them itself)
+        if self._posted:  # every posted receive is one the schedule's next action reads
+            raise RuntimeCommError(f"{len(self._posted)} posted receives were never read: "
+                                   f"{sorted(self._posted)}", where=f"rank {self.rank}, end of the step",
+                                   fix="this is a bug in autopar's executor; please report it")
 
 
 class _SendFn(torch.autograd.Function):
@@ -95,6 +125,8 @@ class _SendFn(torch.autograd.Function):
         ctx.shape, ctx.dtype = x.shape, x.dtype
         module.channel.send(x, stage=module.dst_stage, edge=module.edge, microbatch=ctx.microbatch,
                             is_grad=False)
+        module.channel.expect_gradient(x.shape, x.dtype, stage=module.dst_stage, edge=module.edge,
+                                       microbatch=ctx.microbatch, my_stage=module.src_stage)
         return x.new_zeros(())
 
     @staticmethod
@@ -174,6 +206,11 @@ class RecvActivation(_P2PNode):
 
     def meta_forward(self):
         return torch.empty(self.shape, dtype=self.dtype)
+
+
+def forward_receives(gm) -> list[RecvActivation]:
+    """The recv nodes of a stage graph: what each forward of it receives."""
+    return [m for m in (gm.get_submodule(n.target) for n in p2p_nodes(gm)) if isinstance(m, RecvActivation)]
 
 
 def p2p_nodes(gm) -> list:

@@ -94,6 +94,8 @@ SYNC_CASES = [
     _case("gpt_tiny", (2, 2, 1), "looped_bfs", 2, layers=4),
     _case("gpt_tiny", (1, 2, 2), "zb_v", 4),
     _case("llama_tiny", (2, 2, 1), "chimera", 2),
+    _case("llama_tiny", (1, 2, 1), "dualpipev", 4),
+    _case("gpt_tiny", (1, 4, 1), "dualpipev", 8, layers=6),
 ]
 #: forward-only inference through the forward_only schedule of a multi-stage placement
 INFER_CASES = [_case("llama_tiny", (1, 2, 1), "chimera", 2, kind="infer"),

@@ -9,6 +9,7 @@ from autopar.runtime.schedules.action import Action, ActionKind, Schedule
 from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
 from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.dualpipe import dualpipev
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
@@ -34,6 +35,7 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "zb_v",
+    "dualpipev",
     "chimera",
     "pipedream",
     "pipedream_2bw",

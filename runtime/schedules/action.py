@@ -100,6 +100,8 @@ class Schedule:
     ``forward_only`` schedules (inference) hold F actions only. ``staleness`` is set on the
     asynchronous schedules: the weight-version rule (a
     :class:`~autopar.runtime.schedules.staleness.StalenessRule`) their runtime follows.
+    ``overlapped[r]`` (DualPipeV) holds the indices in rank ``r``'s list of each F that forms an
+    overlapped pair with the B right after it; the pair prints as one cell, ``0F5&3B1``.
     """
 
     name: str
@@ -113,6 +115,7 @@ class Schedule:
     microbatch_replica: tuple[int, ...] = ()
     forward_only: bool = False
     staleness: object = None
+    overlapped: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
@@ -146,6 +149,27 @@ class Schedule:
         if not all(isinstance(a, Action) for row in self.actions for a in row):
             raise ScheduleError("every entry of actions must be an Action", where=f"schedule {self.name!r}")
         self._check_replicas()
+        self._check_overlapped()
+
+    def _check_overlapped(self) -> None:
+        object.__setattr__(self, "overlapped", tuple(_as_tuple_of_ints("overlapped", row) for row in self.overlapped))
+        if not self.overlapped:
+            return
+        if len(self.overlapped) != self.num_ranks:
+            raise ScheduleError(f"overlapped has {len(self.overlapped)} rows for {self.num_ranks} ranks",
+                                where=f"schedule {self.name!r}", fix="give one (possibly empty) row per rank")
+        for rank, (row, starts) in enumerate(zip(self.actions, self.overlapped)):
+            for i in starts:
+                if not (0 <= i < len(row) - 1 and row[i].kind is ActionKind.F and row[i + 1].kind is ActionKind.B
+                        and row[i].stage != row[i + 1].stage):
+                    raise ScheduleError(
+                        f"overlapped pair at index {i} of rank {rank} is not a forward followed by a backward "
+                        f"of another stage", where=f"schedule {self.name!r}, rank {rank}",
+                        fix="mark only an F whose next action is a B on the rank's other stage")
+
+    def cells(self, rank: int) -> list[str]:
+        """Rank ``rank``'s actions as printed: one cell per action, an overlapped pair as ``F&B``."""
+        return [c.strip() for c in self._marked_cells(rank, ())]
 
     def _check_replicas(self) -> None:
         if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1 \
@@ -185,26 +209,38 @@ class Schedule:
 
     def format(self, *, marks: Collection[tuple[int, int]] = ()) -> str:
         """A readable grid, one line per rank; ``marks`` holds (rank, index) cells to wrap in ``[ ]``."""
-        width = max((len(str(a)) for row in self.actions for a in row), default=3)
-        header = (
+        grid = [self._marked_cells(rank, marks) for rank in range(self.num_ranks)]
+        width = max((len(c) for row in grid for c in row), default=5)
+        label_width = len(f"rank {self.num_ranks - 1}")
+        lines = [self._header()]
+        for rank, row in enumerate(grid):
+            lines.append(f"{f'rank {rank}'.ljust(label_width)} |{''.join(c.rjust(width) for c in row).rstrip()}")
+        return "\n".join(lines)
+
+    def _marked_cells(self, rank: int, marks: Collection[tuple[int, int]]) -> list[str]:
+        """:meth:`cells` padded by a space each side, or wrapped in ``[ ]`` when one of its actions is marked."""
+        starts = set(self.overlapped[rank]) if self.overlapped else set()
+        row, out, i = self.actions[rank], [], 0
+        while i < len(row):
+            size = 2 if i in starts else 1
+            text = "&".join(str(a) for a in row[i:i + size])
+            marked = any((rank, j) in marks for j in range(i, i + size))
+            out.append(f"[{text}]" if marked else f" {text} ")
+            i += size
+        return out
+
+    def _header(self) -> str:
+        return (
             f"schedule {self.name!r}: {self.num_ranks} ranks, {self.num_stages} stages, "
             f"{self.num_microbatches} microbatches" + (", split backward" if self.split_backward else "")
             + (f", {self.num_replicas} replicas" if self.num_replicas > 1 else "")
             + (", forward only" if self.forward_only else "")
+            + (", overlapped F&B pairs" if self.overlapped else "")
         )
-        label_width = len(f"rank {self.num_ranks - 1}")
-        lines = [header]
-        for rank, row in enumerate(self.actions):
-            cells = []
-            for index, action in enumerate(row):
-                text = f"[{action}]" if (rank, index) in marks else f" {action} "
-                cells.append(text.rjust(width + 2))
-            lines.append(f"{f'rank {rank}'.ljust(label_width)} |{''.join(cells).rstrip()}")
-        return "\n".join(lines)
 
     def to_csv(self) -> str:
-        """One row per rank, one cell per action string; read back with :meth:`from_csv`."""
-        return "".join(",".join(str(a) for a in row) + "\n" for row in self.actions)
+        """One row per rank, one cell per action string (``F&B`` for an overlapped pair); see :meth:`from_csv`."""
+        return "".join(",".join(self.cells(rank)) + "\n" for rank in range(self.num_ranks))
 
     @classmethod
     def from_csv(cls, text: str, **meta: object) -> Schedule:
@@ -212,8 +248,8 @@ class Schedule:
 
         Inferred: ``num_ranks`` (rows), ``num_stages`` and ``num_microbatches`` (largest index + 1),
         ``stage_to_rank`` (the row each stage appears in), ``split_backward`` (any W present),
-        ``name`` ("custom"); ``num_replicas``, ``microbatch_replica``, ``forward_only`` and
-        ``staleness`` keep their defaults unless given.
+        ``name`` ("custom"), ``overlapped`` (the cells written ``F&B``); ``num_replicas``,
+        ``microbatch_replica``, ``forward_only`` and ``staleness`` keep their defaults unless given.
         """
         known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
         unknown = sorted(set(meta) - known)
@@ -222,9 +258,11 @@ class Schedule:
                 f"unknown schedule fields {unknown}", where="Schedule.from_csv", fix=f"use only {sorted(known)}"
             )
         lines = text.strip("\n").split("\n") if text.strip() else []
-        rows = [tuple(Action.parse(c) for c in line.split(",") if c.strip()) for line in lines]
+        parsed = [_parse_row(line) for line in lines]
+        rows = [row for row, _ in parsed]
         num_ranks = meta.get("num_ranks", len(rows))
         rows += [()] * max(0, int(num_ranks) - len(rows))  # type: ignore[arg-type]
+        pairs = [starts for _, starts in parsed] + [()] * (len(rows) - len(parsed))
         flat = [a for row in rows for a in row]
         num_stages = meta.get("num_stages", max((a.stage for a in flat), default=0) + 1)
         fields = {
@@ -234,12 +272,29 @@ class Schedule:
             "num_microbatches": meta.get("num_microbatches", max((a.microbatch for a in flat), default=0) + 1),
             "split_backward": meta.get("split_backward", any(a.kind is ActionKind.W for a in flat)),
         }
-        fields.update({k: meta[k] for k in ("num_replicas", "microbatch_replica", "forward_only", "staleness")
-                       if k in meta})
+        if any(pairs):
+            fields["overlapped"] = tuple(pairs)
+        fields.update({k: meta[k] for k in ("num_replicas", "microbatch_replica", "forward_only", "staleness",
+                                            "overlapped") if k in meta})
         stage_to_rank = meta.get("stage_to_rank")
         if stage_to_rank is None:
             stage_to_rank = _infer_stage_to_rank(rows, int(num_stages))  # type: ignore[arg-type]
         return cls(stage_to_rank=stage_to_rank, actions=tuple(rows), **fields)  # type: ignore[arg-type]
+
+
+def _parse_row(line: str) -> tuple[tuple[Action, ...], tuple[int, ...]]:
+    """One CSV row: its actions, and the index of each overlapped pair's F (cells written ``F&B``)."""
+    actions: list[Action] = []
+    starts: list[int] = []
+    for cell in (c for c in line.split(",") if c.strip()):
+        parts = cell.split("&")
+        if len(parts) > 2:
+            raise ScheduleError(f"cannot parse cell {cell!r}: a pair joins exactly two actions",
+                                where="Schedule.from_csv", fix="write an overlapped pair as 'F&B', e.g. '0F5&3B1'")
+        if len(parts) == 2:
+            starts.append(len(actions))
+        actions.extend(Action.parse(p) for p in parts)
+    return tuple(actions), tuple(starts)
 
 
 def _infer_stage_to_rank(rows: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:

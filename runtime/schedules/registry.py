@@ -3,8 +3,10 @@
     >>> build_schedule("1f1b", num_ranks=2, num_microbatches=4).name
     '1f1b'
     >>> schedule_names()  # doctest: +NORMALIZE_WHITESPACE
-    ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v', 'chimera',
-     'pipedream', 'pipedream_2bw', 'pipemare')
+    ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v', 'dualpipev',
+     'chimera', 'pipedream', 'pipedream_2bw', 'pipemare')
+    >>> splits_backward("dualpipev"), default_stages_per_rank("zb_v")
+    (True, 2)
     >>> schedule_names(asynchronous=False)[-1]
     'chimera'
 
@@ -20,6 +22,7 @@ from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
+from autopar.runtime.schedules.dualpipe import dualpipev
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
 from autopar.runtime.schedules.naive import naive
@@ -27,29 +30,33 @@ from autopar.runtime.schedules.one_f_one_b import one_f_one_b
 from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
 
-__all__ = ["build_schedule", "schedule_names"]
+__all__ = ["build_schedule", "schedule_names", "splits_backward", "default_stages_per_rank"]
 
 logger = logging.getLogger(__name__)
 
 
 class _Family(NamedTuple):
-    """A generator and the stages per rank (``num_virtual``) it accepts."""
+    """A generator, the stages per rank (``num_virtual``) it accepts, and whether it splits backward."""
 
     build: Callable[..., Schedule]
     fixed: int | None  # the only num_virtual accepted, or None when it is an option
     minimum: int = 1  # for an option: the least num_virtual
     default: int | None = None  # for an option: used when num_virtual is not given
+    split_backward: bool = False  # B (input gradient) and W (weight gradient) run apart
+    compile_virtual: int | None = None  # for an option: what compile uses when num_virtual is not given
 
 
 _FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
     "naive": _Family(naive, fixed=1),
     "gpipe": _Family(gpipe, fixed=1),
     "1f1b": _Family(one_f_one_b, fixed=1),
-    "interleaved_1f1b": _Family(interleaved_1f1b, fixed=None, minimum=2),
-    "looped_bfs": _Family(looped_bfs, fixed=None, minimum=1, default=1),
-    "zb_h1": _Family(zb_h1, fixed=1),
-    "zb_h2": _Family(zb_h2, fixed=1),
-    "zb_v": _Family(zb_v, fixed=2),
+    "interleaved_1f1b": _Family(interleaved_1f1b, fixed=None, minimum=2, compile_virtual=2),
+    # (the generator's own default is the classic one stage per rank; compile loops twice)
+    "looped_bfs": _Family(looped_bfs, fixed=None, minimum=1, default=1, compile_virtual=2),
+    "zb_h1": _Family(zb_h1, fixed=1, split_backward=True),
+    "zb_h2": _Family(zb_h2, fixed=1, split_backward=True),
+    "zb_v": _Family(zb_v, fixed=2, split_backward=True),
+    "dualpipev": _Family(dualpipev, fixed=2, split_backward=True),
     "chimera": _Family(chimera, fixed=1),  # one stage per rank in each of its two replicas
     "pipedream": _Family(pipedream, fixed=1),
     "pipedream_2bw": _Family(pipedream_2bw, fixed=1),
@@ -62,6 +69,26 @@ def schedule_names(*, asynchronous: bool = True) -> tuple[str, ...]:
     return tuple(n for n in _FAMILIES if asynchronous or n not in ASYNC_SCHEDULES)
 
 
+def _family(name: str) -> _Family:
+    family = _FAMILIES.get(name)
+    if family is None:
+        raise ScheduleError(f"unknown schedule {name!r}", fix=f"use one of {', '.join(schedule_names())}")
+    return family
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` runs backward as B (input gradient) and W (weight gradient) apart."""
+    return _family(name).split_backward
+
+
+def default_stages_per_rank(name: str, requested: int | None = None) -> int:
+    """Stages per pp rank compile uses for ``name``: ``requested`` if given, else the family's own."""
+    if requested is not None:
+        return requested
+    family = _family(name)
+    return family.fixed if family.fixed is not None else family.compile_virtual
+
+
 def build_schedule(
     name: str, *, num_ranks: int, num_microbatches: int, num_virtual: int | None = None
 ) -> Schedule:
@@ -72,15 +99,11 @@ def build_schedule(
     it given, at least 2. The asynchronous schedules build a stream of one batch here; see
     :mod:`autopar.runtime.schedules.asynchronous` for longer streams.
     """
-    family = _FAMILIES.get(name)
-    if family is None:
-        raise ScheduleError(
-            f"unknown schedule {name!r}", fix=f"use one of {', '.join(schedule_names())}"
-        )
+    family = _family(name)
     if family.fixed is not None:
         if num_virtual not in (None, family.fixed):
             others = "interleaved_1f1b or looped_bfs" if family.fixed == 1 else "interleaved_1f1b"
-            if name == "zb_v":
+            if family.fixed == 2:
                 others = "zb_h1 or zb_h2 for one stage per rank, interleaved_1f1b for more"
             raise ScheduleError(
                 f"schedule {name!r} runs exactly {family.fixed} stage(s) per rank, got num_virtual={num_virtual}",

@@ -64,6 +64,10 @@ GOLDEN = {
 0F0,0F1,0F2,3F0,3B0,3W0,3F1,3B1,3W1,0F3,0B0,0W0,3F2,3B2,3W2,0B1,0W1,3F3,3B3,3W3,0B2,0W2,0B3,0W3
 1F0,2F0,1F1,2F1,2B0,2W0,1F2,1B0,1W0,2F2,2B1,2W1,1F3,1B1,1W1,2F3,2B2,2W2,1B2,2B3,1B3,1W2,2W3,1W3
 """,
+    ("dualpipev", 2, 4, None): """
+0F0,0F1,0F2,3F0,3B0,3W0,3F1,0F3&3B1,3W1,3F2&0B0,0W0,3B2,3W2,3F3&0B1,0W1,3B3,3W3,0B2,0W2,0B3,0W3
+1F0,2F0,1F1,2F1,1F2,2B0,2W0,2F2&1B0,1W0,1F3&2B1,2W1,2F3&1B1,1W1,2B2,2W2,1B2,1W2,2B3,1B3,2W3,1W3
+""",
     ('chimera', 4, 4, None): """
 0F0,0F2,7F1,7B1,7F3,7B3,0B0,0B2
 1F0,6F1,1F2,6F3,6B1,1B0,6B3,1B2
@@ -99,10 +103,10 @@ def test_golden_orders(key):
 
 def test_registry_knows_every_family():
     assert schedule_names() == (
-        "naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "chimera",
-        "pipedream", "pipedream_2bw", "pipemare",
+        "naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "dualpipev",
+        "chimera", "pipedream", "pipedream_2bw", "pipemare",
     )
-    assert schedule_names(asynchronous=False) == schedule_names()[:9]
+    assert schedule_names(asynchronous=False) == schedule_names()[:10]
     assert {key[0] for key in GOLDEN} == set(schedule_names())
 
 
@@ -133,15 +137,56 @@ def test_every_generator_is_valid_over_a_grid(name, p, m, v):
         return
     schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=num_virtual)
     validate(schedule)
-    stages_per_rank = {"zb_v": 2, "interleaved_1f1b": v, "looped_bfs": v, "chimera": 2}.get(name, 1)
+    stages_per_rank = {"zb_v": 2, "dualpipev": 2, "interleaved_1f1b": v, "looped_bfs": v, "chimera": 2}.get(name, 1)
     assert schedule.name == name
     assert (schedule.num_ranks, schedule.num_microbatches) == (p, m)
     assert schedule.num_stages == p * stages_per_rank
     assert (schedule.staleness is not None) == (name in ("pipedream", "pipedream_2bw", "pipemare"))
-    assert schedule.split_backward == name.startswith("zb_")
+    assert schedule.split_backward == (name.startswith("zb_") or name == "dualpipev")
     assert all(len(schedule.stages_of_rank(r)) == stages_per_rank for r in range(p))
     kinds = 3 if schedule.split_backward else 2
     assert sum(map(len, schedule.actions)) == kinds * schedule.parts * m  # each microbatch visits one replica
+
+
+def _torch_dualpipev(p: int, m: int) -> list[tuple[list[str], tuple[int, ...]]]:
+    """torch.distributed.pipelining's ScheduleDualPipeV order per rank, as (actions, overlapped pairs).
+
+    Its FULL_BACKWARD is written as B then W, and each OVERLAP_F_B as its two sub-actions.
+    """
+    import types
+    from torch.distributed.pipelining import schedules as ts
+    spelled = {ts.FORWARD: ("F",), ts.FULL_BACKWARD: ("B", "W"), ts.BACKWARD_INPUT: ("B",),
+               ts.BACKWARD_WEIGHT: ("W",)}
+    rows = []
+    for rank in range(p):
+        row, pairs = [], []
+        order = ts.ScheduleDualPipeV._calculate_single_rank_operations(
+            types.SimpleNamespace(pp_group_size=p, _n_microbatches=m), rank)
+        for action in order:
+            if action.computation_type == ts.OVERLAP_F_B:
+                pairs.append(len(row))
+            for sub in action.sub_actions or (action,):
+                row += [f"{sub.stage_index}{k}{sub.microbatch_index}" for k in spelled[sub.computation_type]]
+        rows.append((row, tuple(pairs)))
+    return rows
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_dualpipev_equals_torchs_order_and_pairs(p):
+    for m in range(2 * p, 2 * p + 7):
+        schedule = build_schedule("dualpipev", num_ranks=p, num_microbatches=m)
+        for rank, (row, pairs) in enumerate(_torch_dualpipev(p, m)):
+            assert [str(a) for a in schedule.actions[rank]] == row, (p, m, rank)
+            assert schedule.overlapped[rank] == pairs, (p, m, rank)
+
+
+def test_overlapped_pairs_are_checked():
+    row = build_schedule("dualpipev", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ScheduleError, match="not a forward followed by a backward"):
+        Schedule(name="x", num_ranks=1, num_stages=2, num_microbatches=2, stage_to_rank=(0, 0),
+                 actions=row.actions, split_backward=True, overlapped=((0,),))
+    with pytest.raises(ScheduleError, match="a pair joins exactly two actions"):
+        Schedule.from_csv("0F0&1B0&1W0\n")
 
 
 def test_stage_placement():
