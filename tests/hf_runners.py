@@ -55,3 +55,22 @@ def train_save(case, mesh) -> dict:
     infer.load_full_state_dict(state)
     outputs = [infer(infer.shard_batch(x)) for x, _ in data]
     return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs}
+
+
+def loaded_mixed(case, mesh) -> dict:
+    """bf16 compute with fp32 masters (ZeRO-1/2: masters on their owners only): the load sets the
+    masters and rounds them into every rank's bf16 copies."""
+    import autopar
+    import autopar.hf
+    from autopar.models import lm_loss
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
+    values = dict(program.parameter_values())
+    rounded = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
+                  for name, compute, _ in program.mixed.pairs)
+    return {"state": program.full_state_dict(), "rounded": rounded,
+            "compute_dtype": str(program.mixed.pairs[0][1].dtype)}

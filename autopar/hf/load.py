@@ -126,11 +126,11 @@ def _fit_error(problems: dict, folder: PretrainedFolder, model_name: str) -> Che
         return None
     return CheckpointError(f"the checkpoint does not fit this model ({model_name}): " + "; ".join(parts),
                            where=f"{_WHERE}({folder.path!r})",
-                           fix="load the checkpoint of the same architecture and configuration (build the model from "
-                               "the folder's config.json: AutoConfig.from_pretrained(folder)); a folder in the library's "
-                               "original format that transformers converts on load (per-expert MoE weights) must be "
-                               "re-saved once in the model's own names: AutoModel*.from_pretrained(folder)"
-                               ".save_pretrained(new, save_original_format=False)")
+                           fix="load the checkpoint of the same architecture and configuration (build the model "
+                               "from the folder's config.json: AutoConfig.from_pretrained(folder)); a folder in the "
+                               "library's original format that transformers converts on load (per-expert MoE "
+                               "weights) must be re-saved once in the model's own names: "
+                               "AutoModel*.from_pretrained(folder).save_pretrained(new, save_original_format=False)")
 
 
 def load_pretrained(program, folder: str) -> LoadReport:

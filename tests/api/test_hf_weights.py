@@ -174,7 +174,8 @@ def test_missing_or_unreadable_folders_are_refused(mesh, tmp_path):
 @pytest.mark.parametrize("other,what", [
     ({"num_hidden_layers": 1}, "missing from the checkpoint: ['model.layers.1"),
     ({"num_hidden_layers": 3}, "not in the model: ['model.layers.2"),
-    ({"intermediate_size": 48}, "shape mismatches: ['model.layers.0.mlp.gate_proj.weight: checkpoint (48, 32) vs model (64, 32)"),
+    ({"intermediate_size": 48},
+     "shape mismatches: ['model.layers.0.mlp.gate_proj.weight: checkpoint (48, 32) vs model (64, 32)"),
 ], ids=["fewer_layers", "more_layers", "other_width"])
 def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(mesh, tmp_path, other, what):
     _library(_llama(1, **other)).save_pretrained(tmp_path / "other")

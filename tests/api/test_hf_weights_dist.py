@@ -4,7 +4,8 @@
   same weights, each rank reading only its pieces (Llama from a sharded index, GPT-2 from one file);
 - load, train, save -> ``AutoModelForCausalLM.from_pretrained`` -> the trained weights exactly, and
   logits equal to the autopar program's; the training itself equal to one device from the same
-  weights (the equivalence harness's tolerances), at pp=2 x tp=2 and at dp=2 x tp=2 under ZeRO-3.
+  weights (the equivalence harness's tolerances), at pp=2 x tp=2 and at dp=2 x tp=2 under ZeRO-3;
+- under bf16 with ZeRO-2 the fp32 masters get the folder's values and every bf16 copy their rounding.
 
 One group runs every case (start-up costs seconds); the folders are written here before it starts.
 """
@@ -52,6 +53,8 @@ def _cases() -> list[Case]:
              extra=gpt2_in + (("out", _folder("gpt2_out")),)),
         Case(model="hf_llama", mesh=(2, 1, 2), kind=_R + "train_save", steps=2, options=(("zero_stage", 3),),
              extra=llama_in + (("out", _folder("llama_z3_out")),)),
+        Case(model="hf_llama", mesh=(2, 1, 2), kind=_R + "loaded_mixed", extra=llama_in,
+             options=(("precision", "bf16"), ("zero_stage", 2))),
     ]
 
 
@@ -131,6 +134,15 @@ def test_trained_and_saved_folder_loads_in_transformers(case):
             expected = saved.eval()(x).logits[:got.shape[0]]  # rank 0 holds dp slice 0 (dp=2: half)
             torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-5)
     assert not [f for f in os.listdir(_root()) if f.startswith(".")], "a temporary folder was left behind"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith("loaded_mixed")], ids=lambda c: c.name())
+def test_pretrained_weights_set_the_fp32_masters_and_their_bf16_copies(case):
+    result = _result(case)
+    pretrained = _library_model(case, dict(case.extra)["folder"]).state_dict()
+    assert result["compute_dtype"] == "torch.bfloat16" and result["rounded"]
+    for key, value in result["state"].items():
+        assert torch.equal(value, pretrained[key]), key
 
 
 def _reference_from(case: Case, pretrained) -> dict:
