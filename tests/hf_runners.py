@@ -57,9 +57,9 @@ def train_save(case, mesh) -> dict:
     return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs}
 
 
-def loaded_mixed(case, mesh) -> dict:
-    """bf16 compute with fp32 masters (ZeRO-1/2: masters on their owners only): the load sets the
-    masters and rounds them into every rank's bf16 copies."""
+def loaded(case, mesh) -> dict:
+    """Load into a training program; its full state. Under bf16 (fp32 masters; ZeRO-1/2: on their
+    owners only) also whether every rank's bf16 copies are the masters' rounding."""
     import autopar
     import autopar.hf
     from autopar.models import lm_loss
@@ -69,8 +69,10 @@ def loaded_mixed(case, mesh) -> dict:
                               example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
                               **dict(case.options))
     autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
-    values = dict(program.parameter_values())
-    rounded = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
-                  for name, compute, _ in program.mixed.pairs)
-    return {"state": program.full_state_dict(), "rounded": rounded,
-            "compute_dtype": str(program.mixed.pairs[0][1].dtype)}
+    result = {"state": program.full_state_dict()}
+    if program.mixed is not None:
+        values = dict(program.parameter_values())
+        result["rounded"] = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
+                                for name, compute, _ in program.mixed.pairs)
+        result["compute_dtype"] = str(program.mixed.pairs[0][1].dtype)
+    return result

@@ -5,7 +5,8 @@
 - load, train, save -> ``AutoModelForCausalLM.from_pretrained`` -> the trained weights exactly, and
   logits equal to the autopar program's; the training itself equal to one device from the same
   weights (the equivalence harness's tolerances), at pp=2 x tp=2 and at dp=2 x tp=2 under ZeRO-3;
-- under bf16 with ZeRO-2 the fp32 masters get the folder's values and every bf16 copy their rounding.
+- under bf16 with ZeRO-2 the fp32 masters get the folder's values and every bf16 copy their rounding;
+- autopar's own GPT (a fused qkv: three blocks, each sharded) at pp=2 x tp=2 and under ZeRO-3.
 
 One group runs every case (start-up costs seconds); the folders are written here before it starts.
 """
@@ -44,6 +45,7 @@ def _folder(name: str) -> str:
 def _cases() -> list[Case]:
     llama_in = (("folder", _folder("llama")),)
     gpt2_in = (("folder", _folder("gpt2")),)
+    gpt_in = (("folder", _folder("gpt")),)
     return [
         Case(model="hf_llama", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2, extra=llama_in),
         Case(model="hf_gpt2", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2, extra=gpt2_in),
@@ -53,8 +55,11 @@ def _cases() -> list[Case]:
              extra=gpt2_in + (("out", _folder("gpt2_out")),)),
         Case(model="hf_llama", mesh=(2, 1, 2), kind=_R + "train_save", steps=2, options=(("zero_stage", 3),),
              extra=llama_in + (("out", _folder("llama_z3_out")),)),
-        Case(model="hf_llama", mesh=(2, 1, 2), kind=_R + "loaded_mixed", extra=llama_in,
+        Case(model="hf_llama", mesh=(2, 1, 2), kind=_R + "loaded", extra=llama_in,
              options=(("precision", "bf16"), ("zero_stage", 2))),
+        # autopar's own GPT: a fused qkv (3 blocks, each sharded) read as 3 ranges, also as ZeRO-3 rows
+        Case(model="gpt_tiny", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2, extra=gpt_in),
+        Case(model="gpt_tiny", mesh=(2, 1, 2), kind=_R + "loaded", extra=gpt_in, options=(("zero_stage", 3),)),
     ]
 
 
@@ -75,9 +80,30 @@ def _library_model(case: Case, folder: str | None = None):
     return library(wrapped.config).eval()
 
 
+def _own_gpt() -> dict:
+    """autopar's GPT (fused qkv) with other weights than equivalence.build's, tied head cloned."""
+    model = build(Case(model="gpt_tiny"))
+    g = torch.Generator().manual_seed(5)
+    return {k: (v + 0.02 * torch.randn(v.shape, generator=g)).contiguous() for k, v in model.state_dict().items()}
+
+
 def _write_pretrained() -> None:
+    from safetensors.torch import save_file
     _library_model(Case(model="hf_llama")).save_pretrained(_folder("llama"), max_shard_size="30KB")
     _library_model(Case(model="hf_gpt2")).save_pretrained(_folder("gpt2"))
+    os.makedirs(_folder("gpt"))
+    state = _own_gpt()
+    state["lm_head.weight"] = state["tok_emb.weight"].clone()  # tied in the model: one value under both names
+    save_file(state, os.path.join(_folder("gpt"), "model.safetensors"))
+
+
+def _folder_state(case: Case) -> dict:
+    """The folder's weights under the model's names (every key, tied ones too)."""
+    if case.model == "gpt_tiny":
+        state = _own_gpt()
+        state["lm_head.weight"] = state["tok_emb.weight"]
+        return state
+    return _library_model(case, dict(case.extra)["folder"]).state_dict()
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +119,11 @@ def _result(case: Case) -> dict:
 
 
 def _eager_logits(case: Case, folder: str) -> list[torch.Tensor]:
+    if case.model == "gpt_tiny":
+        model = build(case).eval()
+        model.load_state_dict(_folder_state(case))
+        with torch.no_grad():
+            return [model(x) for x, _ in batches(case, model.cfg.vocab_size)]
     model = _library_model(case, folder)
     with torch.no_grad():
         return [model(x).logits for x, _ in batches(case, model.config.vocab_size)]
@@ -105,9 +136,10 @@ def test_pretrained_folder_gives_the_eager_logits(case):
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == (case.model == "hf_llama")
     for got, expected in zip(result["outputs"], _eager_logits(case, folder)):
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-5)
-    hf_state = _library_model(case, folder).state_dict()
+    expected = _folder_state(case)
+    assert set(result["state"]) == set(expected)
     for key, value in result["state"].items():
-        assert torch.equal(value, hf_state[key]), key
+        assert torch.equal(value, expected[key]), key
     report = result["report"]  # rank 0 (stage 0, tp shard 0) read what it holds and nothing else
     assert report.elements_read == result["held_elements"] < report.checkpoint_elements
 
@@ -136,13 +168,15 @@ def test_trained_and_saved_folder_loads_in_transformers(case):
     assert not [f for f in os.listdir(_root()) if f.startswith(".")], "a temporary folder was left behind"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith("loaded_mixed")], ids=lambda c: c.name())
-def test_pretrained_weights_set_the_fp32_masters_and_their_bf16_copies(case):
+@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith(":loaded")], ids=lambda c: c.name())
+def test_pretrained_weights_set_zero3_blocks_and_fp32_masters_with_their_bf16_copies(case):
     result = _result(case)
-    pretrained = _library_model(case, dict(case.extra)["folder"]).state_dict()
-    assert result["compute_dtype"] == "torch.bfloat16" and result["rounded"]
+    expected = _folder_state(case)
+    assert set(result["state"]) == set(expected)
     for key, value in result["state"].items():
-        assert torch.equal(value, pretrained[key]), key
+        assert torch.equal(value, expected[key]), key
+    if dict(case.options).get("precision") == "bf16":
+        assert result["compute_dtype"] == "torch.bfloat16" and result["rounded"]
 
 
 def _reference_from(case: Case, pretrained) -> dict:
