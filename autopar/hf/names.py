@@ -27,7 +27,7 @@ import re
 
 import torch.nn as nn
 
-__all__ = ["find_hf_model", "checkpoint_to_program", "ignored_on_load", "tied_targets"]
+__all__ = ["find_hf_model", "library_class", "checkpoint_to_program", "ignored_on_load", "tied_targets"]
 
 
 def _is_pretrained(module: nn.Module) -> bool:
