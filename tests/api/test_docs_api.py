@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import autopar
+import autopar.hf
 import autopar.memory
 import autopar.models
 import autopar.report
@@ -41,7 +42,7 @@ def test_options_table_is_the_generated_one():
     assert table.group(1) == options_table(), "run: python -m autopar.report.api_doc"
 
 
-@pytest.mark.parametrize("module", [autopar, autopar.report, autopar.memory, autopar.models],
+@pytest.mark.parametrize("module", [autopar, autopar.report, autopar.memory, autopar.models, autopar.hf],
                          ids=lambda m: m.__name__)
 def test_every_public_name_is_documented(module):
     missing = [name for name in module.__all__ if not re.search(rf"\b{re.escape(name)}\b", API)]
