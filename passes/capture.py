@@ -12,14 +12,19 @@ import logging
 import os
 import sysconfig
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
+from autopar.passes.devices import retarget_devices
+from autopar.passes.shape_prop import to_fake
 
 __all__ = ["CapturedGraph", "capture", "MODEL_PREFIX", "CAPTURE_MODES"]
 
@@ -120,9 +125,16 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 def _clean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop export's guard call and pytree codegen so the graph reads as plain positional code."""
+    """Drop export's guard call, its metadata assertions and pytree codegen: plain positional code.
+
+    ``aten._assert_tensor_metadata`` (export writes one before every ``.to``) computes nothing and
+    checks only dtype, device and layout, which the pass manager re-checks after every pass; kept, it
+    would pin the device the model was traced on and stop tensor parallelism at every ``.to``.
+    """
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
@@ -130,6 +142,54 @@ def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _is_meta_capture(root: nn.Module, args: tuple) -> bool:
+    tensors = list(root.parameters()) + list(root.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
+    return any(t.is_meta for t in tensors)
+
+
+@contextmanager
+def _on_fake_cpu(root: nn.Module, args: tuple):
+    """Trace a meta-device model on fake CPU tensors: the code then takes the CPU branches.
+
+    Meta tensors carry no device of their own to run on: code that asks ``x.device.type`` (HF
+    Mixtral's router loss picks its histogram dtype so) would bake choices no real device makes.
+    Every parameter, buffer and input becomes a fake CPU tensor of the same shape, stride and
+    dtype for the trace; nothing is allocated. Yields the fake arguments.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        value = to_fake(t, mode)
+        return nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+
+    state = {**dict(root.named_parameters()), **dict(root.named_buffers())}  # one name per tensor: ties kept
+    with _reparametrize_module(root, {k: fake(v) for k, v in state.items()}, tie_weights=True):
+        yield tuple(to_fake(a, mode) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _restore_meta(gm: fx.GraphModule, root: nn.Module) -> None:
+    """Put the model's own (meta) tensors back where the fake trace left fake ones."""
+    originals = {**dict(root.named_parameters(remove_duplicate=False)),
+                 **dict(root.named_buffers(remove_duplicate=False))}
+    for module_name, module in list(gm.named_modules()):
+        for attr, value in list(vars(module).items()) + list(module._parameters.items()) + list(
+                module._buffers.items()):
+            if not isinstance(value, FakeTensor):
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            original = originals.get(name)
+            if original is None:  # a constant the trace lifted: its shape on meta
+                original = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                               device="meta")
+            if attr in module._parameters:
+                module._parameters[attr] = original if isinstance(original, nn.Parameter) else nn.Parameter(
+                    original, requires_grad=value.requires_grad)
+            elif attr in module._buffers:
+                module._buffers[attr] = original
+            else:
+                setattr(module, attr, original)
 
 
 def _name_inputs(gm: fx.GraphModule, model: nn.Module, num_inputs: int, has_loss: bool):
@@ -172,12 +232,22 @@ def capture(
     try:
         traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
         root = _WithLoss(traced, loss_fn) if has_loss else _Inference(traced)
-        exported = torch.export.export(root, args, strict=False)
+        on_meta = _is_meta_capture(root, args)
+        if on_meta:
+            with _on_fake_cpu(root, args) as fake_args:
+                exported = torch.export.export(root, fake_args, strict=False)
+        else:
+            exported = torch.export.export(root, args, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes a CaptureError
         raise _capture_error(model, mode, exc) from exc
-    gm = _clean(exported.module())
+    gm = exported.module()
+    if on_meta:
+        _restore_meta(gm, root)
+    gm = _clean(gm)
+    # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
+    retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
     names = _name_inputs(gm, model, len(example_inputs), has_loss)
     log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
     return CapturedGraph(gm=gm, input_names=names, out_spec=exported.call_spec.out_spec,
