@@ -58,7 +58,7 @@ class RankProgram:
 
     def __init__(self, *, lowered: Lowered, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, materialize=None):
         self.plan = lowered.plan
         self.info = info
         self.schedule = schedule
@@ -69,6 +69,8 @@ class RankProgram:
         _own_parameters(mine)
         if self.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
             shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+        if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
+            materialize([s.gm for s in mine])
         self.stages = {s.stage: s for s in mine}
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
         self.comm_guard = CommGuard(rank=info.rank, timeout_s=p2p_timeout_s, place=self._place)

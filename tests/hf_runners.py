@@ -1,0 +1,65 @@
+"""Runner kinds for Hugging Face models as users hold them (``kind="hf_runners:<function>"``).
+
+``case.model`` names a family of :data:`autopar.models.hf.HF_RAW`; ``case.overrides`` go to its config.
+:func:`meta_train` builds the model under ``torch.device("meta")`` and compiles it (each rank
+materialises only its pieces); :func:`cpu_reference` trains the same family built on CPU under the
+same seed on one device. Both return what :func:`equivalence.assert_equivalent` compares.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SEED = 1234
+VOCAB = 128
+
+
+def logits_loss(output, target):
+    """Cross entropy over the vocabulary, reading the ModelOutput's logits."""
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+
+def _build(case, device=None):
+    from autopar.models.hf import build_hf_raw
+    torch.manual_seed(SEED)
+    return build_hf_raw(case.model, device=device, **dict(case.overrides))
+
+
+def _batches(case):
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
+             torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+
+def _optimizer(case):
+    return lambda params: torch.optim.SGD(params, lr=case.lr, momentum=0.9)
+
+
+def cpu_reference(case) -> dict:
+    """One device, the model built on CPU under the same seed: losses and the final state_dict."""
+    model = _build(case)
+    opt = _optimizer(case)(list(model.parameters()))
+    losses = []
+    for x, y in _batches(case):
+        opt.zero_grad()
+        loss = logits_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def meta_train(case, mesh) -> dict:
+    """The family built on meta, compiled on ``mesh``: this rank's losses, state and held bytes."""
+    import autopar
+    from autopar.runtime.model_state import storage_bytes
+    model = _build(case, device="meta")
+    data = _batches(case)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+                              example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    held = storage_bytes(p for _, p in program.named_params)
+    losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"losses": losses, "state": program.full_state_dict(), "held_bytes": held, "model_bytes": whole,
+            "still_meta": all(p.is_meta for p in model.parameters())}
