@@ -63,3 +63,63 @@ def meta_train(case, mesh) -> dict:
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"losses": losses, "state": program.full_state_dict(), "held_bytes": held, "model_bytes": whole,
             "still_meta": all(p.is_meta for p in model.parameters())}
+
+
+def padded_batches(case):
+    """Dict batches as a data collator makes them: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding).
+
+    Right padding of 0..3 tokens; every two consecutive rows pad 3 tokens together, so each microbatch
+    of an even number of rows carries the same number of label tokens (see docs/api.md: the model's own
+    loss is a mean over each microbatch's label tokens).
+    """
+    g = torch.Generator().manual_seed(99)
+    pads = [0, 3, 1, 2, 2, 1, 3, 0] * (case.batch // 8 + 1)
+    out = []
+    for _ in range(case.steps):
+        ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=g)
+        mask = torch.ones(case.batch, case.seq, dtype=torch.long)
+        for row in range(case.batch):
+            if pads[row]:
+                mask[row, case.seq - pads[row]:] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def _train_reference(case, model, step) -> dict:
+    opt = _optimizer(case)(list(model.parameters()))
+    losses = []
+    for batch in (padded_batches(case) if dict(case.extra).get("dict") else _batches(case)):
+        opt.zero_grad()
+        loss = step(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def hf_loop_reference(case) -> dict:
+    """HF's own single-device loop: ``loss = model(**batch).loss`` (dict cases) or the logits loss."""
+    if dict(case.extra).get("dict"):
+        return _train_reference(case, _build(case), lambda m, b: m(**b).loss)
+    return _train_reference(case, _build(case), lambda m, b: logits_loss(m(b[0]), b[1]))
+
+
+def hf_train(case, mesh) -> dict:
+    """The family as users hold it (``extra``: ``meta`` builds it on meta, ``dict`` trains on dict batches
+    with labels and no loss_fn), compiled on ``mesh``: this rank's losses and the full state."""
+    import autopar
+    extra = dict(case.extra)
+    model = _build(case, device="meta" if extra.get("meta") else None)
+    common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+    if extra.get("dict"):
+        data = padded_batches(case)
+        program = autopar.compile(model, mesh, example_inputs=data[0], **common)
+        losses = [program.train_step(program.shard_batch(b)).item() for b in data]
+    else:
+        data = _batches(case)
+        program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+                                  example_target=data[0][1], **common)
+        losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
+    return {"losses": losses, "state": program.full_state_dict(), "use_cache": model.config.use_cache,
+            "sharded": sorted(program.plan.param_shards)}

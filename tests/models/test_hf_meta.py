@@ -52,3 +52,57 @@ def test_meta_built_family_plans_without_allocating(name):
             real = [tuple(t.shape) for t in _graph_tensors(stage.gm) if not t.is_meta]
             assert not real, f"rank {rank.rank} stage {stage.stage} holds real tensors {real[:3]}"
             assert all(d.type != "meta" for d in graph_devices(stage.gm))
+
+
+def _sharded_share(model, result) -> float:
+    """Share of the elements of >= 2-dim weights that tensor parallelism shards."""
+    weights = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+    return sum(v for n, v in weights.items() if n in result.plan.param_shards) / sum(weights.values())
+
+
+def test_library_defaults_shard_as_fully_as_caches_off(caplog):
+    """use_cache=True (the default) is switched off for capture, with one log line; the user's config stays."""
+    tokens, targets = torch.randint(0, 128, (4, 8)), torch.randint(0, 128, (4, 8))
+    shares = {}
+    for use_cache in (True, False):
+        model = build_hf_raw("llama", device="meta", use_cache=use_cache)
+        with caplog.at_level("INFO", logger="autopar.passes.capture"):
+            caplog.clear()
+            result = autopar.plan(model, {"tp": 2}, example_inputs=(tokens,), loss_fn=logits_loss,
+                                  example_target=targets)
+        shares[use_cache] = _sharded_share(model, result)
+        switched = [r for r in caplog.records if "use_cache switched off" in r.getMessage()]
+        assert len(switched) == (1 if use_cache else 0)
+        assert model.config.use_cache is use_cache
+    assert shares[True] == shares[False] >= 0.95, shares
+
+
+def test_dict_batch_keyword_inputs_and_the_models_own_loss():
+    """A collator's dict batch: keyword inputs; with ``labels`` and no loss_fn the graph returns output.loss."""
+    model = build_hf_raw("llama", device="meta")
+    ids = torch.randint(1, 128, (4, 8))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    result = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=batch)
+    captured = result.captured.captured
+    assert captured.input_names == ("input_ids", "attention_mask", "labels") and captured.has_loss
+    assert _sharded_share(model, result) >= 0.95
+    inference = autopar.plan(model, {"pp": 2}, example_inputs={"input_ids": ids, "attention_mask": mask})
+    assert not inference.captured.captured.has_loss
+    assert "CausalLMOutputWithPast" in str(inference.captured.captured.out_spec)  # the ModelOutput as it is
+
+
+def test_labels_without_a_model_loss_is_refused():
+    class NoLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, labels=None):
+            return self.lin(x)
+
+    from autopar.errors import CaptureError
+    with pytest.raises(CaptureError, match="no scalar loss") as info:
+        autopar.plan(NoLoss(), {"tp": 1}, example_inputs={"x": torch.randn(2, 4), "labels": torch.randn(2, 4)})
+    assert "loss_fn" in info.value.fix

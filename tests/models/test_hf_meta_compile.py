@@ -22,7 +22,7 @@ from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
 from autopar.runtime.zero3_ops import shard_zero3_parameters  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
-from hf_runners import cpu_reference, logits_loss  # noqa: E402
+from hf_runners import cpu_reference, hf_loop_reference, logits_loss  # noqa: E402
 
 # families whose construction draws only through reset_parameters and post_init (GPT-2's Conv1D
 # draws in __init__ itself: its meta build gets the library's distribution, not the CPU build's draws)
@@ -85,9 +85,17 @@ _CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:meta_train", over
                options=(("zero_stage", 3),))]
 
 
+# HF models as users hold them: library defaults (use_cache=True) with a logits loss, and dict batches
+# with labels and padding on the model's own loss (built on meta), against HF's own single-device loop
+_HF_CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train"),
+             Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=(("dict", True), ("meta", True))),
+             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=(("dict", True),))]
+
+
 @functools.lru_cache(maxsize=None)
 def _results():
-    return dict(zip(_CASES, run_cases(_CASES)))
+    cases = _CASES + _HF_CASES
+    return dict(zip(cases, run_cases(cases)))
 
 
 @pytest.mark.dist
@@ -98,3 +106,13 @@ def test_meta_built_model_trains_equal_to_cpu_build(case):
     assert result["still_meta"]
     # rank 0 holds its tp shard of its stages (or its ZeRO-3 block): well under the whole model
     assert 0 < result["held_bytes"] <= result["model_bytes"] / 2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", _HF_CASES, ids=lambda c: c.name())
+def test_hf_model_as_users_hold_it_trains_equal_to_hf_single_device_loop(case):
+    result = _results()[case]
+    assert_equivalent(case, result, hf_loop_reference(case))
+    assert result["use_cache"] is True  # the user's config is left as it was
+    projections = [n for n in result["sharded"] if n.endswith(("q_proj.weight", "o_proj.weight", "down_proj.weight"))]
+    assert len(projections) == 3 * 2, result["sharded"]  # every attention and MLP projection, both layers
