@@ -106,3 +106,27 @@ def test_labels_without_a_model_loss_is_refused():
     with pytest.raises(CaptureError, match="no scalar loss") as info:
         autopar.plan(NoLoss(), {"tp": 1}, example_inputs={"x": torch.randn(2, 4), "labels": torch.randn(2, 4)})
     assert "loss_fn" in info.value.fix
+
+
+def _signature(gm):
+    """Each node's op, target and shape: what a repeated graph shares with a full capture."""
+    from autopar.passes.meta_keys import TENSOR, get_meta
+    return [(n.op, type(gm.get_submodule(n.target)).__name__ if n.op == "call_module" else str(n.target),
+             get_meta(n, TENSOR).shape if get_meta(n, TENSOR) else None) for n in gm.graph.nodes]
+
+
+def test_hf_layers_are_captured_once_and_repeated(caplog):
+    """transformers' blocks differ only in ``layer_idx`` (their position): a block template still applies."""
+    model = build_hf_raw("llama", device="meta", num_hidden_layers=9)
+    tokens = torch.randint(0, 128, (4, 8))
+    with caplog.at_level("INFO", logger="autopar.passes.block_template"):
+        once = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=(tokens,), loss_fn=logits_loss,
+                            example_target=tokens, ranks=[0, 3])
+    assert any("3 blocks captured, 6 repeated" in r.getMessage() for r in caplog.records)
+    every = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=(tokens,), loss_fn=logits_loss,
+                         example_target=tokens, ranks=[0, 3], block_capture="every")
+    assert once.plan == every.plan
+    for rank in (0, 3):
+        for a, b in zip(once.ranks[rank].stages, every.ranks[rank].stages):
+            assert _signature(a.gm) == _signature(b.gm)
+            assert dict(a.gm.named_parameters()).keys() == dict(b.gm.named_parameters()).keys()
