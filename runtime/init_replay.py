@@ -49,6 +49,8 @@ class _Twins(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, twin)
+        self.live_bytes = 0
+        self.peak_bytes = 0  # the most twin storage alive at once: one module's tensors
 
     def twin(self, t: torch.Tensor) -> torch.Tensor:
         entry = self.twins.get(id(t))
@@ -56,6 +58,8 @@ class _Twins(TorchDispatchMode):
             fresh = torch.empty(t.shape, dtype=t.dtype, device="cpu")
             fresh.fill_(float("nan") if fresh.is_floating_point() or fresh.is_complex() else 0)
             entry = self.twins[id(t)] = (t, fresh)
+            self.live_bytes += fresh.numel() * fresh.element_size()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -73,7 +77,7 @@ class _Twins(TorchDispatchMode):
         return pytree.tree_map(lambda o: metas.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
     def take(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        done, self.twins = list(self.twins.values()), {}
+        done, self.twins, self.live_bytes = list(self.twins.values()), {}, 0
         return done
 
 
@@ -192,7 +196,10 @@ def _check_all(replay: _Replay, slots: list[Slot]) -> None:
 
 
 def init_filler(model: nn.Module, *, seed: int) -> Filler:
-    """A filler drawing the rank's pieces with ``model``'s own initialisers from ``seed``."""
+    """A filler drawing the rank's pieces with ``model``'s own initialisers from ``seed``.
+
+    After a call, ``fill.peak_bytes`` is the most full-size (twin) storage that was alive at once.
+    """
 
     def fill(slots: list[Slot]) -> dict[str, torch.Tensor]:
         replay = _Replay(model, slots)
@@ -200,6 +207,9 @@ def init_filler(model: nn.Module, *, seed: int) -> Filler:
             torch.manual_seed(seed)
             _replay_all(replay)
         _check_all(replay, slots)
+        fill.peak_bytes = replay.mode.peak_bytes
+        log.info("initialisers replayed: at most %.1f MB of full-size tensors alive at once", fill.peak_bytes / 1e6)
         return {s.name: replay.pieces[s.name] for s in slots}
 
+    fill.peak_bytes = 0
     return fill

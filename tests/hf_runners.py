@@ -59,9 +59,11 @@ def meta_train(case, mesh) -> dict:
                               example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
                               **dict(case.options))
     held = storage_bytes(p for _, p in program.named_params)
+    local = {n: p.numel() for n, p in program.named_params}
     losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"losses": losses, "state": program.full_state_dict(), "held_bytes": held, "model_bytes": whole,
+            "local_numel": local, "sharded": sorted(program.plan.param_shards),
             "still_meta": all(p.is_meta for p in model.parameters())}
 
 

@@ -20,7 +20,7 @@ from autopar.models.hf import build_hf_raw  # noqa: E402
 from autopar.runtime.checkpoint_layout import split  # noqa: E402
 from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
-from autopar.runtime.zero3_ops import shard_zero3_parameters  # noqa: E402
+from autopar.runtime.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from hf_runners import cpu_reference, hf_loop_reference, logits_loss  # noqa: E402
 
@@ -46,11 +46,15 @@ def test_each_rank_materialises_its_pieces_of_the_cpu_build(name):
     x, t = torch.randint(0, 128, (8, 8)), torch.randint(0, 128, (8, 8))
     result = autopar.plan(meta, {"dp": 2, "pp": 2, "tp": 2}, example_inputs=(x,), loss_fn=logits_loss,
                           example_target=t, zero_stage=3, ranks=[0, 3, 6])
+    largest_module = max(sum(t.numel() * t.element_size() for t in list(m.parameters(recurse=False))
+                             + list(m.buffers(recurse=False))) for m in cpu.modules())
     for rank in (0, 3, 6):
         ranked = result.rank_program(rank)
         gms = [copy.deepcopy(s.gm) for s in ranked.stages]
         shard_zero3_parameters(gms, dp_rank=ranked.coords["dp"], dp_size=2)
-        slots = materialize_rank(gms, plan=result.plan, coords=ranked.coords, fill=init_filler(meta, seed=0))
+        fill = init_filler(meta, seed=0)
+        slots = materialize_rank(gms, plan=result.plan, coords=ranked.coords, fill=fill)
+        assert 0 < fill.peak_bytes <= largest_module  # one module's full-size tensors at a time, never the model
         held = _held(gms)
         assert slots and all(not t.is_meta for t in held.values())
         for slot in slots:
@@ -80,6 +84,11 @@ def test_uninitialised_tensor_is_refused_naming_the_module():
     assert "reset_parameters" in info.value.fix
 
 
+def _cpu_numel(case) -> dict[str, int]:
+    model = build_hf_raw(case.model, device="meta", **dict(case.overrides))
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
 _CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:meta_train", overrides=(("use_cache", False),)),
           Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:meta_train", overrides=(("use_cache", False),),
                options=(("zero_stage", 3),))]
@@ -104,8 +113,16 @@ def test_meta_built_model_trains_equal_to_cpu_build(case):
     result = _results()[case]
     assert_equivalent(case, result, cpu_reference(case))
     assert result["still_meta"]
-    # rank 0 holds its tp shard of its stages (or its ZeRO-3 block): well under the whole model
-    assert 0 < result["held_bytes"] <= result["model_bytes"] / 2
+    # rank 0 holds exactly its pieces: tp shards of its stages' weights (ZeRO-3: their flat dp blocks)
+    dp, _, tp = case.mesh
+    zero3 = dict(case.options).get("zero_stage") == 3
+    cpu = _cpu_numel(case)
+    expected = 0
+    for name, numel in result["local_numel"].items():
+        full = cpu[name] // (tp if name in result["sharded"] else 1)
+        expected += padded_numel(full, dp) // dp if zero3 else full
+        assert numel == (padded_numel(full, dp) // dp if zero3 else full), name
+    assert result["held_bytes"] == 4 * expected < result["model_bytes"] / 2
 
 
 @pytest.mark.dist
