@@ -130,3 +130,12 @@ def test_hf_layers_are_captured_once_and_repeated(caplog):
         for a, b in zip(once.ranks[rank].stages, every.ranks[rank].stages):
             assert _signature(a.gm) == _signature(b.gm)
             assert dict(a.gm.named_parameters()).keys() == dict(b.gm.named_parameters()).keys()
+
+
+def test_dict_batch_with_a_non_tensor_entry_is_refused():
+    from autopar.errors import PlanError
+    model = build_hf_raw("llama", device="meta")
+    with pytest.raises(PlanError, match="maps names to tensors") as info:
+        autopar.plan(model, {"tp": 1}, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long),
+                                                        "return_dict": True})
+    assert "return_dict" in info.value.where
