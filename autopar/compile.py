@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import logging
 
+from functools import partial
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
-from autopar.lowering import lower
+from autopar.lowering import _is_meta, lower
 from autopar.mesh import mesh_info
 from autopar.options import CompileOptions
 from autopar.plan_model import Plan
+from autopar.runtime.init_replay import init_filler
+from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
 from autopar.runtime.schedules.registry import build_schedule
@@ -27,8 +32,35 @@ def default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+def _rank_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _shared_seed() -> int:
+    """Global rank 0's ``torch.initial_seed()``: every rank replays the same initialisation stream."""
+    seed = [torch.initial_seed()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
+
+
+def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights):
+    """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers."""
+    if not _is_meta(model) and weights is None:
+        return None
+    if lowered.plan.precision == "bf16":
+        raise PlanError("a meta-built model cannot be compiled with precision='bf16' yet",
+                        where=f"compile(model={type(model).__name__}, precision='bf16')",
+                        fix="compile in fp32 (precision='fp32'), or build the model on a real device")
+    fill = weights if weights is not None else init_filler(model, seed=_shared_seed())
+    return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh))
+
+
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
-            optimizer=None, plan: Plan | str | None = None, cluster=None, **options) -> RankProgram:
+            optimizer=None, plan: Plan | str | None = None, cluster=None, weights=None,
+            **options) -> RankProgram:
     """Parallelise ``model`` over ``mesh`` and return this rank's :class:`RankProgram`.
 
     ``example_inputs`` is one global batch (a tensor or a tuple of tensors, batch on dim 0);
@@ -37,6 +69,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     ``params -> torch.optim.Optimizer``. Options: see :class:`autopar.options.CompileOptions`.
     ``plan="auto"``: the planner (autopar/planner) chooses for ``cluster`` (default: this machine);
     with ``mesh=None`` it also chooses dp, pp and tp and builds the mesh (options given pin decisions).
+    A model built under ``torch.device("meta")`` is materialised rank by rank: each rank allocates
+    only the tensors it holds, filled by ``weights`` (a filler, :mod:`autopar.runtime.materialize`),
+    else by the model's own initialisers from global rank 0's ``torch.initial_seed()``
+    (:mod:`autopar.runtime.init_replay`: the values a CPU build after ``torch.manual_seed(seed)`` draws).
     """
     report = None
     if isinstance(plan, str):  # the planner's Plan (and mesh, when none was given)
@@ -53,6 +89,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
+    if opts.data_parallel == "dataparallel" and _is_meta(model):
+        raise PlanError("the DataParallel baseline cannot compile a meta-built model",
+                        where="compile(data_parallel='dataparallel')",
+                        fix="use data_parallel='ddp' (the default), or build the model on a real device")
     if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
         from autopar.runtime.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
@@ -66,7 +106,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     validate(schedule)
     state_keys = tuple(model.state_dict().keys())
     masters = (masters_for_rank(model, lowered, schedule=schedule, info=info)
-               if lowered.plan.precision == "bf16" else None)  # fp32 masters of the bf16 graphs
+               if lowered.plan.precision == "bf16" and not _is_meta(model) else None)  # fp32 masters of the bf16 graphs
     program_class, extra = RankProgram, {}
     if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
         from autopar.runtime.async_pipeline import AsyncProgram
@@ -74,7 +114,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     program = program_class(lowered=lowered, info=info, schedule=schedule,
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
-                            **extra)
+                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

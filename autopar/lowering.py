@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from copy import deepcopy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,7 +42,7 @@ from autopar.runtime.chimera import replicate_stages
 from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
 
 __all__ = ["Lowered", "Captured", "lower", "capture_and_annotate", "shard_captured", "lower_captured", "choose_microbatches",
-           "user_name"]
+           "user_name", "batch_inputs", "LABELS"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,24 @@ def _param_stages(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
     return dict(sorted(out.items()))
 
 
+LABELS = "labels"  # a dict batch carrying this key trains on the model's own loss when no loss_fn is given
+
+
+def batch_inputs(example_inputs) -> tuple[tuple[str, ...] | None, tuple]:
+    """(keyword names or None, the input tensors in order) of a tensor, a tuple of them or a dict batch."""
+    if isinstance(example_inputs, Mapping):
+        if not example_inputs:
+            raise PlanError("example_inputs is an empty dict", where="example_inputs",
+                            fix="pass the batch as the model takes it, e.g. {'input_ids': ..., 'attention_mask': ...}")
+        for key, value in example_inputs.items():
+            if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                raise PlanError(f"example_inputs[{key!r}] is {type(value).__name__}: a dict batch maps names to tensors",
+                                where=f"example_inputs[{key!r}]",
+                                fix="pass only tensors with the batch on dim 0 (drop other entries)")
+        return tuple(example_inputs), tuple(example_inputs.values())
+    return None, tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
@@ -229,7 +248,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                                              "data_parallel": plan.data_parallel, "bucket_mb": plan.bucket_mb,
                                              "sequence_parallel": plan.sequence_parallel})
     options = options.model_copy(update={"num_virtual": stages_per_rank(options.schedule, options.num_virtual)})
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    keywords, example_inputs = batch_inputs(example_inputs)
+    own_loss = loss_fn is None and keywords is not None and LABELS in keywords  # the model's own loss
     batch = example_inputs[0].shape[0]
     m = choose_microbatches(batch=batch, dp=mesh.dp, pp=mesh.pp, requested=options.num_microbatches)
     # a schedule that cannot run these sizes fails here, before the (slow) capture
@@ -245,7 +265,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     # identical blocks (an 80-layer list): capture a few, repeat the last one after sharding
     template = find_block_template(traced, mode=options.block_capture, plan=plan)
     captured, template = capture_blocks(template, lambda: capture(traced, args, loss_fn=loss_fn,
-                                                                  example_target=target, mode=options.capture))
+                                                                  example_target=target, mode=options.capture,
+                                                                  keywords=keywords, own_loss=own_loss))
     # batch statistics (BatchNorm in training) are exact only when each forward sees the whole batch
     check_batch_statistics(captured.gm, dp=mesh.dp, num_microbatches=m)
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
@@ -253,7 +274,7 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     annotate(captured.gm, example_inputs=all_args, model=traced)
     return Captured(model_name=type(model).__name__, num_parameters=sum(p.numel() for p in model.parameters()),
                     mesh=mesh, options=options, plan=plan, batch=batch, num_microbatches=m, example_args=all_args,
-                    captured=captured, precision=precision, has_loss=loss_fn is not None, template=template)
+                    captured=captured, precision=precision, has_loss=captured.has_loss, template=template)
 
 
 def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True):

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from autopar.errors import PlanError
 
-__all__ = ["HF_MODELS", "HfSpec", "build_hf_model", "hf_batch", "hf_model_names"]
+__all__ = ["HF_MODELS", "HF_RAW", "HfSpec", "build_hf_model", "build_hf_raw", "hf_batch", "hf_model_names"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,48 @@ HF_MODELS: dict[str, HfSpec] = {
                           tuple(dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=2,
                                      num_labels=_NUM_LABELS, drop_path_rate=0.0).items()), "images"),
 }
+
+
+_DECODER = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+# families as users hold them: the library's own classes with library defaults (use_cache=True, untied
+# unless the family ties), each from a small config of its own; the model returns its ModelOutput
+HF_RAW: dict[str, HfSpec] = {
+    "llama": HfSpec("Llama", "LlamaConfig", "LlamaForCausalLM", tuple(_DECODER.items()), "tokens"),
+    "mistral": HfSpec("Mistral", "MistralConfig", "MistralForCausalLM",
+                      tuple({**_DECODER, "sliding_window": None}.items()), "tokens"),
+    "qwen2": HfSpec("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", tuple(_DECODER.items()), "tokens"),
+    "qwen3": HfSpec("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", tuple({**_DECODER, "head_dim": 8}.items()), "tokens"),
+    "mixtral": HfSpec("Mixtral (mixture of experts)", "MixtralConfig", "MixtralForCausalLM", tuple(
+        {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}.items()), "tokens"),
+    "phi3": HfSpec("Phi-3 (fused qkv)", "Phi3Config", "Phi3ForCausalLM",
+                   tuple({**_DECODER, "pad_token_id": 0}.items()), "tokens"),
+    "gemma": HfSpec("Gemma", "GemmaConfig", "GemmaForCausalLM", tuple({**_DECODER, "head_dim": 8}.items()), "tokens"),
+    "gpt2": HfSpec("GPT-2", "GPT2Config", "GPT2LMHeadModel", tuple(dict(
+        vocab_size=_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0).items()),
+        "tokens"),
+    "bert": HfSpec("BERT (encoder, masked LM)", "BertConfig", "BertForMaskedLM", tuple(dict(
+        vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0).items()), "tokens"),
+}
+
+
+def build_hf_raw(name: str, *, device=None, **overrides) -> nn.Module:
+    """Family ``name`` of :data:`HF_RAW` as the library builds it (its own class, forward and defaults).
+
+    ``device``: build under ``torch.device(device)`` (``"meta"``: no weight allocated); ``overrides``
+    go to the config (dropout, ``use_cache``, sizes).
+    """
+    if name not in HF_RAW:
+        raise PlanError(f"unknown Hugging Face family {name!r}", where="autopar.models.hf.build_hf_raw",
+                        fix=f"use one of {', '.join(HF_RAW)}")
+    spec = HF_RAW[name]
+    tf = _transformers()
+    config = getattr(tf, spec.config)(**{**dict(spec.fields), **overrides})
+    if device is None:
+        return getattr(tf, spec.model)(config)
+    with torch.device(device):
+        return getattr(tf, spec.model)(config)
 
 
 def hf_model_names() -> tuple[str, ...]:

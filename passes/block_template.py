@@ -61,9 +61,21 @@ def _plain_attrs(module: nn.Module) -> dict:
     return out
 
 
-def _signature(block: nn.Module) -> tuple:
-    """What must agree between two blocks for one to stand for the other."""
-    mods = tuple((name, type(m).__name__, tuple(sorted(_plain_attrs(m).items())), m.training,
+_POSITION = "<the block's index>"
+
+
+def _signature(block: nn.Module, positions=frozenset()) -> tuple:
+    """What must agree between two blocks for one to stand for the other.
+
+    ``positions``: (module path, attribute) pairs that hold the block's own index in its list in every
+    block (transformers' ``layer_idx``, which indexes a cache): the block's position, not a difference.
+    A block whose code computes with it gives another graph than its neighbour, which the check of
+    the captured blocks (:meth:`BlockTemplate.check`, constants compared) turns into a full capture.
+    """
+    def attrs(path, m):
+        return tuple(sorted((k, _POSITION if (path, k) in positions else v) for k, v in _plain_attrs(m).items()))
+
+    mods = tuple((name, type(m).__name__, attrs(name, m), m.training,
                   bool(m._forward_hooks or m._forward_pre_hooks))
                  for name, m in block.named_modules())
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
@@ -71,9 +83,17 @@ def _signature(block: nn.Module) -> tuple:
     return mods, params, buffers
 
 
+def _positions(blocks: nn.ModuleList) -> frozenset:
+    """(module path, attribute) of the integer attributes equal to the block's index in every block."""
+    per_block = [{(path, k) for path, m in b.named_modules() for k, v in _plain_attrs(m).items()
+                  if type(v) is int and v == i} for i, b in enumerate(blocks)]
+    return frozenset(set.intersection(*per_block)) if per_block else frozenset()
+
+
 def _uniform(blocks: nn.ModuleList) -> bool:
-    first = _signature(blocks[0])
-    if any(_signature(b) != first for b in blocks):
+    positions = _positions(blocks)
+    first = _signature(blocks[0], positions)
+    if any(_signature(b, positions) != first for b in blocks):
         return False
     owners: dict[int, int] = {}
     for i, b in enumerate(blocks):  # no tensor shared between two blocks

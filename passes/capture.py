@@ -12,16 +12,21 @@ import logging
 import os
 import sysconfig
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
+from autopar.passes.devices import retarget_devices
+from autopar.passes.shape_prop import to_fake
 
-__all__ = ["CapturedGraph", "capture", "MODEL_PREFIX", "CAPTURE_MODES"]
+__all__ = ["CapturedGraph", "capture", "caches_off", "model_loss", "MODEL_PREFIX", "CAPTURE_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -29,28 +34,83 @@ MODEL_PREFIX = "model"
 CAPTURE_MODES = ("export", "symbolic_trace")
 
 
+def _call(model: nn.Module, inputs, keywords: tuple[str, ...] | None):
+    return model(**dict(zip(keywords, inputs))) if keywords else model(*inputs)
+
+
+def model_loss(output):
+    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]`` or ``output[0]``."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise CaptureError(f"the model returned no scalar loss ({type(output).__name__}) for a batch with labels",
+                           where="the model's output (training on its own loss: no loss_fn, a `labels` input)",
+                           fix="make the model return its loss for `labels` (output.loss), or pass loss_fn= and "
+                               "example_target=")
+    return loss
+
+
 class _WithLoss(nn.Module):
     """forward(*inputs, target) -> loss_fn(model(*inputs), target): the training graph's root."""
 
-    def __init__(self, model: nn.Module, loss_fn):
+    def __init__(self, model: nn.Module, loss_fn, keywords=None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.keywords = keywords
 
     def forward(self, *args):
         *inputs, target = args
-        return self.loss_fn(self.model(*inputs), target)
+        return self.loss_fn(_call(self.model, inputs, self.keywords), target)
+
+
+class _ModelLoss(nn.Module):
+    """forward(*inputs) -> model(**inputs).loss: training on the loss the model computes from ``labels``."""
+
+    def __init__(self, model: nn.Module, keywords):
+        super().__init__()
+        self.model = model
+        self.keywords = keywords
+
+    def forward(self, *args):
+        return model_loss(_call(self.model, args, self.keywords))
 
 
 class _Inference(nn.Module):
     """forward(*inputs) -> model(*inputs), with the user's model under the same prefix."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keywords=None):
         super().__init__()
         self.model = model
+        self.keywords = keywords
 
     def forward(self, *args):
-        return self.model(*args)
+        return _call(self.model, args, self.keywords)
+
+
+@contextmanager
+def caches_off(model: nn.Module):
+    """Switch off ``config.use_cache`` (transformers) while capturing: a training step keeps no cache.
+
+    With the cache on, attention writes keys and values into a cache object (``detach_``, ``cat``,
+    ``to``), which would sit inside every tensor-parallel region; the graph is captured once, so
+    the program trains and infers without it. Logs one line when it switches a cache off.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", False) is True}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        log.info("capture: %s's use_cache switched off for capture and training (a training step keeps no cache)",
+                 type(model).__name__)
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 @dataclass
@@ -62,6 +122,8 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     has_loss: bool
     mode: str
+    keywords: tuple[str, ...] | None = None  # the inputs are the model's keyword arguments (a dict batch)
+    has_target: bool = False  # a ``target`` input follows the model's (loss_fn given)
 
 
 def _is_user_file(filename: str) -> bool:
@@ -120,9 +182,16 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 def _clean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop export's guard call and pytree codegen so the graph reads as plain positional code."""
+    """Drop export's guard call, its metadata assertions and pytree codegen: plain positional code.
+
+    ``aten._assert_tensor_metadata`` (export writes one before every ``.to``) computes nothing and
+    checks only dtype, device and layout, which the pass manager re-checks after every pass; kept, it
+    would pin the device the model was traced on and stop tensor parallelism at every ``.to``.
+    """
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
@@ -132,11 +201,59 @@ def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _name_inputs(gm: fx.GraphModule, model: nn.Module, num_inputs: int, has_loss: bool):
-    """Rename the placeholders after the model's forward parameters (and ``target``)."""
+def _is_meta_capture(root: nn.Module, args: tuple) -> bool:
+    tensors = list(root.parameters()) + list(root.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
+    return any(t.is_meta for t in tensors)
+
+
+@contextmanager
+def _on_fake_cpu(root: nn.Module, args: tuple):
+    """Trace a meta-device model on fake CPU tensors: the code then takes the CPU branches.
+
+    Meta tensors carry no device of their own to run on: code that asks ``x.device.type`` (HF
+    Mixtral's router loss picks its histogram dtype so) would bake choices no real device makes.
+    Every parameter, buffer and input becomes a fake CPU tensor of the same shape, stride and
+    dtype for the trace; nothing is allocated. Yields the fake arguments.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        value = to_fake(t, mode)
+        return nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+
+    state = {**dict(root.named_parameters()), **dict(root.named_buffers())}  # one name per tensor: ties kept
+    with _reparametrize_module(root, {k: fake(v) for k, v in state.items()}, tie_weights=True):
+        yield tuple(to_fake(a, mode) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _restore_meta(gm: fx.GraphModule, root: nn.Module) -> None:
+    """Put the model's own (meta) tensors back where the fake trace left fake ones."""
+    originals = {**dict(root.named_parameters(remove_duplicate=False)),
+                 **dict(root.named_buffers(remove_duplicate=False))}
+    for module_name, module in list(gm.named_modules()):
+        for attr, value in list(vars(module).items()) + list(module._parameters.items()) + list(
+                module._buffers.items()):
+            if not isinstance(value, FakeTensor):
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            original = originals.get(name)
+            if original is None:  # a constant the trace lifted: its shape on meta
+                original = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                               device="meta")
+            if attr in module._parameters:
+                module._parameters[attr] = original if isinstance(original, nn.Parameter) else nn.Parameter(
+                    original, requires_grad=value.requires_grad)
+            elif attr in module._buffers:
+                module._buffers[attr] = original
+            else:
+                setattr(module, attr, original)
+
+
+def _name_inputs(gm: fx.GraphModule, model: nn.Module, num_inputs: int, has_loss: bool, keywords=None):
+    """Rename the placeholders after the model's forward parameters, or the batch's keys (and ``target``)."""
     try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = list(keywords) if keywords else [p.name for p in inspect.signature(model.forward).parameters.values()
+                                                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
     wanted = (params + [f"input_{i}" for i in range(len(params), num_inputs)])[:num_inputs]
@@ -157,8 +274,16 @@ def capture(
     loss_fn=None,
     example_target: torch.Tensor | None = None,
     mode: str = "export",
+    keywords: tuple[str, ...] | None = None,
+    own_loss: bool = False,
 ) -> CapturedGraph:
-    """Trace ``model`` (and ``loss_fn`` when given) on ``example_inputs`` into an ATen GraphModule."""
+    """Trace ``model`` (and ``loss_fn`` when given) on ``example_inputs`` into an ATen GraphModule.
+
+    ``keywords``: the names ``example_inputs`` are passed under (``model(**batch)``, a dict batch as
+    HF data collators make it). ``own_loss``: no ``loss_fn``; the graph returns the loss the model
+    computes itself (``output.loss``, for a batch carrying ``labels``). Caches are switched off
+    while tracing (:func:`caches_off`).
+    """
     if mode not in CAPTURE_MODES:
         raise CaptureError(f"unknown capture mode {mode!r}", where="compile(capture=...)",
                            fix=f"use one of {CAPTURE_MODES}")
@@ -170,15 +295,27 @@ def capture(
     # distinct tensors for distinct inputs: export merges inputs that are the same object
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     try:
-        traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
-        root = _WithLoss(traced, loss_fn) if has_loss else _Inference(traced)
-        exported = torch.export.export(root, args, strict=False)
+        with caches_off(model):
+            traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
+            root = (_WithLoss(traced, loss_fn, keywords) if has_loss else
+                    _ModelLoss(traced, keywords) if own_loss else _Inference(traced, keywords))
+            on_meta = _is_meta_capture(root, args)
+            if on_meta:
+                with _on_fake_cpu(root, args) as fake_args:
+                    exported = torch.export.export(root, fake_args, strict=False)
+            else:
+                exported = torch.export.export(root, args, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes a CaptureError
         raise _capture_error(model, mode, exc) from exc
-    gm = _clean(exported.module())
-    names = _name_inputs(gm, model, len(example_inputs), has_loss)
+    gm = exported.module()
+    if on_meta:
+        _restore_meta(gm, root)
+    gm = _clean(gm)
+    # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
+    retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
+    names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
     log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
     return CapturedGraph(gm=gm, input_names=names, out_spec=exported.call_spec.out_spec,
-                         has_loss=has_loss, mode=mode)
+                         has_loss=has_loss or own_loss, mode=mode, keywords=keywords, has_target=has_loss)

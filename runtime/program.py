@@ -58,7 +58,7 @@ class RankProgram:
 
     def __init__(self, *, lowered: Lowered, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, materialize=None):
         self.plan = lowered.plan
         self.info = info
         self.schedule = schedule
@@ -69,6 +69,8 @@ class RankProgram:
         _own_parameters(mine)
         if self.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
             shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+        if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
+            materialize([s.gm for s in mine])
         self.stages = {s.stage: s for s in mine}
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
         self.comm_guard = CommGuard(rank=info.rank, timeout_s=p2p_timeout_s, place=self._place)
@@ -148,8 +150,29 @@ class RankProgram:
         chunks = [t.chunk(m, dim=0) for t in tensors]
         return [{name: c[i] for name, c in zip(names, chunks)} for i in range(m)]
 
-    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's dp slice of a global batch."""
+    def _batch(self, inputs: tuple, target, where: str) -> tuple:
+        """The graph's inputs in order, from tensors or from one dict batch (its keyword inputs)."""
+        keywords = self.captured.keywords
+        if keywords is not None:
+            if len(inputs) != 1 or not isinstance(inputs[0], dict):
+                raise PlanError("this program was compiled on a dict batch", where=where,
+                                fix=f"pass one dict with the keys {list(keywords)}")
+            missing = [k for k in keywords if k not in inputs[0]]
+            if missing:
+                raise PlanError(f"the batch lacks {missing}", where=where,
+                                fix=f"pass the keys the program was compiled with: {list(keywords)}")
+            inputs = tuple(inputs[0][k] for k in keywords)
+        if self.captured.has_target:
+            if target is None:
+                raise PlanError("this program was compiled with a loss_fn: the step needs its target", where=where,
+                                fix="pass target= (this rank's dp slice of the targets)")
+            inputs = tuple(inputs) + (target,)
+        return tuple(inputs)
+
+    def shard_batch(self, tensor):
+        """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch)."""
+        if isinstance(tensor, dict):
+            return {k: self.shard_batch(v) for k, v in tensor.items()}
         local = tensor.shape[0] // self.plan.mesh.dp
         return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
 
@@ -172,12 +195,16 @@ class RankProgram:
         """Wait for the dp reductions started during backward; tied weights across stages (grad_sync.py)."""
         self.grad_sync.finish()
 
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's dp batch; returns the global mean loss (every rank)."""
+    def train_step(self, *inputs, target: torch.Tensor | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's dp batch; returns the global mean loss (every rank).
+
+        ``inputs``: the tensors, or the one dict batch the program was compiled on; ``target`` when
+        it was compiled with a ``loss_fn`` (a dict batch with ``labels`` and no loss_fn needs none).
+        """
         if not self.captured.has_loss:
-            raise PlanError("this program was compiled without a loss_fn", where="train_step",
-                            fix="pass loss_fn= (and example_target=) to autopar.compile")
-        batches = self._microbatches(tuple(inputs) + (target,))
+            raise PlanError("this program was compiled without a loss", where="train_step",
+                            fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        batches = self._microbatches(self._batch(inputs, target, "train_step"))
         self.optimizer.zero_grad()
         self.events = []
         self.comm_log.reset()
@@ -222,9 +249,10 @@ class RankProgram:
         return loss
 
     @torch.no_grad()
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs):
         """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
-        batches = self._microbatches(tuple(inputs))
+        batches = self._microbatches(self._batch(inputs, None, "program(...)") if self.captured.keywords
+                                     else tuple(inputs))
         self.phase = "schedule"
         actions = self.inference_schedule.actions[self.info.coords["pp"]]
         results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,

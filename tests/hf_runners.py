@@ -1,78 +1,127 @@
-"""Runner kinds for Hugging Face checkpoints in and out (tests/api/test_hf_weights_dist.py).
+"""Runner kinds for Hugging Face models as users hold them (``kind="hf_runners:<function>"``).
 
-Each is ``kind="hf_runners:<function>"`` in a :class:`equivalence.Case`; ``case.extra`` names the
-pretrained folder (written by the test before spawning) and the folder to save into. The model
-each rank builds has other weights than the folder's (equivalence.build's seed): a load that
-missed a tensor shows.
+``case.model`` names a family of :data:`autopar.models.hf.HF_RAW`; ``case.overrides`` go to its config.
+:func:`meta_train` builds the model under ``torch.device("meta")`` and compiles it (each rank
+materialises only its pieces); :func:`cpu_reference` trains the same family built on CPU under the
+same seed on one device. Both return what :func:`equivalence.assert_equivalent` compares.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from equivalence import batches, build, make_optimizer
+SEED = 1234
+VOCAB = 128
 
 
-def _inference(case, mesh, model):
+def logits_loss(output, target):
+    """Cross entropy over the vocabulary, reading the ModelOutput's logits."""
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+
+def _build(case, device=None):
+    from autopar.models.hf import build_hf_raw
+    torch.manual_seed(SEED)
+    return build_hf_raw(case.model, device=device, **dict(case.overrides))
+
+
+def _batches(case):
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
+             torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+
+def _optimizer(case):
+    return lambda params: torch.optim.SGD(params, lr=case.lr, momentum=0.9)
+
+
+def cpu_reference(case) -> dict:
+    """One device, the model built on CPU under the same seed: losses and the final state_dict."""
+    model = _build(case)
+    opt = _optimizer(case)(list(model.parameters()))
+    losses = []
+    for x, y in _batches(case):
+        opt.zero_grad()
+        loss = logits_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def meta_train(case, mesh) -> dict:
+    """The family built on meta, compiled on ``mesh``: this rank's losses, state and held bytes."""
     import autopar
-    data = batches(case, model.cfg.vocab_size)
-    options = {k: v for k, v in case.options if k != "zero_stage"}
-    return autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120, **options), data
-
-
-def _held_elements(program) -> int:
-    from autopar.runtime.rank_tensors import held_tensors
-    return sum(h.tensor.numel() for h in held_tensors(program))
-
-
-def pretrained_logits(case, mesh) -> dict:
-    """Compile without a loss, load the pretrained folder, the logits of every batch."""
-    import autopar.hf
-    program, data = _inference(case, mesh, build(case))
-    report = autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
-    outputs = [program(program.shard_batch(x)) for x, _ in data]
-    return {"outputs": outputs, "report": report, "held_elements": _held_elements(program),
-            "state": program.full_state_dict()}
-
-
-def train_save(case, mesh) -> dict:
-    """Load the pretrained folder into a training program, train, save; then the trained weights'
-    logits from an inference program (given them by load_full_state_dict, not by the saved folder)."""
-    import autopar
-    import autopar.hf
-    from autopar.models import lm_loss
-    extra = dict(case.extra)
-    model = build(case)
-    data = batches(case, model.cfg.vocab_size)
-    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
-                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+    from autopar.runtime.model_state import storage_bytes
+    model = _build(case, device="meta")
+    data = _batches(case)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+                              example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
                               **dict(case.options))
-    autopar.hf.load_pretrained(program, extra["folder"])
-    loaded = program.full_state_dict()
+    held = storage_bytes(p for _, p in program.named_params)
+    local = {n: p.numel() for n, p in program.named_params}
     losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
-    folder = autopar.hf.save_pretrained(program, extra["out"], max_shard_size=extra.get("shard", "5GB"))
-    state = program.full_state_dict()
-    infer, _ = _inference(case, mesh, build(case))
-    infer.load_full_state_dict(state)
-    outputs = [infer(infer.shard_batch(x)) for x, _ in data]
-    return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs}
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"losses": losses, "state": program.full_state_dict(), "held_bytes": held, "model_bytes": whole,
+            "local_numel": local, "sharded": sorted(program.plan.param_shards),
+            "still_meta": all(p.is_meta for p in model.parameters())}
 
 
-def loaded(case, mesh) -> dict:
-    """Load into a training program; its full state. Under bf16 (fp32 masters; ZeRO-1/2: on their
-    owners only) also whether every rank's bf16 copies are the masters' rounding."""
+def padded_batches(case):
+    """Dict batches as a data collator makes them: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding).
+
+    Right padding of 0..3 tokens; every two consecutive rows pad 3 tokens together, so each microbatch
+    of an even number of rows carries the same number of label tokens (see docs/api.md: the model's own
+    loss is a mean over each microbatch's label tokens).
+    """
+    g = torch.Generator().manual_seed(99)
+    pads = [0, 3, 1, 2, 2, 1, 3, 0] * (case.batch // 8 + 1)
+    out = []
+    for _ in range(case.steps):
+        ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=g)
+        mask = torch.ones(case.batch, case.seq, dtype=torch.long)
+        for row in range(case.batch):
+            if pads[row]:
+                mask[row, case.seq - pads[row]:] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def _train_reference(case, model, step) -> dict:
+    opt = _optimizer(case)(list(model.parameters()))
+    losses = []
+    for batch in (padded_batches(case) if dict(case.extra).get("dict") else _batches(case)):
+        opt.zero_grad()
+        loss = step(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def hf_loop_reference(case) -> dict:
+    """HF's own single-device loop: ``loss = model(**batch).loss`` (dict cases) or the logits loss."""
+    if dict(case.extra).get("dict"):
+        return _train_reference(case, _build(case), lambda m, b: m(**b).loss)
+    return _train_reference(case, _build(case), lambda m, b: logits_loss(m(b[0]), b[1]))
+
+
+def hf_train(case, mesh) -> dict:
+    """The family as users hold it (``extra``: ``meta`` builds it on meta, ``dict`` trains on dict batches
+    with labels and no loss_fn), compiled on ``mesh``: this rank's losses and the full state."""
     import autopar
-    import autopar.hf
-    from autopar.models import lm_loss
-    model = build(case)
-    data = batches(case, model.cfg.vocab_size)
-    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
-                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
-                              **dict(case.options))
-    autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
-    result = {"state": program.full_state_dict()}
-    if program.mixed is not None:
-        values = dict(program.parameter_values())
-        result["rounded"] = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
-                                for name, compute, _ in program.mixed.pairs)
-        result["compute_dtype"] = str(program.mixed.pairs[0][1].dtype)
-    return result
+    extra = dict(case.extra)
+    model = _build(case, device="meta" if extra.get("meta") else None)
+    common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+    if extra.get("dict"):
+        data = padded_batches(case)
+        program = autopar.compile(model, mesh, example_inputs=data[0], **common)
+        losses = [program.train_step(program.shard_batch(b)).item() for b in data]
+    else:
+        data = _batches(case)
+        program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+                                  example_target=data[0][1], **common)
+        losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
+    return {"losses": losses, "state": program.full_state_dict(), "use_cache": model.config.use_cache,
+            "sharded": sorted(program.plan.param_shards)}

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None,
     reason="needs transformers and safetensors (the [test] extra)")]
 
-_R = "hf_runners:"
+_R = "hf_weight_runners:"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,78 @@
+"""Runner kinds for Hugging Face checkpoints in and out (tests/api/test_hf_weights_dist.py).
+
+Each is ``kind="hf_weight_runners:<function>"`` in a :class:`equivalence.Case`; ``case.extra`` names the
+pretrained folder (written by the test before spawning) and the folder to save into. The model
+each rank builds has other weights than the folder's (equivalence.build's seed): a load that
+missed a tensor shows.
+"""
+from __future__ import annotations
+
+import torch
+
+from equivalence import batches, build, make_optimizer
+
+
+def _inference(case, mesh, model):
+    import autopar
+    data = batches(case, model.cfg.vocab_size)
+    options = {k: v for k, v in case.options if k != "zero_stage"}
+    return autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120, **options), data
+
+
+def _held_elements(program) -> int:
+    from autopar.runtime.rank_tensors import held_tensors
+    return sum(h.tensor.numel() for h in held_tensors(program))
+
+
+def pretrained_logits(case, mesh) -> dict:
+    """Compile without a loss, load the pretrained folder, the logits of every batch."""
+    import autopar.hf
+    program, data = _inference(case, mesh, build(case))
+    report = autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
+    outputs = [program(program.shard_batch(x)) for x, _ in data]
+    return {"outputs": outputs, "report": report, "held_elements": _held_elements(program),
+            "state": program.full_state_dict()}
+
+
+def train_save(case, mesh) -> dict:
+    """Load the pretrained folder into a training program, train, save; then the trained weights'
+    logits from an inference program (given them by load_full_state_dict, not by the saved folder)."""
+    import autopar
+    import autopar.hf
+    from autopar.models import lm_loss
+    extra = dict(case.extra)
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    autopar.hf.load_pretrained(program, extra["folder"])
+    loaded = program.full_state_dict()
+    losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
+    folder = autopar.hf.save_pretrained(program, extra["out"], max_shard_size=extra.get("shard", "5GB"))
+    state = program.full_state_dict()
+    infer, _ = _inference(case, mesh, build(case))
+    infer.load_full_state_dict(state)
+    outputs = [infer(infer.shard_batch(x)) for x, _ in data]
+    return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs}
+
+
+def loaded(case, mesh) -> dict:
+    """Load into a training program; its full state. Under bf16 (fp32 masters; ZeRO-1/2: on their
+    owners only) also whether every rank's bf16 copies are the masters' rounding."""
+    import autopar
+    import autopar.hf
+    from autopar.models import lm_loss
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
+    result = {"state": program.full_state_dict()}
+    if program.mixed is not None:
+        values = dict(program.parameter_values())
+        result["rounded"] = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
+                                for name, compute, _ in program.mixed.pairs)
+        result["compute_dtype"] = str(program.mixed.pairs[0][1].dtype)
+    return result
