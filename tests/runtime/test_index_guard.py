@@ -1,0 +1,85 @@
+"""Token ids and positions past their tables: caught before any stage reads them, on every rank."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.models import build_model, lm_loss
+from autopar.passes.meta_keys import INDEX_BOUND, get_meta
+
+import shared_groups as groups
+
+
+def _bounds(gm) -> dict:
+    return {n.name: get_meta(n, INDEX_BOUND) for n in gm.graph.nodes
+            if n.op == "placeholder" and get_meta(n, INDEX_BOUND) is not None}
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"tp": 2}])
+def test_the_token_input_carries_its_bound_onto_the_stage_that_reads_it(mesh):
+    """gpt_tiny: idx indexes the 128-row embedding (vocab-parallel at tp=2: the bound stays the global one);
+    the positions come from arange(seq), a constant checked at plan time, so no other input is bounded."""
+    x = torch.randint(0, 128, (8, 16))
+    result = autopar.plan(build_model("gpt_tiny"), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x)
+    first = _bounds(result.graph(0, stage=0))
+    assert list(first) == ["idx"] and first["idx"].rows == 128
+    assert first["idx"].lookups[0].startswith("tok_emb (embedding")
+    if "pp" in mesh:  # the last stage does not read the token ids
+        assert _bounds(result.graph(1, stage=1)) == {}
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_out_of_range_token_id_is_an_index_range_error_and_the_step_is_not_taken(one_rank_mesh):
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (4, 16))
+    program = autopar.compile(build_model("gpt_tiny"), one_rank_mesh, example_inputs=(x,), loss_fn=lm_loss,
+                              example_target=x, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    before = program.full_state_dict()
+    bad = x.clone()
+    bad[2, 5] = 130
+    with pytest.raises(autopar.IndexRangeError) as info:
+        program.train_step(bad, target=x)
+    err = info.value
+    assert isinstance(err, autopar.RuntimeCommError)
+    assert "training step 1: input 'idx' of microbatch 1 holds values" in err.what and "..130" in err.what
+    assert "outside the table's rows 0..127 (tok_emb (embedding" in err.what
+    assert err.where == "rank 0, stage 0, training step 1" and "vocabulary size" in err.fix
+    assert program.step_count == 0
+    assert all(torch.equal(v, program.full_state_dict()[k]) for k, v in before.items())
+    assert bad[2, 5] == 130  # the caller's batch is left as it was
+    negative = x.clone()
+    negative[0, 0] = -1
+    with pytest.raises(autopar.IndexRangeError, match=r"holds values -1\.\."):
+        program(negative)
+    program.train_step(x, target=x)  # a good batch still trains
+    assert program.step_count == 1
+
+
+@pytest.mark.dist
+def test_out_of_range_token_id_on_one_rank_stops_every_rank_of_a_pp2_tp2_run():
+    """Rank 1 (pp 0, tp 1) alone sees a token id of 133: all four ranks raise the same IndexRangeError naming
+    rank 1, stage 0 and the bound (an IndexRangeError, not a RuntimeCommError: no rank waited out its
+    p2p deadline); no rank stepped, and the next good step trains on every rank."""
+    result = groups.results(4)[groups.INDEX_RANGE]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    messages = result["messages"]
+    assert len(messages) == 4 and len(set(messages)) == 1, messages
+    text = messages[0]
+    assert text.startswith("IndexRangeError: an index out of range at training step 2: input 'idx'"), text
+    assert "..133, outside the table's rows 0..127" in text and "Where: rank 1, stage 0, training step 2" in text
+    assert result["unchanged"] == [True] * 4 and result["step_counts"] == [1] * 4
+    assert len(set(result["losses"])) == 1
