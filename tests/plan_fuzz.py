@@ -261,3 +261,8 @@ def check_scenario(s: Scenario) -> str:
     assert s.mistake is None, f"planned despite the mistake {s.mistake!r}: {s}"
     _check_plan(s, result)
     return "planned"
+
+
+def text_inputs_target():
+    """A CLI target (``plan_fuzz:text_inputs_target``) that returns a model with text for its inputs."""
+    return model("mlp"), ("the quick brown fox",)

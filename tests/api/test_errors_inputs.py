@@ -269,3 +269,11 @@ def test_a_checkpoint_path_of_the_wrong_kind_is_a_checkpoint_error(one_rank_grou
            where="load_checkpoint(path=...)", fix="save_checkpoint")
     with pytest.raises(autopar.CheckpointError, match="not its state_dict"):
         program.load_full_state_dict(build_model("gpt_tiny"))
+
+
+def test_the_cli_prints_the_input_error_and_exits_2(capsys):
+    from autopar.cli import main
+    assert main(["inspect", "plan_fuzz:text_inputs_target", "--mesh", "dp=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar inspect: error: example_inputs[0] is a str, not a tensor"), err
+    assert "Where: plan(example_inputs=...)" in err and "Fix: " in err
