@@ -18,7 +18,7 @@ import contextlib
 import copy
 import functools
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -37,7 +37,8 @@ VOCAB, POSITIONS = 32, 16
 
 MISTAKES = ("str_input", "array_input", "function_model", "target_batch", "vector_loss", "plan_other_mesh",
             "sp_without_tp", "no_params", "token_range", "long_sequence", "unknown_option", "bad_zero_stage",
-            "bad_mesh", "target_without_loss")
+            "bad_mesh", "target_without_loss", "empty_batch", "scalar_input", "float_ids", "rank_outside",
+            "mesh_as_int")
 
 
 class TinyLM(nn.Module):
@@ -98,7 +99,6 @@ class Scenario:
     options: tuple = ()  # (name, value) pairs
     mistake: str | None = None
     ranks: tuple[int, ...] | None = None
-    notes: tuple = field(default=(), compare=False)
 
     def call(self) -> dict:
         """The keyword arguments of ``autopar.plan`` this scenario makes, its mistake included."""
@@ -141,6 +141,17 @@ class Scenario:
             kw["mesh_shape"] = {**kw["mesh_shape"], "tp": 0}
         elif bad == "target_without_loss":
             kw["loss_fn"] = None
+        elif bad == "empty_batch":
+            kw.update(example_inputs=(x[:0],), example_target=y[:0])
+        elif bad == "scalar_input":
+            kw["example_inputs"] = (x.sum(),)
+        elif bad == "float_ids":  # token ids as floats (the MLP's inputs are floats: the LM stands in)
+            x, y, _ = _inputs("lm", self.batch, self.seq)
+            kw.update(model=model("lm"), example_inputs=(x.float(),), example_target=y, loss_fn=lm_loss)
+        elif bad == "rank_outside":
+            kw["ranks"] = [self.mesh[0] * self.mesh[1] * self.mesh[2]]
+        elif bad == "mesh_as_int":  # a world size is read only by the planner (plan="auto")
+            kw["mesh_shape"] = self.mesh[0] * self.mesh[1] * self.mesh[2]
         return kw
 
 
@@ -170,6 +181,12 @@ def scenarios(draw) -> Scenario:
         options["capture"] = "symbolic_trace"
     if draw(st.integers(0, 7)) == 0:
         options["num_virtual"] = draw(st.sampled_from([1, 2]))
+    if tp > 1 and draw(st.integers(0, 5)) == 0:
+        options["vocab_parallel"] = draw(st.booleans())
+    if draw(st.integers(0, 9)) == 0:
+        options["precision"] = "bf16"
+    if draw(st.integers(0, 9)) == 0:
+        options["data_parallel"] = "dataparallel"
     mistake = draw(st.sampled_from(MISTAKES)) if draw(st.booleans()) else None
     ranks = (draw(st.integers(0, dp * pp * tp - 1)),) if draw(st.booleans()) else None
     return Scenario(model=name, mesh=(dp, pp, tp), batch=batch, seq=seq, options=tuple(sorted(options.items())),
