@@ -158,7 +158,7 @@ class Scenario:
 @st.composite
 def scenarios(draw) -> Scenario:
     """A model, a mesh of up to 8 ranks, options, a batch, and (half of the time) one user mistake."""
-    name = draw(st.sampled_from(["mlp"] * 6 + ["lm"] * 3 + ["gpt"]))
+    name = draw(st.sampled_from(["mlp"] * 10 + ["lm"] * 5 + ["gpt"]))
     dp, pp, tp = (draw(st.sampled_from([1, 1, 2, 4])) for _ in range(3))
     if dp * pp * tp > 8:
         dp = 1
@@ -183,7 +183,7 @@ def scenarios(draw) -> Scenario:
         options["num_virtual"] = draw(st.sampled_from([1, 2]))
     if tp > 1 and draw(st.integers(0, 5)) == 0:
         options["vocab_parallel"] = draw(st.booleans())
-    if draw(st.integers(0, 9)) == 0:
+    if draw(st.integers(0, 15)) == 0:  # (a bf16 copy of the model is captured anew: rarer)
         options["precision"] = "bf16"
     if draw(st.integers(0, 9)) == 0:
         options["data_parallel"] = "dataparallel"
