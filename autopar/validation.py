@@ -16,9 +16,9 @@ to do) instead of a foreign traceback from deep inside capture, or a silent wron
 
 Example::
 
-    >>> check_arguments(lambda x: x, example_inputs=(torch.ones(2),), where="plan")
-    Traceback (most recent call last):
-    autopar.errors.InputError: model must be a torch.nn.Module, got function ...
+    >>> check_arguments(nn.Linear(4, 2), example_inputs=(torch.ones(8, 4),), where="plan")  # fine: no error
+    >>> example_tensors({"input_ids": torch.ones(2, 3)}, where="plan")[0][0]
+    "example_inputs['input_ids']"
 """
 from __future__ import annotations
 

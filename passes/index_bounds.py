@@ -15,9 +15,9 @@ indexing of a parameter or buffer) and follows its index back through ops that k
 An index computed from an input by arithmetic (``cumsum`` of a mask) is not followed: it is
 neither bounded here nor checked at run time.
 
-Example::
+Example (``gm`` captured from ``gpt_tiny``)::
 
-    >>> bounds = annotate_index_bounds(gm)   # {'idx': IndexBound(rows=128, lookups=('tok_emb (embedding)',))}
+    annotate_index_bounds(gm)   # {'idx': IndexBound(rows=128, lookups=('tok_emb (embedding, 128 rows)',))}
 """
 from __future__ import annotations
 

@@ -83,3 +83,30 @@ def test_out_of_range_token_id_on_one_rank_stops_every_rank_of_a_pp2_tp2_run():
     assert "..133, outside the table's rows 0..127" in text and "Where: rank 1, stage 0, training step 2" in text
     assert result["unchanged"] == [True] * 4 and result["step_counts"] == [1] * 4
     assert len(set(result["losses"])) == 1
+
+
+class PositionsAsInput(torch.nn.Module):
+    """Position ids passed in (as Hugging Face models take them), indexing an 8-row table."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, 16)
+        self.pos = torch.nn.Embedding(8, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids, positions):
+        return self.head(self.tok(ids) + self.pos(positions.view(positions.shape)))
+
+
+def test_position_ids_given_as_an_input_are_bounded_by_the_position_table():
+    ids = torch.randint(0, 32, (4, 8))
+    positions = torch.arange(8).expand(4, 8).clone()
+    result = autopar.plan(PositionsAsInput(), {"dp": 1}, example_inputs=(ids, positions), loss_fn=lm_loss,
+                          example_target=ids)
+    bounds = _bounds(result.graph(0))
+    assert {name: b.rows for name, b in bounds.items()} == {"ids": 32, "positions": 8}
+    assert bounds["positions"].lookups == ("pos (embedding_1, 8 rows)",)  # followed through the view
+    with pytest.raises(autopar.InputError, match=r"example input 'positions' holds values 2\.\.9, outside the "
+                                                 r"table's rows 0\.\.7"):
+        autopar.plan(PositionsAsInput(), {"dp": 1}, example_inputs=(ids, positions + 2), loss_fn=lm_loss,
+                     example_target=ids)
