@@ -145,11 +145,29 @@ def check_plan_matches(plan, *, model: nn.Module, mesh_shape, where: str) -> Non
         raise PlanError(f"the Plan was made for a {name} of {plan.num_parameters:,} parameters; this one has "
                         f"{count:,}", where=f"{where}(plan=...)",
                         fix="plan this model again: its sizes differ from the one the Plan was made for")
+    unknown = _unknown_names(plan, model)
+    if unknown:
+        field, name = unknown[0]
+        raise PlanError(f"the Plan's {field} names {name!r}, which {type(model).__name__} does not have"
+                        + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                        where=f"{where}(plan=...), Plan.{field}",
+                        fix="plan this model again, or edit the Plan to name this model's modules and parameters "
+                            "(as model.named_modules() / named_parameters() spell them)")
     if mesh_shape is not None:
         from autopar.mesh import parse_mesh_shape
         shape = parse_mesh_shape(mesh_shape)
         if shape != plan.mesh:
             raise _mesh_mismatch(plan, shape, where=where)
+
+
+def _unknown_names(plan: Plan, model: nn.Module) -> list[tuple[str, str]]:
+    """(Plan field, name) of every module or parameter the Plan names that ``model`` lacks."""
+    modules = {n for n, _ in model.named_modules()}
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    named = [("tp_regions", p) for r in plan.tp_regions for p in r.columns + r.rows]
+    named += [("vocab_parallel", p) for p in plan.vocab_parallel]
+    bad = [(f, p) for f, p in named if p not in modules]
+    return bad + [(f, p) for f in ("param_shards", "shared_params") for p in getattr(plan, f) if p not in params]
 
 
 def _mesh_mismatch(plan: Plan, shape: MeshShape, *, where: str) -> PlanError:

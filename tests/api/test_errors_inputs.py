@@ -277,3 +277,21 @@ def test_the_cli_prints_the_input_error_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert err.startswith("autopar inspect: error: example_inputs[0] is a str, not a tensor"), err
     assert "Where: plan(example_inputs=...)" in err and "Fix: " in err
+
+
+def test_a_plan_naming_modules_the_model_lacks_is_a_plan_error(gpt):
+    """A Plan's tensor-parallel regions and vocabulary-parallel modules used to be dropped silently when the
+    model has no such modules (tp=2 without a single shard)."""
+    from autopar.plan_model import TpRegionPlan
+    x, y = _batch()
+    good = autopar.plan(gpt, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y).plan
+    again = autopar.plan(gpt, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=good).plan
+    assert again.tp_regions == good.tp_regions and again.param_shards == good.param_shards
+    edited = good.model_copy(update={"tp_regions": (TpRegionPlan(columns=("attn.qkv",), rows=("attn.proj",)),)})
+    with pytest.raises(autopar.PlanError) as info:
+        autopar.plan(gpt, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=edited)
+    _check(info, autopar.PlanError, what="the Plan's tp_regions names 'attn.qkv', which GPT does not have (1 more)",
+           where="plan(plan=...), Plan.tp_regions", fix="named_modules()")
+    with pytest.raises(autopar.PlanError, match="the Plan's vocab_parallel names 'embedding'"):
+        autopar.plan(gpt, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                     plan=good.model_copy(update={"vocab_parallel": ("embedding",)}))
