@@ -243,10 +243,11 @@ def _check_input_values(captured, inputs: tuple) -> None:
         value = values.get(name)
         if not isinstance(value, torch.Tensor) or value.is_meta or value.device.type == "meta":
             continue
-        problem = index_problem(value, bound.rows)
+        problem = index_problem(value, bound.rows, bound.low)
         if problem:
             raise InputError(f"example input {name!r} {problem}", where=f"input {name!r} indexing {bound.lookups[0]}",
-                             fix=f"keep {name} in 0..{bound.rows - 1} (e.g. token ids below the vocabulary size), "
+                             fix=f"keep {name} in {bound.low}..{bound.rows - 1} (e.g. token ids below the vocabulary "
+                                 "size), "
                                  "or grow the table")
 
 

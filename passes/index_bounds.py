@@ -27,7 +27,8 @@ import torch.fx as fx
 from autopar.passes.capture import MODEL_PREFIX
 from autopar.passes.meta_keys import INDEX_BOUND, MODULE, PARAM, TENSOR, IndexBound, get_meta, set_meta
 
-__all__ = ["Lookup", "find_lookups", "annotate_index_bounds", "constant_index_problems", "index_problem"]
+__all__ = ["Lookup", "find_lookups", "annotate_index_bounds", "constant_index_problems", "index_problem",
+           "range_text"]
 
 # ops whose output holds (a selection of) their first argument's values unchanged
 _KEEP_VALUES = frozenset({
@@ -60,11 +61,12 @@ def _from_table(node: fx.Node) -> bool:
 class Lookup:
     """One table lookup: the index node, the table's rows and a readable name."""
 
-    def __init__(self, node: fx.Node, index: fx.Node, rows: int):
+    def __init__(self, node: fx.Node, index: fx.Node, rows: int, *, wraps: bool = False):
         self.node, self.index, self.rows = node, index, rows
+        self.low = -rows if wraps else 0  # tensor indexing reads -1 as the last row; embedding does not
         info = get_meta(node, MODULE)
         path = info.path if info is not None else ""
-        path = path[len(MODEL_PREFIX) + 1:] if path.startswith(MODEL_PREFIX + ".") else path
+        path = "" if path == MODEL_PREFIX else path.removeprefix(MODEL_PREFIX + ".")  # as the user names it
         self.name = f"{path or '<root>'} ({node.name}, {rows} rows)"
 
 
@@ -92,7 +94,7 @@ def find_lookups(gm: fx.GraphModule) -> list[Lookup]:
         info = get_meta(index, TENSOR)
         if info is None or info.dtype is None or info.dtype.is_floating_point or info.dtype == torch.bool:
             continue  # a boolean mask selects, it does not index
-        found.append(Lookup(node, index, shape[dim]))
+        found.append(Lookup(node, index, shape[dim], wraps=op == "index"))
     return found
 
 
@@ -112,7 +114,8 @@ def annotate_index_bounds(gm: fx.GraphModule) -> dict[str, IndexBound]:
     bounds = {}
     for node, lookups in per_input.items():
         lookups = sorted(lookups, key=lambda lk: lk.rows)  # the smallest table bounds the input
-        bounds[node.name] = IndexBound(rows=lookups[0].rows, lookups=tuple(lk.name for lk in lookups))
+        bounds[node.name] = IndexBound(rows=lookups[0].rows, lookups=tuple(lk.name for lk in lookups),
+                                       low=max(lk.low for lk in lookups))
         set_meta(node, INDEX_BOUND, bounds[node.name])
     return bounds
 
@@ -150,14 +153,19 @@ def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]):
     return env[nodes[-1]]
 
 
-def index_problem(values: torch.Tensor, rows: int) -> str | None:
-    """'ids 0..40 outside 0..31' when ``values`` leave the table's rows, else None."""
+def range_text(low: int, rows: int) -> str:
+    """The valid indices of a table as text: 'rows 0..31', or 'rows -32..31' where negatives wrap."""
+    return f"rows {low}..{rows - 1}"
+
+
+def index_problem(values: torch.Tensor, rows: int, low: int = 0) -> str | None:
+    """'holds values 0..40, outside the table's rows 0..31' when ``values`` leave the table, else None."""
     if values.numel() == 0:
         return None
-    low, high = int(values.min()), int(values.max())
-    if 0 <= low and high < rows:
+    least, most = int(values.min()), int(values.max())
+    if low <= least and most < rows:
         return None
-    return f"holds values {low}..{high}, outside the table's rows 0..{rows - 1}"
+    return f"holds values {least}..{most}, outside the table's {range_text(low, rows)}"
 
 
 def constant_index_problems(gm: fx.GraphModule) -> list[tuple[Lookup, str]]:
@@ -172,7 +180,7 @@ def constant_index_problems(gm: fx.GraphModule) -> list[tuple[Lookup, str]]:
         except Exception:  # noqa: BLE001 - an index we cannot compute here is left to the run
             continue
         if isinstance(value, torch.Tensor):
-            problem = index_problem(value, lookup.rows)
+            problem = index_problem(value, lookup.rows, lookup.low)
             if problem:
                 problems.append((lookup, problem))
     return problems

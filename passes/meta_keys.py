@@ -111,10 +111,14 @@ class Placement:
 
 @dataclass(frozen=True)
 class IndexBound:
-    """For a graph input (placeholder) that indexes tables: valid values are ``0..rows-1``; the lookups."""
+    """For a graph input (placeholder) that indexes tables: valid values are ``low..rows-1``; the lookups.
+
+    ``low`` is 0, or ``-rows`` where only tensor indexing (which wraps negative indices) reads the input.
+    """
 
     rows: int
     lookups: tuple[str, ...]
+    low: int = 0
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import IndexRangeError
+from autopar.passes.index_bounds import range_text
 from autopar.passes.meta_keys import INDEX_BOUND, get_meta
 
 __all__ = ["IndexGuard", "graph_has_bounds", "index_error"]
@@ -60,12 +61,12 @@ class IndexGuard:
         ends = torch.stack([torch.stack([t.min(), t.max()]).long() for *_, t in found]).tolist()  # one host sync
         problem = None
         for (stage, name, bound, i, t), (low, high) in zip(found, ends):
-            if 0 <= low and high < bound.rows:
+            if bound.low <= low and high < bound.rows:
                 continue
             if problem is None:
                 problem = (f"input {name!r} of microbatch {i} holds values {int(low)}..{int(high)}, outside the "
-                           f"table's rows 0..{bound.rows - 1} ({bound.lookups[0]}); stage {stage}")
-            microbatches[i][name] = t.clamp(0, bound.rows - 1)  # the stages run the step with their peers
+                           f"table's {range_text(bound.low, bound.rows)} ({bound.lookups[0]}); stage {stage}")
+            microbatches[i][name] = t.clamp(bound.low, bound.rows - 1)  # the stages run the step with their peers
         return problem
 
     def agree(self, problem: str | None, *, guard, rank: int, step: str) -> None:

@@ -110,3 +110,23 @@ def test_position_ids_given_as_an_input_are_bounded_by_the_position_table():
                                                  r"table's rows 0\.\.7"):
         autopar.plan(PositionsAsInput(), {"dp": 1}, example_inputs=(ids, positions + 2), loss_fn=lm_loss,
                      example_target=ids)
+
+
+class IndexedTable(torch.nn.Module):
+    """A parameter indexed by an input tensor (advanced indexing: -1 is the last row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, idx):
+        return self.table[idx].sum(-1)
+
+
+def test_indexing_a_parameter_by_an_input_is_bounded_and_negative_indices_wrap():
+    idx = torch.tensor([[0, 7], [-1, -8]])
+    result = autopar.plan(IndexedTable(), {"dp": 1}, example_inputs=(idx,))
+    bound = _bounds(result.graph(0))["idx"]
+    assert (bound.rows, bound.low) == (8, -8) and bound.lookups[0].startswith("<root> (index")
+    with pytest.raises(autopar.InputError, match=r"holds values -9\.\.7, outside the table's rows -8\.\.7"):
+        autopar.plan(IndexedTable(), {"dp": 1}, example_inputs=(torch.tensor([[0, 7], [-9, 1]]),))
