@@ -9,7 +9,7 @@ rewritten graphs in a plain process.
 """
 from autopar.compile import compile, default_optimizer
 from autopar.errors import (
-    AutoparError, CaptureError, CheckpointError, NumericsError, PassError, PlanError, RuntimeCommError,
+    AutoparError, CaptureError, CheckpointError, IndexRangeError, InputError, NumericsError, PassError, PlanError, RuntimeCommError,
     ScheduleError, ShardingError,
 )
 from autopar.mesh import init_mesh
@@ -20,6 +20,6 @@ from autopar.planning import PlanResult, plan
 __all__ = [
     "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
-    "RuntimeCommError", "NumericsError", "CheckpointError", "PassError",
+    "RuntimeCommError", "NumericsError", "IndexRangeError", "InputError", "CheckpointError", "PassError",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 from autopar.lowering import _is_meta, lower
 from autopar.mesh import mesh_info
-from autopar.options import CompileOptions
 from autopar.plan_model import Plan
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
@@ -21,6 +20,7 @@ from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
+from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
 
@@ -74,6 +74,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     else by the model's own initialisers from global rank 0's ``torch.initial_seed()``
     (:mod:`autopar.runtime.init_replay`: the values a CPU build after ``torch.manual_seed(seed)`` draws).
     """
+    check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
+                    where="compile")  # autopar/validation.py: every argument, before anything runs
     report = None
     if isinstance(plan, str):  # the planner's Plan (and mesh, when none was given)
         from autopar.planner.auto import plan_for_compile
@@ -85,7 +87,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         raise PlanError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}", where="compile(mesh=...)",
                         fix="build one with autopar.init_mesh(dp=..., pp=..., tp=...)")
     info = mesh_info(mesh)
-    opts = CompileOptions(**options)
+    opts = checked_options(options, mesh=info.shape, plan=plan, where="compile")
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")

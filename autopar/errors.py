@@ -9,10 +9,12 @@ __all__ = [
     "AutoparError",
     "CaptureError",
     "PlanError",
+    "InputError",
     "ShardingError",
     "ScheduleError",
     "RuntimeCommError",
     "NumericsError",
+    "IndexRangeError",
     "CheckpointError",
     "PassError",
     "format_error",
@@ -47,6 +49,10 @@ class PlanError(AutoparError):
     """The mesh, the config or the Plan does not fit the model or the world."""
 
 
+class InputError(PlanError):
+    """An argument is of the wrong kind or shape: a non-tensor input, a function for a module, batches that disagree."""
+
+
 class ShardingError(AutoparError):
     """A tensor-parallel sharding cannot be applied (indivisible dims, missing rule)."""
 
@@ -61,6 +67,10 @@ class RuntimeCommError(AutoparError):
 
 class NumericsError(RuntimeCommError):
     """A NaN or inf in the loss or the gradients; names the step, the stage and the tensor."""
+
+
+class IndexRangeError(RuntimeCommError):
+    """An index input (token ids, positions) leaves the table it looks up; names the rank, stage, input and bound."""
 
 
 class CheckpointError(AutoparError):

@@ -40,6 +40,7 @@ from autopar.runtime.mixed_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
 from autopar.runtime.chimera import replicate_stages
 from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
+from autopar.validation import check_captured
 
 __all__ = ["Lowered", "Captured", "lower", "capture_and_annotate", "shard_captured", "lower_captured", "choose_microbatches",
            "user_name", "batch_inputs", "LABELS"]
@@ -272,6 +273,7 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
     all_args = args + ((target,) if loss_fn is not None else ())
     annotate(captured.gm, example_inputs=all_args, model=traced)
+    check_captured(captured, inputs=example_inputs + ((example_target,) if loss_fn is not None else ()))
     return Captured(model_name=type(model).__name__, num_parameters=sum(p.numel() for p in model.parameters()),
                     mesh=mesh, options=options, plan=plan, batch=batch, num_microbatches=m, example_args=all_args,
                     captured=captured, precision=precision, has_loss=captured.has_loss, template=template)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.elastic import restart_safe_rendezvous
 from autopar.errors import PlanError
 from autopar.plan_model import MESH_AXES, MeshShape
+from autopar.validation import check_mesh_degrees
 
 __all__ = ["init_mesh", "MeshInfo", "mesh_info", "parse_mesh_shape"]
 
@@ -49,6 +50,7 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
     NCCL and an object collective anywhere. autopar's own tensor collectives on gloo wait at most
     compile's ``p2p_timeout_s`` whatever it is (:mod:`autopar.runtime.comm_guard`).
     """
+    check_mesh_degrees(dp=dp, pp=pp, tp=tp, backend=backend, timeout_s=timeout_s)  # autopar/validation.py
     shape = MeshShape(dp=dp, pp=pp, tp=tp)
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     if world != shape.world_size:

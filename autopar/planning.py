@@ -16,12 +16,12 @@ import torch.nn as nn
 from autopar.lowering import Captured, Lowered, capture_and_annotate, lower_captured
 from autopar.errors import PlanError
 from autopar.mesh import parse_mesh_shape
-from autopar.options import CompileOptions
 from autopar.passes.pipeline_split import StageGraph
 from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
+from autopar.validation import check_arguments, checked_options
 
 __all__ = ["plan", "PlanResult", "RankGraphs", "rank_of", "coords_of"]
 
@@ -114,6 +114,8 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     chooses the Plan for ``cluster`` (a :class:`autopar.planner.Cluster` or a preset name);
     ``mesh_shape`` may then be a world size, a partial shape such as ``{"tp": 8}``, or None.
     """
+    check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
+                    mesh_shape=mesh_shape, where="plan")  # autopar/validation.py: every argument, before capture
     report = None
     if isinstance(plan, str):
         from autopar.planner.auto import choose_plan
@@ -121,7 +123,7 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
                              example_target=example_target, mode=plan, cluster=cluster, options=options)
         plan = report.plan
     shape = parse_mesh_shape(mesh_shape if plan is None else plan.mesh)
-    opts = CompileOptions(**options)
+    opts = checked_options(options, mesh=shape, plan=plan, where="plan")
     cap = capture_and_annotate(model, mesh=shape, example_inputs=example_inputs, example_target=example_target,
                                loss_fn=loss_fn, options=opts, plan=plan)
     o = cap.options

@@ -24,12 +24,14 @@ __all__ = [
     "MODULE",
     "STAGE",
     "TP_PLACEMENT",
+    "INDEX_BOUND",
     "TensorInfo",
     "NodeCost",
     "ParamInfo",
     "ModuleInfo",
     "StageInfo",
     "Placement",
+    "IndexBound",
     "MetaKey",
     "META_KEYS",
     "get_meta",
@@ -43,6 +45,7 @@ PARAM = "autopar.param"
 MODULE = "autopar.module"
 STAGE = "autopar.stage"
 TP_PLACEMENT = "autopar.tp_placement"
+INDEX_BOUND = "autopar.index_bound"
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,18 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class IndexBound:
+    """For a graph input (placeholder) that indexes tables: valid values are ``low..rows-1``; the lookups.
+
+    ``low`` is 0, or ``-rows`` where only tensor indexing (which wraps negative indices) reads the input.
+    """
+
+    rows: int
+    lookups: tuple[str, ...]
+    low: int = 0
+
+
+@dataclass(frozen=True)
 class MetaKey:
     """One row of the registry: the key, the dataclass it holds, its writer and its readers."""
 
@@ -130,6 +145,8 @@ META_KEYS = MappingProxyType(
                        ("passes.pipeline_split",)),
         TP_PLACEMENT: MetaKey(TP_PLACEMENT, Placement, "passes.tensor_parallel.shard_tensor_parallel",
                               ("passes.sequence_parallel", "passes.tp_random")),  # vocab/SP passes write it too
+        INDEX_BOUND: MetaKey(INDEX_BOUND, IndexBound, "passes.index_bounds.annotate_index_bounds",
+                             ("runtime.index_guard", "autopar.validation")),
     }
 )
 

@@ -160,6 +160,8 @@ class AsyncProgram(RankProgram):
             raise PlanError("this program was compiled without a loss_fn", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile")
         batches = self._microbatches(tuple(inputs) + (target,))
+        self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
+                               step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
         first = self._fed
         for k, batch in enumerate(batches):
             self._inputs[first + k] = batch

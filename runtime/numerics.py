@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autopar.errors import NumericsError
 from autopar.lowering import user_name
+from autopar.runtime.index_guard import index_error
 
 __all__ = ["all_finite", "local_nonfinite", "check_finite"]
 
@@ -70,22 +71,31 @@ def local_nonfinite(program, results: dict) -> str | None:
     return _first_nonfinite_loss(results, last) or _first_nonfinite_grad(program)
 
 
-def check_finite(program, results: dict) -> None:
-    """Raise NumericsError on every rank if any rank's loss or gradients hold a NaN or inf."""
+def check_finite(program, results: dict, *, index_problem: str | None = None) -> None:
+    """Raise NumericsError on every rank if any rank's loss or gradients hold a NaN or inf.
+
+    ``index_problem``: what this rank's index guard found before the schedule ran
+    (:mod:`autopar.runtime.index_guard`); it rides on the same all-reduce, and any rank's
+    becomes an IndexRangeError on every rank.
+    """
     found = local_nonfinite(program, results)
     step = program.step_count + 1
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0.0 if found is None else 1.0])
+        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0])
         program.comm_guard.run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None,
-                               purpose="the non-finite check (runtime/numerics.py)")
-        if flag.item() == 0:
+                               purpose="the non-finite and index checks (runtime/numerics.py)")
+        if flag.sum().item() == 0:
             return
-        reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, found)
-    elif found is None:
+        pairs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (found, index_problem))
+    elif found is None and index_problem is None:
         return
     else:
-        reports = [found]
+        pairs = [(found, index_problem)]
+    if any(index for _, index in pairs):  # the bad index explains whatever followed from the clamped values
+        raise index_error([index for _, index in pairs], step=f"training step {step}",
+                          offset=0 if len(pairs) > 1 else program.info.rank)
+    reports = [f for f, _ in pairs]
     # a non-finite loss explains the gradients: report it first
     rank, what = min(((r, f) for r, f in enumerate(reports) if f is not None),
                      key=lambda rf: (not rf[1].startswith("the loss"), rf[0]))

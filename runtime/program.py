@@ -34,6 +34,7 @@ from autopar.runtime.zero import ShardedOptimizer, stepped_here
 from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
+from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
 
 __all__ = ["RankProgram"]
@@ -72,6 +73,8 @@ class RankProgram:
         if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
             materialize([s.gm for s in mine])
         self.stages = {s.stage: s for s in mine}
+        # token ids and positions range-checked each step before the stages read them (runtime/index_guard.py)
+        self.index_guard = IndexGuard(self.stages, active=graph_has_bounds(lowered.captured.gm))
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
         self.comm_guard = CommGuard(rank=info.rank, timeout_s=p2p_timeout_s, place=self._place)
         self.comm_log = CommLog(guard=self.comm_guard)  # this step's dp collectives (runtime/comm_audit.py)
@@ -205,6 +208,7 @@ class RankProgram:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
         batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
         self.events = []
         self.comm_log.reset()
@@ -218,7 +222,8 @@ class RankProgram:
         self._sync_gradients()
         sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"], guard=self.comm_guard)
         self.phase = "non-finite check"
-        check_finite(self, results)  # runtime/numerics.py: a NaN/inf stops the step on every rank
+        # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank
+        check_finite(self, results, index_problem=index_problem)
         if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
             self.phase = "gradient clipping"
             self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
@@ -253,6 +258,9 @@ class RankProgram:
         """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
         batches = self._microbatches(self._batch(inputs, None, "program(...)") if self.captured.keywords
                                      else tuple(inputs))
+        self.phase = "index range check"
+        self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
+                               step="a forward-only call")
         self.phase = "schedule"
         actions = self.inference_schedule.actions[self.info.coords["pp"]]
         results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,

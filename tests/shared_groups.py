@@ -52,6 +52,8 @@ ROUNDTRIP = Case(mesh=(2, 1, 1), kind=_R + "full_state_dict_roundtrip", extra=((
 NONFINITE = Case(mesh=(1, 2, 1), kind=_R + "nonfinite", **_GPT4)
 P2P_TIMEOUT = Case(mesh=(1, 2, 1), kind=_R + "p2p_timeout", **_GPT4)  # poisons its own group: keep it last
 COLLECTIVE_TIMEOUT = Case(mesh=(2, 1, 1), kind=_R + "collective_timeout", **_GPT4)  # its own groups too
+# a token id past the embedding on one rank of pp=2 x tp=2 (tests/guard_runners.py); the group stays usable
+INDEX_RANGE = Case(mesh=(1, 2, 2), kind="guard_runners:index_out_of_range", **_GPT4)
 
 # models nobody here wrote (transformers): every family on pp and tp, two on dp too (the 2 x 2 meshes
 # and Qwen2 are in docs/coverage.md); BatchNorm's ResNet with one microbatch
@@ -69,7 +71,7 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
     HF_CASES = []
 
 GROUPS = {
-    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD],
+    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD, INDEX_RANGE],
     2: [*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE,
         P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
 }

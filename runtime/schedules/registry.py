@@ -72,7 +72,7 @@ def schedule_names(*, asynchronous: bool = True) -> tuple[str, ...]:
 def _family(name: str) -> _Family:
     family = _FAMILIES.get(name)
     if family is None:
-        raise ScheduleError(f"unknown schedule {name!r}", fix=f"use one of {', '.join(schedule_names())}")
+        raise ScheduleError(f"unknown schedule {name!r}", where="schedule=", fix=f"use one of {', '.join(schedule_names())}")
     return family
 
 
@@ -107,6 +107,7 @@ def build_schedule(
                 others = "zb_h1 or zb_h2 for one stage per rank, interleaved_1f1b for more"
             raise ScheduleError(
                 f"schedule {name!r} runs exactly {family.fixed} stage(s) per rank, got num_virtual={num_virtual}",
+                where=f"schedule {name!r}, num_virtual={num_virtual}",
                 fix=f"drop num_virtual (or pass {family.fixed}), or use {others} for other stage counts",
             )
         logger.debug("building %s for %s ranks, %s microbatches", name, num_ranks, num_microbatches)
@@ -116,6 +117,7 @@ def build_schedule(
         other = ", or use '1f1b' for one stage per rank" if name == "interleaved_1f1b" else ""
         raise ScheduleError(
             f"schedule {name!r} needs num_virtual >= {family.minimum} stages per rank, got {num_virtual!r}",
+            where=f"schedule {name!r}, num_virtual={num_virtual!r}",
             fix=f"pass num_virtual={family.minimum} or more{other}",
         )
     logger.debug("building %s for %s ranks, %s microbatches, %s stages per rank",
