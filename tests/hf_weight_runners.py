@@ -12,11 +12,11 @@ import torch
 from equivalence import batches, build, make_optimizer
 
 
-def _inference(case, mesh, model):
+def _inference(case, mesh, model, **extra):
     import autopar
     data = batches(case, model.cfg.vocab_size)
     options = {k: v for k, v in case.options if k != "zero_stage"}
-    return autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120, **options), data
+    return autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120, **options, **extra), data
 
 
 def _held_elements(program) -> int:
@@ -25,10 +25,24 @@ def _held_elements(program) -> int:
 
 
 def pretrained_logits(case, mesh) -> dict:
-    """Compile without a loss, load the pretrained folder, the logits of every batch."""
+    """Compile without a loss, load the pretrained folder, the logits of every batch.
+
+    ``extra`` ``meta``: the model is built on the meta device and compiled with the folder as its
+    ``weights=`` filler (each rank reads its pieces into a model nobody materialised)."""
+    import math
     import autopar.hf
-    program, data = _inference(case, mesh, build(case))
-    report = autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
+    folder = dict(case.extra)["folder"]
+    if dict(case.extra).get("meta"):
+        with torch.device("meta"):
+            model = build(case)
+        fill = autopar.hf.pretrained_weights(folder, model)
+        program, data = _inference(case, mesh, model, weights=fill)
+        shapes = autopar.hf.folder.PretrainedFolder(folder).shapes
+        report = autopar.hf.LoadReport(num_tensors=0, elements_read=fill.elements_read,
+                                       checkpoint_elements=sum(math.prod(v) for v in shapes.values()))
+    else:
+        program, data = _inference(case, mesh, build(case))
+        report = autopar.hf.load_pretrained(program, folder)
     outputs = [program(program.shard_batch(x)) for x, _ in data]
     return {"outputs": outputs, "report": report, "held_elements": _held_elements(program),
             "state": program.full_state_dict()}

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out on a spawned group of 4 ranks (autopar.hf).
 
 - pretrained folder -> autopar at pp=2 x tp=2 -> logits equal to transformers' eager model on the
-  same weights, each rank reading only its pieces (Llama from a sharded index, GPT-2 from one file);
+  same weights, each rank reading only its pieces (Llama from a sharded index, GPT-2 from one file),
+  into a compiled program or, for a model built on the meta device, as compile's ``weights=`` filler;
 - load, train, save -> ``AutoModelForCausalLM.from_pretrained`` -> the trained weights exactly, and
   logits equal to the autopar program's; the training itself equal to one device from the same
   weights (the equivalence harness's tolerances), at pp=2 x tp=2 and at dp=2 x tp=2 under ZeRO-3;
@@ -49,6 +50,9 @@ def _cases() -> list[Case]:
     return [
         Case(model="hf_llama", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2, extra=llama_in),
         Case(model="hf_gpt2", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2, extra=gpt2_in),
+        # built on the meta device: the folder is compile's weights= filler, nothing else is allocated
+        Case(model="hf_llama", mesh=(1, 2, 2), kind=_R + "pretrained_logits", steps=2,
+             extra=llama_in + (("meta", True),)),
         Case(model="hf_llama", mesh=(1, 2, 2), kind=_R + "train_save", steps=2,
              extra=llama_in + (("out", _folder("llama_out")), ("shard", "20KB"))),
         Case(model="hf_gpt2", mesh=(1, 2, 2), kind=_R + "train_save", steps=2,
