@@ -77,9 +77,9 @@ def explain(result: SearchResult) -> list[str]:
                     lines.append(f"{name}: no alternative fits; the fastest, {e.candidate.label()}, would take "
                                  f"{e.step_time:.4g} s ({_pct(e.step_time, best.step_time)}) but {reason}")
             continue
-        if alt.step_time < best.step_time:  # only within the tie: the ranking prefers the simpler plan
+        if alt.step_time <= best.step_time * (1 + TIE):  # a tie: the ranking prefers the simpler plan
             lines.append(f"{name}: {alt.candidate.label()} takes {alt.step_time:.4g} s "
-                         f"({_pct(alt.step_time, best.step_time)}), within {TIE:.0%}: the chosen plan is simpler "
+                         f"({_pct(alt.step_time, best.step_time)}), within {TIE:.0%} of the choice, which is simpler "
                          f"(less ZeRO, less recomputation, fewer virtual stages)")
         else:
             lines.append(f"{name}: the best alternative that fits, {alt.candidate.label()}, is slower: "
