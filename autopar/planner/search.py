@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, schedule_of
+from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.planner.stage_cuts import weighted_cuts
@@ -60,7 +60,7 @@ class SearchSpace:
     schedules: tuple[tuple[str, int], ...] = _SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
-    exact_top: int = 10
+    exact_top: int = 5
 
 
 @dataclass
@@ -222,7 +222,7 @@ class _Frontier:
 
     def add_structure(self, c: Candidate) -> None:
         self.structures.append(c)
-        self.push(_structure_bound(self.model, c), True, c)
+        self.push(_structure_bound(self.model, c, self.space.zero_stages), True, c)
 
     def expand(self, c: Candidate) -> None:
         """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
@@ -272,10 +272,10 @@ def constraint(c: Candidate) -> str | None:
     return None
 
 
-def _structure_bound(model: CostModel, c: Candidate) -> float:
-    """A lower bound on the step time of every plan of structure ``c``: any ZeRO stage (its communication
-    and optimizer step counted as 0), any recomputation (none is the cheapest), any stage cuts (relaxed),
-    every chunk at its fastest device."""
+def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
+    """A lower bound on the step time of every plan of structure ``c``: any ZeRO stage (the least data-parallel
+    communication of them, the optimizer step counted as 0), any recomputation (none is the cheapest), any
+    stage cuts (relaxed), every chunk at its fastest device."""
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
     devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
     tables = [model.table(c.tp, b, "none", d, k) for d in devices.values()]
@@ -287,8 +287,27 @@ def _structure_bound(model: CostModel, c: Candidate) -> float:
         path += f + bw + (0.0 if split else w)
     m = c.num_microbatches
     lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
-    return max(m * work / c.pp, relaxed_bound(path=path / lone, work=work / lone, num_ranks=c.pp,
-                                              num_microbatches=m, num_virtual=c.num_virtual))
+    pipeline = max(m * work / c.pp, relaxed_bound(path=path / lone, work=work / lone, num_ranks=c.pp,
+                                                  num_microbatches=m, num_virtual=c.num_virtual))
+    return pipeline + _dp_bound(model, c, zero_stages)
+
+
+def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
+    """The least data-parallel communication of any ZeRO stage of ``c``: the busiest pp rank holds at least
+    a ``1/pp`` share of the gradients and weights, and the alpha-beta times grow with the bytes."""
+    if c.dp == 1:
+        return 0.0
+    _, _, grads, params = model.rank_params(c.tp, ((0, model.profile.num_chunks),))
+    grads, params = grads / c.pp, params / c.pp
+    link, cluster = _dp_link(model.cluster, c), model.cluster
+    times = []
+    for zero in zero_stages:
+        if zero == 3:  # per unit and microbatch, at least as much as one transfer of all of them
+            times.append(c.num_microbatches * (2 * link.collective("all_gather", params, c.dp)
+                                               + link.collective("reduce_scatter", grads, c.dp)))
+        else:
+            times.append(_dp_comm(replace(c, zero_stage=zero), grads, params, link, cluster))
+    return min(times, default=0.0)
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace = SearchSpace(),
