@@ -53,7 +53,7 @@ def _axes(c):
 
 def _pct(t: float, base: float) -> str:
     d = (t / base - 1) * 100
-    return f"{d:+.1f}%" if abs(d) < 10 else f"{d:+.0f}%"
+    return f"{d:+.2f}%" if abs(d) < 1 else f"{d:+.1f}%" if abs(d) < 10 else f"{d:+.0f}%"
 
 
 def explain(result: SearchResult) -> list[str]:
@@ -77,7 +77,7 @@ def explain(result: SearchResult) -> list[str]:
                     lines.append(f"{name}: no alternative fits; the fastest, {e.candidate.label()}, would take "
                                  f"{e.step_time:.4g} s ({_pct(e.step_time, best.step_time)}) but {reason}")
             continue
-        if alt.step_time <= best.step_time * (1 + TIE):  # a tie: the ranking prefers the simpler plan
+        if alt.step_time <= best.step_time:  # only within the tie: the ranking prefers the simpler plan
             lines.append(f"{name}: {alt.candidate.label()} takes {alt.step_time:.4g} s "
                          f"({_pct(alt.step_time, best.step_time)}), within {TIE:.0%} of the choice, which is simpler "
                          f"(less ZeRO, less recomputation, fewer virtual stages)")
