@@ -291,7 +291,8 @@ class CostModel:
                 _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),))
                 if grads == 0:
                     continue
-                total += (2 * link.collective("all_gather", params, c.dp) + link.collective("reduce_scatter", grads, c.dp)
+                total += (2 * link.collective("all_gather", params, c.dp)
+                          + link.collective("reduce_scatter", grads, c.dp)
                           + (2 * params + grads) / device.memory_bandwidth)
         return total * c.num_microbatches
 

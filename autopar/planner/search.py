@@ -34,7 +34,7 @@ from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
-from autopar.planner.stage_cuts import weighted_cuts
+from autopar.planner.stage_cuts import memory_fits, weighted_cuts
 
 __all__ = ["SearchSpace", "SearchResult", "search", "explain", "format_table", "TIE"]
 
@@ -234,7 +234,7 @@ class _Frontier:
         try:
             e = self.evaluate(frugal)
             if not e.fits and c.num_stages > 1:  # stages sized to each rank's memory
-                e = self.evaluate(frugal, fits=_memory_fits(frugal, profile, cluster))
+                e = self.evaluate(frugal, fits=memory_fits(frugal, profile, cluster))
         except AutoparError as exc:
             self.rejected.append((c, exc.what))
             return
@@ -251,7 +251,7 @@ class _Frontier:
                 try:
                     e = self.evaluate(cand)
                     if not e.fits and cand.num_stages > 1:
-                        e = self.evaluate(cand, fits=_memory_fits(cand, profile, cluster))
+                        e = self.evaluate(cand, fits=memory_fits(cand, profile, cluster))
                 except AutoparError as exc:
                     self.rejected.append((cand, exc.what))
                     continue
@@ -419,39 +419,6 @@ def _structures(world, profile, cluster, space, rejected):
                     rejected.append((Candidate(dp, pp, tp, m, name, v), exc.what))
                     continue
                 yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none")
-
-
-def _memory_fits(c: Candidate, profile: ModelProfile, cluster: Cluster):
-    """fits(stage, begin, end): a linear memory model of the stage for memory-aware boundaries."""
-    chunks = profile.chunks[c.tp]
-    b = profile.global_batch // (c.dp * c.num_microbatches)
-    schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
-    per_elem = _state_bytes_per_element(c.zero_stage, c.dp, profile.precision)
-    prefix_state, prefix_act, acc_s, acc_a = [0.0], [0.0], 0.0, 0.0
-    for ch in chunks:
-        acc_s += sum(p.numel for p in ch.params) * per_elem + ch.buffer_bytes
-        acc_a += ch.saved[c.recompute] * b
-        prefix_state.append(acc_s)
-        prefix_act.append(acc_a)
-
-    def fits(stage: int, lo: int, hi: int) -> bool:
-        q = schedule.stage_to_rank[stage]
-        in_flight = -(-counts[q] // c.num_virtual)
-        need = prefix_state[hi] - prefix_state[lo] + in_flight * (prefix_act[hi] - prefix_act[lo])
-        return need <= cluster.usable_bytes(q * c.tp) / c.num_virtual
-    return fits
-
-
-def _state_bytes_per_element(zero: int, dp: int, precision: str) -> float:
-    p = 2 if precision == "bf16" else 4
-    master = 4 if precision == "bf16" else 0
-    if dp == 1 or zero == 0:
-        return p + master + 4 + 8
-    if zero == 1:
-        return p + master + 4 + 8 / dp
-    if zero == 2:
-        return p + master + (4 + 8) / dp
-    return (p + master + 4 + 8) / dp
 
 
 def _ranked(estimates: list[Estimate], *, tie: float = TIE) -> list[Estimate]:

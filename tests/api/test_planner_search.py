@@ -15,7 +15,8 @@ from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.planner import Cluster, CostModel, Device, Link, get_cluster, profile_model, search
 from autopar.planner.reasons import batch_warnings, explain, format_table
-from autopar.planner.search import TIE, SearchSpace, _memory_fits, _ranked, _structures, constraint
+from autopar.planner.search import TIE, SearchSpace, _ranked, _structures, constraint
+from autopar.planner.stage_cuts import memory_fits
 
 
 def toy_cluster(*, per_node: int = 4, nodes: int = 2, memory_gb: float = 1.0) -> Cluster:
@@ -50,7 +51,7 @@ def _every_fitting_candidate_simulated(result, profile, cluster, world):
                 try:
                     e = result.evaluate(c)
                     if not e.fits and c.num_stages > 1:
-                        e = result.frontier.evaluate(c, fits=_memory_fits(c, profile, cluster))
+                        e = result.frontier.evaluate(c, fits=memory_fits(c, profile, cluster))
                 except AutoparError:
                     continue
                 if e.fits:
@@ -70,7 +71,8 @@ def test_the_choice_is_the_simulators_best_where_the_closed_form_disagrees(profi
     assert key(result.best) == key(simulated[0])
     assert result.best.step_time == pytest.approx(simulated[0].step_time, rel=1e-12)
     rows = result.exact_rows
-    assert rows >= SearchSpace().exact_top and [key(e) for e in result.ranked[:rows]] == [key(e) for e in simulated[:rows]]
+    assert rows >= SearchSpace().exact_top
+    assert [key(e) for e in result.ranked[:rows]] == [key(e) for e in simulated[:rows]]
     assert result.num_simulated < len(pairs) / 4  # best-first: most candidates never simulated
     for closed, sim in pairs:  # the closed form is a lower bound of the simulated figure, candidate by candidate
         assert closed.step_time <= sim.step_time * (1 + 1e-12)
