@@ -84,8 +84,11 @@ def test_the_relaxed_bound_holds_for_every_cut():
         chunks = [rng.uniform(0.1, 3.0) for _ in range(rng.randint(pp, 12))]
         cuts = sorted(rng.sample(range(1, len(chunks)), pp - 1))
         loads = [sum(chunks[a:b]) for a, b in zip([0, *cuts], [*cuts, len(chunks)])]
-        schedule = build_schedule("1f1b", num_ranks=pp, num_microbatches=m) if m >= pp else \
-            build_schedule("gpipe", num_ranks=pp, num_microbatches=m)
-        costs = StageCosts(forward=[x / 3 for x in loads], backward=[2 * x / 3 for x in loads], weight=0.0)
-        relaxed = relaxed_bound(path=sum(loads), work=sum(loads), num_ranks=pp, num_microbatches=m, num_virtual=1)
+        name = rng.choice(("1f1b", "gpipe", "zb_h1") if m >= pp else ("gpipe", "zb_h1"))
+        schedule = build_schedule(name, num_ranks=pp, num_microbatches=m)
+        weight = [x * rng.random() / 3 for x in loads]  # B and W split the backward where zb_h1 splits it
+        costs = StageCosts(forward=[x / 3 for x in loads], backward=[2 * x / 3 - w for x, w in zip(loads, weight)],
+                           weight=weight)
+        path = sum(loads) - (sum(weight) if schedule.split_backward else 0.0)
+        relaxed = relaxed_bound(path=path, work=sum(loads), num_ranks=pp, num_microbatches=m, num_virtual=1)
         assert relaxed <= _bound(schedule, costs) * (1 + 1e-9)

@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.planner import Cluster, CostModel, Device, Link, get_cluster, profile_model, search
 from autopar.planner.reasons import batch_warnings, explain, format_table
-from autopar.planner.search import TIE, SearchSpace, _ranked, _structures, constraint
+from autopar.planner.search import TIE, SearchSpace, _ranked, _structure_bound, _structures, constraint
 from autopar.planner.stage_cuts import memory_fits
 
 
@@ -74,8 +74,11 @@ def test_the_choice_is_the_simulators_best_where_the_closed_form_disagrees(profi
     assert rows >= SearchSpace().exact_top
     assert [key(e) for e in result.ranked[:rows]] == [key(e) for e in simulated[:rows]]
     assert result.num_simulated < len(pairs) / 4  # best-first: most candidates never simulated
+    model = result.cost_model
     for closed, sim in pairs:  # the closed form is a lower bound of the simulated figure, candidate by candidate
         assert closed.step_time <= sim.step_time * (1 + 1e-12)
+        structure = replace(sim.candidate, zero_stage=0, recompute="none", cuts=())  # and so is its structure's
+        assert _structure_bound(model, structure, SearchSpace().zero_stages) <= sim.step_time * (1 + 1e-12)
 
 
 def test_the_closed_form_bounds_the_simulation_with_ranks_sharing_cores(profile):
