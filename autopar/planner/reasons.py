@@ -191,23 +191,23 @@ def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> s
             "GiB/rank", "of GiB")
     ranked, exact, floor = result.ranked, result.exact_rows, result.floor
     rows = []
-    for i, e in enumerate(ranked[:top], 1):
+    for i, e in enumerate(ranked[:min(top, exact)], 1):  # rows the simulator ranks against every candidate
         c = e.candidate
         mb = result.global_batch // (c.dp * c.num_microbatches)
-        rows.append((str(i) + ("" if i <= exact else "~"), str(c.dp), str(c.pp), str(c.tp), str(c.num_microbatches),
+        rows.append((str(i), str(c.dp), str(c.pp), str(c.tp), str(c.num_microbatches),
                      str(mb), c.schedule + (f" v={c.num_virtual}" if c.num_virtual > 1 else ""), str(c.zero_stage),
                      c.recompute, f"{e.step_time:.4g}", f"{_bubble_share(e):.0%}",
                      f"{e.memory / GiB:.1f}", f"{e.capacity / GiB:.1f}"))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
     lines = [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
-    rest = ("every fitting candidate was simulated" if math.isinf(floor)
-            else f"every candidate not simulated has a lower bound of at least {floor:.4g} s")
-    lines.append(f"simulated {result.num_simulated} candidates best-first by their closed-form lower bounds "
-                 f"({len(result.estimates)} estimated) in {result.simulate_seconds:.2f} s of the search's "
+    shown = min(top, exact)
+    rest = min([floor] + [e.step_time for e in ranked[shown:]])  # simulated, or bounded below
+    rest = ("no other candidate fits" if math.isinf(rest)
+            else f"every other candidate takes at least {rest:.4g} s (simulated, or its closed-form lower bound)")
+    lines.append(f"the search simulated {result.num_simulated} candidates best-first by their closed-form lower "
+                 f"bounds ({len(result.estimates)} estimated) in {result.simulate_seconds:.2f} s of its "
                  f"{result.search_seconds:.2f} s; {rest}")
-    if len(rows) > exact:
-        lines.append(f"~ simulated, but a candidate not simulated (at least {floor:.4g} s) may rank before it")
     if rejected and result.rejected:
         lines.append(f"rejected ({len(result.rejected)}), e.g.:")
         lines += [f"  {c.label()}: {reason}" for c, reason in _varied(result.rejected, rejected)]

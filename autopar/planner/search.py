@@ -70,7 +70,7 @@ class SearchResult:
     ``ranked`` holds simulated figures only; its first ``exact_rows`` are the simulator's ranking of
     every fitting candidate (the rest of the queue is bounded below by ``floor`` seconds).
     ``num_simulated`` and ``simulate_seconds`` say what the search spent on the simulator,
-    ``search_seconds`` the whole search.
+    ``search_seconds`` the whole search (what :func:`explain` simulates afterwards is not counted).
     """
 
     frontier: "_Frontier" = field(repr=False)
@@ -78,6 +78,8 @@ class SearchResult:
     cluster: Cluster | None = None
     global_batch: int = 1
     search_seconds: float = 0.0
+    num_simulated: int = 0
+    simulate_seconds: float = 0.0
 
     @property
     def ranked(self) -> list[Estimate]:
@@ -96,14 +98,6 @@ class SearchResult:
     def simulated(self) -> dict:
         """Candidate (cuts cleared) -> simulated Estimate."""
         return self.frontier.simulated
-
-    @property
-    def num_simulated(self) -> int:
-        return len(self.frontier.simulated)
-
-    @property
-    def simulate_seconds(self) -> float:
-        return self.frontier.simulate_seconds
 
     @property
     def floor(self) -> float:
@@ -319,7 +313,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: Search
         frontier.add_structure(c)
     frontier.run(max(1, space.exact_top))
     result = SearchResult(frontier=frontier, world=world, cluster=cluster, global_batch=profile.global_batch,
-                          search_seconds=time.perf_counter() - start)
+                          search_seconds=time.perf_counter() - start, num_simulated=len(frontier.simulated),
+                          simulate_seconds=frontier.simulate_seconds)
     log.info("planner search: %d closed-form estimates, %d simulated (%.2f s) in %.2f s", len(frontier.estimates),
              result.num_simulated, result.simulate_seconds, result.search_seconds)
     return result

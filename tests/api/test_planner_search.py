@@ -115,9 +115,10 @@ def test_every_reason_reads_the_simulated_figures_of_the_table(profile, world, m
                 assert "but" in line or "within 1% of the choice, which is simpler" in line
     assert named >= 3
     table = format_table(result)
-    for row in table.splitlines()[2:2 + min(10, len(result.ranked))]:  # the table's figures are the same ones
-        assert row.split()[-4] == f"{result.ranked[int(row.split()[0].rstrip('~')) - 1].step_time:.4g}"
-    assert f"simulated {result.num_simulated} candidates" in table
+    for row in table.splitlines()[2:2 + min(10, result.exact_rows)]:  # the table's figures are the same ones
+        assert row.split()[-4] == f"{result.ranked[int(row.split()[0]) - 1].step_time:.4g}"
+    assert f"the search simulated {result.num_simulated} candidates" in table
+    assert len(table.splitlines()) >= 3 + min(10, result.exact_rows)
 
 
 def test_a_small_batch_on_a_deep_pipeline_is_warned_with_the_batch_that_fills_it():
