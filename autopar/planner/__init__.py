@@ -8,9 +8,11 @@
 
 The parts, in the order they run: :mod:`~autopar.planner.profile` (per-chunk costs from the
 captured graph), :mod:`~autopar.planner.cost_model` (step time and memory of one candidate),
-:mod:`~autopar.planner.stage_cuts` (stage boundaries for devices of any speed and memory),
-:mod:`~autopar.planner.search` (the search and the ranked table), :mod:`~autopar.planner.auto`
-(``plan="auto"``). :mod:`~autopar.planner.calibrate` measures this machine;
+:mod:`~autopar.planner.pipeline_bound` (the closed form, a proven lower bound of the simulated
+pipeline), :mod:`~autopar.planner.stage_cuts` (stage boundaries for devices of any speed and memory),
+:mod:`~autopar.planner.search` (best-first: the simulator's fastest fitting plan),
+:mod:`~autopar.planner.reasons` (the ranked table, the reasons, batch warnings),
+:mod:`~autopar.planner.auto` (``plan="auto"``). :mod:`~autopar.planner.calibrate` measures this machine;
 :mod:`~autopar.planner.rebalance` re-splits a running pipeline from measured stage times.
 See docs/planner.md.
 """

@@ -9,7 +9,7 @@ table, the rejected candidates with reasons, and why the first choice won.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,8 @@ from autopar.plan_model import MESH_AXES, MeshShape, PipelinePlan, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
 from autopar.planner.cost_model import Estimate
 from autopar.planner.profile import ModelProfile, profile_model
-from autopar.planner.search import SearchResult, SearchSpace, explain, format_table, search
+from autopar.planner.reasons import batch_warnings, explain, format_table
+from autopar.planner.search import SearchResult, SearchSpace, search
 
 __all__ = ["PlannerReport", "choose_plan", "plan_for_compile", "optimizer_kind", "plan_from_estimate", "search_space"]
 
@@ -38,6 +39,7 @@ class PlannerReport:
     profile: ModelProfile
     cluster: Cluster
     reasons: list
+    warnings: list = field(default_factory=list)  # the global batch too small for the plan, and the batch that is not
 
     def table(self, *, top: int = 10, rejected: int = 5) -> str:
         """The ranked candidates (est. step time, memory per rank) and some rejected ones with reasons."""
@@ -45,8 +47,9 @@ class PlannerReport:
 
     def summary(self) -> str:
         return "\n".join([f"planned for {self.result.world} ranks of {self.cluster.name} "
-                          f"({self.cluster.device.name}, {self.cluster.device.memory_gb:g} GB)",
-                          *self.reasons])
+                          f"({self.cluster.device.name}, {self.cluster.device.memory_gb:g} GB), "
+                          f"global batch {self.result.global_batch}",
+                          *self.reasons, *self.warnings])
 
     def __str__(self) -> str:
         return self.table() + "\n\n" + self.summary()
@@ -150,8 +153,10 @@ def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_targ
     best = result.best
     plan = plan_from_estimate(best, profile, options=opts)
     report = PlannerReport(plan=plan, best=best, result=result, profile=profile, cluster=sized,
-                           reasons=explain(result))
+                           reasons=explain(result), warnings=batch_warnings(result))
     log.info("planner: %s", report.reasons[0])
+    for line in report.warnings:
+        log.info("planner: %s", line)
     return report
 
 

@@ -11,6 +11,8 @@ import json
 import logging
 import sys
 
+import torch
+
 from autopar.errors import PlanError
 
 __all__ = ["add_plan_command"]
@@ -22,13 +24,18 @@ stage boundaries are estimated (step time, memory per rank); the table ranks tho
 some rejected ones and why, then the chosen Plan and the reasons it won.
 
 TARGET is MODULE:CALLABLE returning (model, example_inputs, loss_fn, example_target), as for
-'autopar inspect'. Models built under torch.device("meta") plan without allocating weights."""
+'autopar inspect'. Models built under torch.device("meta") plan without allocating weights.
+--input-shape, --input-dtype and --vocab replace the inputs a target returns (the target is
+resized along with them: same shape as the first input, or the same batch); the shape planned
+for is printed first. Warnings say when the global batch is too small for the plan."""
 
 _EPILOG = """\
 examples:
   autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
   autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16
   autopar plan autopar.models.examples:gpt_tiny --world 4 --mesh tp=2 --rank 0
+  autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16 \
+      --input-shape 1024x4096
 clusters: a100-80g-8x, a100-40g-8x, h100-80g-8x, cpu-2core, or a JSON file of an autopar.planner.Cluster"""
 
 
@@ -73,18 +80,26 @@ def _run_plan(args: argparse.Namespace) -> int:
         pinned = parse_mesh(args.mesh)
         shape.update({axis: getattr(pinned, axis) for axis in ("dp", "pp", "tp")
                       if f"{axis}=" in args.mesh.replace(" ", "")})
-    kwargs = _unpack(load_target(args.target), args)
+    target = load_target(args.target)
+    kwargs = _unpack(target, argparse.Namespace(**{**vars(args), "input_dtype": args.input_dtype or "long"}))
+    if not isinstance(target, torch.nn.Module):
+        kwargs = _override_inputs(kwargs, args)
     if "loss_fn" not in kwargs:
         raise PlanError("the target returned no loss_fn: the planner plans training", where="TARGET",
                         fix="return (model, example_inputs, loss_fn, example_target)")
+    kwargs_inputs = kwargs["example_inputs"]
+    shapes = [list(t.shape) for t in kwargs_inputs if isinstance(t, torch.Tensor)]
     ranks = [args.rank] if args.rank is not None else [0]
     result = autopar.plan(kwargs.pop("model"), shape, plan="auto", cluster=cluster, ranks=ranks,
                           **kwargs, **_pins(args))
     if args.json:
-        print(json.dumps({"plan": json.loads(result.plan.model_dump_json()),
+        print(json.dumps({"plan": json.loads(result.plan.model_dump_json()), "inputs": shapes,
                           "estimate_s": result.planner.best.step_time,
-                          "memory_bytes": result.planner.best.memory}, indent=2))
+                          "memory_bytes": result.planner.best.memory,
+                          "warnings": result.planner.warnings}, indent=2))
         return 0
+    print(f"planned for inputs {', '.join(_describe(t) for t in kwargs_inputs)} "
+          f"(global batch {result.planner.result.global_batch})")
     print(result.planner.table(top=args.top))
     print()
     print(result.planner.summary())
@@ -96,9 +111,66 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise PlanError(f"cannot read --input-shape {text!r}", where="--input-shape",
+                        fix="write the dims joined by x, batch first, e.g. 1024x4096")
+    return shape
+
+
+def _like(old: torch.Tensor, shape, dtype, *, vocab, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` on ``old``'s device: empty on meta, else seeded random data."""
+    if old.device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=dtype).to(old.device)
+    high = vocab or (int(old.max()) + 1 if old.numel() else 2)
+    return torch.randint(0, high, shape, generator=gen, dtype=dtype).to(old.device)
+
+
+def _override_inputs(kwargs: dict, args: argparse.Namespace) -> dict:
+    """The target's inputs replaced as --input-shape / --input-dtype / --vocab say (the target resized too)."""
+    from autopar.cli import _DTYPES
+
+    if not (args.input_shape or args.input_dtype or args.vocab):
+        return kwargs
+    inputs = kwargs["example_inputs"]
+    first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    if first is None or first.dim() == 0:
+        raise PlanError("--input-shape needs a target whose first input is a tensor with a batch dim",
+                        where="--input-shape", fix="return (model, (tensor, ...), loss_fn, target) from TARGET")
+    shape = _shape(args.input_shape) if args.input_shape else tuple(first.shape)
+    dtype = _DTYPES[args.input_dtype] if args.input_dtype else first.dtype
+    vocab = args.vocab or getattr(getattr(kwargs["model"], "cfg", None), "vocab_size", None)
+    batch = first.shape[0]
+
+    def resized(t, seed: int, new_dtype=None):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            return t
+        new_shape = shape if tuple(t.shape) == tuple(first.shape) else (shape[0], *t.shape[1:])
+        return _like(t, new_shape, new_dtype or t.dtype, vocab=vocab, seed=seed)
+
+    out = dict(kwargs, example_inputs=(resized(first, args.seed, dtype),
+                                       *(resized(t, args.seed + 1 + i) for i, t in enumerate(inputs[1:]))))
+    if "example_target" in kwargs:
+        out["example_target"] = resized(kwargs["example_target"], args.seed + len(inputs))
+    return out
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return "x".join(str(d) for d in t.shape) + f" {str(t.dtype).removeprefix('torch.')}"
+
+
 def add_plan_command(sub) -> None:
     """Register ``autopar plan`` on the CLI's subparsers."""
-    from autopar.cli import positive_int
+    from autopar.cli import _DTYPES, positive_int
     from autopar.plan_model import SCHEDULE_NAMES
 
     p = sub.add_parser("plan", help="let the planner choose a plan and print its ranked table and reasons",
@@ -121,9 +193,12 @@ def add_plan_command(sub) -> None:
     p.add_argument("--rank", type=int, default=None, metavar="R", help="also print rank R's rewritten program")
     p.add_argument("--json", action="store_true", help="print the chosen Plan (and its estimate) as JSON")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    bare = p.add_argument_group("example inputs for a target that returns a bare model")
-    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
-    bare.add_argument("--input-dtype", default="long", help="its dtype (default long)")
-    bare.add_argument("--vocab", type=int, default=None, metavar="N", help="integer inputs are drawn from [0, N)")
+    bare = p.add_argument_group("example inputs: for a target that returns a bare model, or in place of the "
+                                "inputs a target returns")
+    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the first input, batch first, e.g. 1024x4096")
+    bare.add_argument("--input-dtype", default=None, choices=sorted(_DTYPES),
+                      help="its dtype (default long, or the target's)")
+    bare.add_argument("--vocab", type=positive_int, default=None, metavar="N",
+                      help="integer inputs are drawn from [0, N) (default: model.cfg.vocab_size)")
     bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.set_defaults(func=_run_plan)

@@ -13,7 +13,8 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
 - every collective by the alpha-beta model of the link it runs on (tp: inside a node);
 - the pipeline from :func:`autopar.runtime.schedules.simulator.simulate` on the per-stage
   ``F``, ``B``, ``W`` and the p2p time of the largest boundary (or, for ranking many
-  candidates quickly, the classical bound ``(m - 1)·max + sum`` of the schedule family);
+  candidates quickly, a proven lower bound of that simulation:
+  :mod:`autopar.planner.pipeline_bound`; the search simulates best-first by it);
 - data parallelism: the gradient all-reduce (ZeRO-0), reduce + broadcast (ZeRO-1/2), or a
   gather in forward and backward plus a reduce-scatter per microbatch (ZeRO-3), of which the
   cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3);
@@ -39,6 +40,7 @@ from autopar.errors import PlanError, ScheduleError
 from autopar.memory.activations import peak_bytes
 from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
 from autopar.planner.cluster import Cluster, Device
+from autopar.planner.pipeline_bound import COVERED_SCHEDULES, pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
@@ -47,7 +49,6 @@ from autopar.runtime.schedules.simulator import StageCosts, simulate
 __all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of", "SPLIT_BACKWARD"]
 
 SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zb_v")
-_MAX_SIMULATED = 4096  # stage-microbatches: longer pipelines keep the analytic bound
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
 
@@ -114,6 +115,12 @@ def _closed_form(name: str, pp: int, m: int, v: int):
               "zb_h1": [min(pp, m)] * pp, "zb_h2": [min(2 * pp - 1, m)] * pp, "zb_v": [min(2 * pp, 2 * m)] * pp,
               "interleaved_1f1b": [min(m * v, 2 * (pp - q - 1) + (v - 1) * pp + 1) for q in range(pp)]}[name]
     return _Shape(owner, name in SPLIT_BACKWARD), tuple(counts)
+
+
+@lru_cache(maxsize=16)
+def _full_schedule(name: str, pp: int, m: int, v: int):
+    """The whole schedule of a step, built once per search for every candidate simulated on it."""
+    return build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
 
 
 @lru_cache(maxsize=512)
@@ -284,7 +291,8 @@ class CostModel:
                 _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),))
                 if grads == 0:
                     continue
-                total += (2 * link.collective("all_gather", params, c.dp) + link.collective("reduce_scatter", grads, c.dp)
+                total += (2 * link.collective("all_gather", params, c.dp)
+                          + link.collective("reduce_scatter", grads, c.dp)
                           + (2 * params + grads) / device.memory_bandwidth)
         return total * c.num_microbatches
 
@@ -304,7 +312,12 @@ class CostModel:
         return out
 
     def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:
-        """Step time and peak memory of ``c`` (its ``cuts`` must be set when pp x v > 1)."""
+        """Step time and peak memory of ``c`` (its ``cuts`` must be set when pp x v > 1).
+
+        ``simulate_pipeline``: the pipeline simulated on the full schedule; otherwise its lower bound
+        (:func:`~autopar.planner.pipeline_bound.pipeline_lower_bound`), so that ``estimate(c).step_time``
+        never exceeds ``estimate(c, simulate_pipeline=True).step_time``. One pp rank is always exact.
+        """
         chunks = self.profile.chunks[c.tp]
         schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
         ranges = _stage_ranges(c.cuts, len(chunks))
@@ -314,26 +327,12 @@ class CostModel:
         p2p = _pp_link(self.cluster, c).p2p(boundary) if c.pp > 1 else 0.0
         work = [fwd[s] + bwd[s] + wgt[s] for s in range(len(ranges))]
         per_rank = [sum(work[s] for s in range(len(ranges)) if owner[s] == q) for q in range(c.pp)]
-        simulated = (simulate_pipeline and c.pp * c.num_microbatches * c.num_virtual <= _MAX_SIMULATED) or c.pp == 1
-        k = self._contention(c)
-
-        def critical_path(scale: float) -> float:  # the schedule's step with compute times divided by scale
-            f, b_, w = ([x / scale for x in xs] for xs in (fwd, bwd, wgt))
-            if simulated:
-                full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
-                                      num_virtual=c.num_virtual)
-                return simulate(full, costs=StageCosts(forward=f, backward=b_, weight=w, p2p=p2p)).step_time
-            return _analytic_pipeline(c, [x / scale for x in per_rank], w, p2p)
-
+        simulated = simulate_pipeline or c.pp == 1
         busiest = max(range(c.pp), key=lambda q: per_rank[q])
         compute = per_rank[busiest] * c.num_microbatches
-        if k > 1 and c.pp > 1:
-            # ranks share cores (CPU processes): a rank waiting in a bubble lends its core to the
-            # others, and each action costs the cluster's switch time (caches refilled after a wait)
-            pipeline = self._shared_core_pipeline(c, fwd, bwd, wgt, p2p, per_rank, simulated, critical_path)
+        pipeline = self._pipeline(c, owner, fwd, bwd, wgt, p2p, simulated)
+        if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
-        else:
-            pipeline = critical_path(1.0)
         tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time, simulated=simulated,
@@ -342,25 +341,31 @@ class CostModel:
                                "optimizer": opt_time},
                         memory=memory, memory_parts=parts, capacity=capacity)
 
-    def _shared_core_pipeline(self, c: Candidate, fwd, bwd, wgt, p2p, per_rank, simulated, critical_path) -> float:
-        """The pipeline's step where its ranks share cores (contention ``k`` > 1), in seconds.
+    def _pipeline(self, c: Candidate, owner, fwd, bwd, wgt, p2p, simulated: bool) -> float:
+        """The pipeline's step in seconds: simulated on the full schedule, or its lower bound.
 
-        Simulated: :func:`~autopar.runtime.schedules.shared_cores.simulate_shared_cores` on lone-rank
-        costs (the contended ones over ``k``) plus the switch time per action, with the pipeline's
-        ``pp / k`` cores. For ranking: the larger of the critical path at a lone rank's speed and
-        the mean rank's work with its switches (all of a node's work spread over its cores).
+        Ranks sharing cores (contention ``k`` > 1, CPU processes): lone-rank costs (the contended
+        ones over ``k``) plus the cluster's switch time per action (caches refilled after a wait), on
+        the pipeline's ``pp / k`` cores, by processor sharing
+        (:func:`~autopar.runtime.schedules.shared_cores.simulate_shared_cores`).
         """
-        k, switch = self._contention(c), self.cluster.shared_core_switch_s
+        k = self._contention(c)
         split = c.schedule in SPLIT_BACKWARD
+        cores = None
+        if k > 1 and c.pp > 1:
+            switch = self.cluster.shared_core_switch_s
+            fwd, bwd = [x / k + switch for x in fwd], [x / k + switch for x in bwd]
+            wgt, cores = [x / k + (switch if split else 0.0) for x in wgt], c.pp / k
         if simulated:
-            full = build_schedule(c.schedule, num_ranks=c.pp, num_microbatches=c.num_microbatches,
-                                  num_virtual=c.num_virtual)
-            costs = StageCosts(forward=[x / k + switch for x in fwd], backward=[x / k + switch for x in bwd],
-                               weight=[x / k + (switch if split else 0.0) for x in wgt], p2p=p2p)
-            return simulate_shared_cores(full, costs=costs, cores=c.pp / k)
-        actions = c.num_microbatches * c.num_virtual * (3 if split else 2)  # per rank
-        mean = sum(per_rank) / c.pp * c.num_microbatches + actions * switch * k
-        return max(critical_path(k), mean)
+            full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+            costs = StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
+            if cores is not None:
+                return simulate_shared_cores(full, costs=costs, cores=cores)
+            return simulate(full, costs=costs).step_time
+        if c.schedule not in COVERED_SCHEDULES:  # no bound proven for it: the trivial one
+            return 0.0
+        return pipeline_lower_bound(owner=owner, forward=fwd, backward=bwd, weight=wgt, p2p=p2p,
+                                    num_microbatches=c.num_microbatches, split_backward=split, cores=cores)
 
     def _ranks(self, c: Candidate, ranges, owner, counts, schedule):
         """(exposed dp communication, optimizer step, (memory, parts, capacity) of the most over-full pp rank)."""
@@ -403,21 +408,6 @@ def estimate(c: Candidate, *, profile: ModelProfile, cluster: Cluster, optimizer
              simulate_pipeline: bool = False) -> Estimate:
     """Step time and peak memory of candidate ``c`` (one-off; :class:`CostModel` caches across many)."""
     return CostModel(profile, cluster, optimizer=optimizer).estimate(c, simulate_pipeline=simulate_pipeline)
-
-
-def _analytic_pipeline(c: Candidate, per_rank, wgt, p2p) -> float:
-    """The schedule family's classical bound, for ranking before simulating."""
-    m, pp, v = c.num_microbatches, c.pp, c.num_virtual
-    slowest = max(per_rank)
-    if c.schedule in ("interleaved_1f1b", "looped_bfs", "zb_v"):
-        fill = (pp - 1) * slowest / v
-        if c.schedule == "zb_v":
-            fill = max(0.0, fill - (pp - 1) * max(wgt) * 2 / v)
-        return m * slowest + fill + 2 * (pp - 1) * p2p * v
-    fill = sum(per_rank) - slowest
-    if c.schedule in ("zb_h1", "zb_h2"):
-        fill = max(0.0, fill - (pp - 1) * max(wgt) * (2 if c.schedule == "zb_h2" else 1))
-    return m * slowest + fill + 2 * (pp - 1) * p2p
 
 
 def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster: Cluster) -> float:

@@ -1,39 +1,57 @@
 """The search: every dp x pp x tp mesh, microbatch count, schedule, ZeRO stage and recompute mode.
 
+Its answer is the fastest fitting candidate *under the simulator*, found without simulating them all:
+
 1. *Structures* (mesh, microbatches, schedule, virtual stages) are enumerated: tp divides a node's
    devices (so tensor-parallel collectives stay on the fast link), pp x virtual stages is at most the
-   number of chunks, dp divides the global batch. Each gets stage boundaries from
+   number of chunks, dp divides the global batch. Each gets a lower bound on the step time of every
+   plan it holds, whatever its ZeRO stage, recomputation or stage cuts
+   (:func:`~autopar.planner.pipeline_bound.relaxed_bound` on the chunk costs without recomputation).
+2. Best first, by lower bound: a structure taken from the queue is *expanded*: stage boundaries from
    :func:`autopar.planner.stage_cuts.weighted_cuts` on its chunk times (heavy first and last chunks,
-   per-stage device speeds) and two estimates: the fastest settings (no ZeRO, no recompute) and the
-   most frugal ones (ZeRO-3, full recompute). A structure that does not fit even frugally is rejected
-   with the bytes it needs; the rest are ordered by their fastest time.
-2. The most promising structures try every ZeRO stage and recompute mode; a variant that does not
-   fit is retried with memory-aware boundaries (stages sized to each device's memory), else rejected.
-3. The fastest fitting candidates are simulated (:mod:`autopar.runtime.schedules.simulator`) and
-   ranked; the first is the choice, and :func:`explain` says why it beat its neighbours.
+   per-stage device speeds), every ZeRO stage and recompute mode, a variant that does not fit retried
+   with memory-aware boundaries (stages sized to each device's memory), else rejected with the bytes
+   it needs. Each fitting variant goes back into the queue with its closed-form estimate, a proven
+   lower bound of its simulated time (:mod:`autopar.planner.pipeline_bound`). A candidate taken from
+   the queue is simulated (:mod:`autopar.runtime.schedules.simulator`).
+3. The search stops once no bound left in the queue beats the simulated times of the first
+   ``exact_top`` rows (the first of them the choice, ties within 1% going to the simpler plan): what
+   is left cannot be faster, so those rows are the simulator's own ranking of every fitting candidate.
+
+:func:`~autopar.planner.reasons.explain` continues the same queue to find, for each decision, the
+simulator's best alternative.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, schedule_of
+from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
+from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
-from autopar.planner.stage_cuts import weighted_cuts
+from autopar.planner.stage_cuts import memory_fits, weighted_cuts
 
-__all__ = ["SearchSpace", "SearchResult", "search", "explain", "format_table"]
+__all__ = ["SearchSpace", "SearchResult", "search", "explain", "format_table", "TIE"]
 
 log = logging.getLogger(__name__)
 
 _SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("gpipe", 1), ("zb_v", 2))
 GiB = 2**30
+TIE = 0.01  # simulated times within 1% of each other rank the simpler plan first
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose; a field set to a value pins it (e.g. ``tp=(8,)``)."""
+    """What the search may choose; a field set to a value pins it (e.g. ``tp=(8,)``).
+
+    ``exact_top``: rows of the ranked table the search makes exact (every candidate that could come
+    before or between them simulated); the first row, the choice, is always exact.
+    """
 
     dp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
@@ -42,28 +60,264 @@ class SearchSpace:
     schedules: tuple[tuple[str, int], ...] = _SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
-    max_structures: int = 48  # structures explored in full (step 2)
-    simulate_top: int = 12
+    exact_top: int = 5
 
 
 @dataclass
 class SearchResult:
-    """Ranked candidates that fit, rejected ones with reasons, and every estimate made."""
+    """The simulated candidates that fit (ranked), rejected ones with reasons, and every estimate made.
 
-    ranked: list[Estimate]
-    rejected: list[tuple[Candidate, str]]
-    estimates: dict = field(default_factory=dict)  # Candidate (cuts cleared) -> Estimate
+    ``ranked`` holds simulated figures only; its first ``exact_rows`` are the simulator's ranking of
+    every fitting candidate (the rest of the queue is bounded below by ``floor`` seconds).
+    ``num_simulated`` and ``simulate_seconds`` say what the search spent on the simulator,
+    ``search_seconds`` the whole search (what :func:`explain` simulates afterwards is not counted).
+    """
+
+    frontier: "_Frontier" = field(repr=False)
     world: int = 1
     cluster: Cluster | None = None
     global_batch: int = 1
+    search_seconds: float = 0.0
+    num_simulated: int = 0
+    simulate_seconds: float = 0.0
+
+    @property
+    def ranked(self) -> list[Estimate]:
+        return _ranked([e for e in self.frontier.simulated.values() if e.fits])
+
+    @property
+    def rejected(self) -> list[tuple[Candidate, str]]:
+        return self.frontier.rejected
+
+    @property
+    def estimates(self) -> dict:
+        """Candidate (cuts cleared) -> closed-form Estimate (a lower bound of the simulated one)."""
+        return self.frontier.estimates
+
+    @property
+    def simulated(self) -> dict:
+        """Candidate (cuts cleared) -> simulated Estimate."""
+        return self.frontier.simulated
+
+    @property
+    def floor(self) -> float:
+        """The lowest bound of anything not yet simulated (inf when everything was)."""
+        return self.frontier.floor()
+
+    @property
+    def exact_rows(self) -> int:
+        return _exact_rows(self.ranked, self.floor)
 
     @property
     def best(self) -> Estimate:
-        if not self.ranked:
+        ranked = self.ranked
+        if not ranked:
             raise PlanError("no candidate plan fits the cluster", where="autopar planner",
                             fix="use more devices, bf16, a smaller batch, or see the rejected plans: "
                                 + "; ".join(f"{c.label()}: {r}" for c, r in self.rejected[:3]))
-        return self.ranked[0]
+        return ranked[0]
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.frontier.model
+
+    def best_where(self, structure_ok, candidate_ok) -> Estimate | None:
+        """The simulator's fastest fitting candidate for which ``candidate_ok(candidate)`` holds
+        (``structure_ok(structure)``: whether a structure can hold one), simulating best-first."""
+        return self.frontier.best_where(structure_ok, candidate_ok)
+
+    def simulate(self, e: Estimate) -> Estimate:
+        """``e``'s candidate with its pipeline simulated (cached)."""
+        return self.frontier.simulate(e)
+
+    def evaluate(self, c: Candidate) -> Estimate:
+        """The closed-form estimate of ``c`` (its stage cuts placed as the search places them)."""
+        return self.frontier.evaluate(c)
+
+
+@dataclass(order=True)
+class _Item:
+    bound: float
+    seq: int
+    structure: bool = field(compare=False)
+    payload: object = field(compare=False)  # the structure's Candidate, or a candidate's closed-form Estimate
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.payload if self.structure else self.payload.candidate
+
+
+class _Frontier:
+    """The queue of unexpanded structures and unsimulated fitting candidates, by lower bound."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, space: SearchSpace, optimizer: str):
+        self.profile, self.cluster, self.space = profile, cluster, space
+        self.model = CostModel(profile, cluster, optimizer=optimizer)
+        self.cuts = _Cuts(self.model)
+        self.heap: list[_Item] = []
+        self.count = itertools.count()
+        self.estimates: dict = {}
+        self.simulated: dict = {}
+        self.rejected: list = []
+        self.structures: list[Candidate] = []  # every structure enumerated
+        self.simulate_seconds = 0.0
+
+    def floor(self) -> float:
+        return self.heap[0].bound if self.heap else float("inf")
+
+    def push(self, bound: float, structure: bool, payload) -> None:
+        heapq.heappush(self.heap, _Item(bound, next(self.count), structure, payload))
+
+    def evaluate(self, c: Candidate, fits=None) -> Estimate:
+        c = replace(c, cuts=self.cuts(c, fits))
+        key = replace(c, cuts=())
+        if fits is None and key in self.estimates:
+            return self.estimates[key]
+        e = self.model.estimate(c)
+        self.estimates[key] = e
+        return e
+
+    def simulate(self, e: Estimate) -> Estimate:
+        key = replace(e.candidate, cuts=())
+        if key not in self.simulated:
+            start = time.perf_counter()
+            self.simulated[key] = self.model.estimate(e.candidate, simulate_pipeline=True)
+            self.simulate_seconds += time.perf_counter() - start
+        return self.simulated[key]
+
+    def process(self, item: _Item) -> None:
+        if item.structure:
+            self.expand(item.payload)
+        else:
+            self.simulate(item.payload)
+
+    def run(self, rows: int) -> None:
+        """Expand and simulate best-first until the first ``rows`` ranked rows are exact."""
+        while self.heap:
+            fitting = _ranked([e for e in self.simulated.values() if e.fits])
+            if fitting and _exact_rows(fitting, self.heap[0].bound) >= rows:
+                return
+            self.process(heapq.heappop(self.heap))
+
+    def best_where(self, structure_ok, candidate_ok) -> Estimate | None:
+        while True:
+            best = min((e for e in self.simulated.values() if e.fits and candidate_ok(e.candidate)),
+                       key=lambda e: e.step_time, default=None)
+            pending = [it for it in self.heap
+                       if (structure_ok(it.candidate) if it.structure else candidate_ok(it.candidate))]
+            if not pending:
+                return best
+            top = min(pending)
+            if best is not None and top.bound >= best.step_time:
+                return best
+            self.heap.remove(top)
+            heapq.heapify(self.heap)
+            self.process(top)
+
+    def add_structure(self, c: Candidate) -> None:
+        self.structures.append(c)
+        self.push(_structure_bound(self.model, c, self.space.zero_stages), True, c)
+
+    def expand(self, c: Candidate) -> None:
+        """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
+        space, profile, cluster = self.space, self.profile, self.cluster
+        zero = max(space.zero_stages) if c.dp > 1 else 0
+        if zero == 3 and c.schedule in SPLIT_BACKWARD:  # (ZeRO-3 gathers are not split into B and W)
+            zero = max([z for z in space.zero_stages if z < 3], default=3)
+        frugal = replace(c, zero_stage=zero, recompute="full" if "full" in space.recompute else space.recompute[-1])
+        try:
+            e = self.evaluate(frugal)
+            if not e.fits and c.num_stages > 1:  # stages sized to each rank's memory
+                e = self.evaluate(frugal, fits=memory_fits(frugal, profile, cluster))
+        except AutoparError as exc:
+            self.rejected.append((c, exc.what))
+            return
+        if not e.fits:
+            self.rejected.append((frugal, "does not fit even with ZeRO-3 and full recompute: " + _memory_reason(e)))
+            return
+        for zero in (space.zero_stages if c.dp > 1 else (0,)):
+            for rc in space.recompute:
+                cand = replace(c, zero_stage=zero, recompute=rc)
+                reason = constraint(cand)
+                if reason:
+                    self.rejected.append((cand, reason))
+                    continue
+                try:
+                    e = self.evaluate(cand)
+                    if not e.fits and cand.num_stages > 1:
+                        e = self.evaluate(cand, fits=memory_fits(cand, profile, cluster))
+                except AutoparError as exc:
+                    self.rejected.append((cand, exc.what))
+                    continue
+                if e.fits:
+                    self.push(e.step_time, False, e)
+                else:
+                    self.rejected.append((e.candidate, _memory_reason(e)))
+
+
+def constraint(c: Candidate) -> str | None:
+    """Why the runtime refuses ``c``'s combination of schedule, ZeRO stage and recomputation, if it does."""
+    if c.zero_stage == 3 and c.dp > 1 and c.schedule in SPLIT_BACKWARD:
+        return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
+                f"graph's reduce-scatter")
+    if c.recompute == "selective" and c.schedule in SPLIT_BACKWARD:
+        return f"selective recompute does not combine with {c.schedule}: its W action walks each recomputed region " \
+               f"a second time"
+    return None
+
+
+def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
+    """A lower bound on the step time of every plan of structure ``c``: any ZeRO stage (the least data-parallel
+    communication of them, the optimizer step counted as 0), any recomputation (none is the cheapest), any
+    stage cuts (relaxed), every chunk at its fastest device."""
+    b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
+    devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
+    tables = [model.table(c.tp, b, "none", d, k) for d in devices.values()]
+    split = c.schedule in SPLIT_BACKWARD
+    work = path = 0.0
+    for i in range(model.profile.num_chunks):
+        f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
+        work += f + bw + w
+        path += f + bw + (0.0 if split else w)
+    m = c.num_microbatches
+    lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
+    pipeline = max(m * work / c.pp, relaxed_bound(path=path / lone, work=work / lone, num_ranks=c.pp,
+                                                  num_microbatches=m, num_virtual=c.num_virtual))
+    return pipeline + _dp_bound(model, c, zero_stages)
+
+
+def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
+    """The least data-parallel communication of any ZeRO stage of ``c``: the busiest pp rank holds at least
+    a ``1/pp`` share of the gradients and weights, and the alpha-beta times grow with the bytes."""
+    if c.dp == 1:
+        return 0.0
+    _, _, grads, params = model.rank_params(c.tp, ((0, model.profile.num_chunks),))
+    grads, params = grads / c.pp, params / c.pp
+    link, cluster = _dp_link(model.cluster, c), model.cluster
+    times = []
+    for zero in zero_stages:
+        if zero == 3:  # per unit and microbatch, at least as much as one transfer of all of them
+            times.append(c.num_microbatches * (2 * link.collective("all_gather", params, c.dp)
+                                               + link.collective("reduce_scatter", grads, c.dp)))
+        else:
+            times.append(_dp_comm(replace(c, zero_stage=zero), grads, params, link, cluster))
+    return min(times, default=0.0)
+
+
+def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace = SearchSpace(),
+           optimizer: str = "adam") -> SearchResult:
+    """Rank the candidate plans for ``world`` ranks of ``cluster``: the first is the simulator's fastest."""
+    start = time.perf_counter()
+    frontier = _Frontier(profile, cluster, space, optimizer)
+    for c in _structures(world, profile, cluster, space, frontier.rejected):
+        frontier.add_structure(c)
+    frontier.run(max(1, space.exact_top))
+    result = SearchResult(frontier=frontier, world=world, cluster=cluster, global_batch=profile.global_batch,
+                          search_seconds=time.perf_counter() - start, num_simulated=len(frontier.simulated),
+                          simulate_seconds=frontier.simulate_seconds)
+    log.info("planner search: %d closed-form estimates, %d simulated (%.2f s) in %.2f s", len(frontier.estimates),
+             result.num_simulated, result.simulate_seconds, result.search_seconds)
+    return result
 
 
 def _divisors(n: int) -> list[int]:
@@ -162,130 +416,7 @@ def _structures(world, profile, cluster, space, rejected):
                 yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none")
 
 
-def fmt_bytes(n: float) -> str:
-    """Bytes in the largest unit that keeps a digit before the point (GiB, MiB, KiB)."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _memory_reason(e: Estimate) -> str:
-    return (f"needs {fmt_bytes(e.memory)} on its fullest rank, has {fmt_bytes(e.capacity)} "
-            f"(activations {fmt_bytes(e.memory_parts.get('activations', 0))}, "
-            f"optimizer state {fmt_bytes(e.memory_parts.get('optimizer', 0))})")
-
-
-def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace = SearchSpace(),
-           optimizer: str = "adam") -> SearchResult:
-    """Rank the candidate plans for ``world`` ranks of ``cluster``."""
-    rejected: list = []
-    estimates: dict = {}
-    model = CostModel(profile, cluster, optimizer=optimizer)
-    cuts = _Cuts(model)
-
-    def evaluate(c: Candidate, fits=None) -> Estimate:
-        c = replace(c, cuts=cuts(c, fits))
-        key = replace(c, cuts=())
-        if fits is None and key in estimates:
-            return estimates[key]
-        e = model.estimate(c)
-        estimates[key] = e
-        return e
-
-    frugal_zero = max(space.zero_stages)
-    frugal_rc = "full" if "full" in space.recompute else space.recompute[-1]
-    scored = []
-    for c in _structures(world, profile, cluster, space, rejected):
-        fast = replace(c, zero_stage=min(space.zero_stages) if c.dp > 1 else 0, recompute=space.recompute[0])
-        zero = frugal_zero if c.dp > 1 else 0
-        if zero == 3 and c.schedule in SPLIT_BACKWARD:  # (ZeRO-3 gathers are not split into B and W)
-            zero = max([z for z in space.zero_stages if z < 3], default=3)
-        frugal = replace(c, zero_stage=zero, recompute=frugal_rc)
-        try:
-            e_fast, e_frugal = evaluate(fast), evaluate(frugal)
-            if not e_frugal.fits and c.num_stages > 1:  # stages sized to each rank's memory
-                e_frugal = evaluate(frugal, fits=_memory_fits(frugal, profile, cluster))
-        except AutoparError as exc:
-            rejected.append((c, exc.what))
-            continue
-        if not e_frugal.fits:
-            rejected.append((frugal, "does not fit even with ZeRO-3 and full recompute: " + _memory_reason(e_frugal)))
-            continue
-        scored.append((e_fast.step_time, c))
-    scored.sort(key=lambda t: t[0])
-    fitting = _explore([c for _, c in scored[: space.max_structures]], space, evaluate, profile, cluster,
-                       rejected)
-    for _, c in scored[space.max_structures:]:
-        rejected.append((c, "not explored: slower than the explored structures even without ZeRO or recompute"))
-    ranked = _simulate_top(fitting, model, space.simulate_top)
-    return SearchResult(ranked=ranked, rejected=rejected, estimates=estimates, world=world, cluster=cluster,
-                        global_batch=profile.global_batch)
-
-
-def _explore(structures, space, evaluate, profile, cluster, rejected) -> list[Estimate]:
-    fitting = []
-    for c in structures:
-        for zero in (space.zero_stages if c.dp > 1 else (0,)):
-            if zero == 3 and c.schedule in SPLIT_BACKWARD:
-                rejected.append((replace(c, zero_stage=3), f"ZeRO-3 does not combine with {c.schedule}: its W "
-                                                           f"action computes weight gradients outside the "
-                                                           f"graph's reduce-scatter"))
-                continue
-            for rc in space.recompute:
-                cand = replace(c, zero_stage=zero, recompute=rc)
-                if rc == "selective" and c.schedule in SPLIT_BACKWARD:
-                    rejected.append((cand, f"selective recompute does not combine with {c.schedule}: its W action "
-                                           f"walks each recomputed region a second time"))
-                    continue
-                try:
-                    e = evaluate(cand)
-                    if not e.fits and cand.num_stages > 1:
-                        e = evaluate(cand, fits=_memory_fits(cand, profile, cluster))
-                except AutoparError as exc:
-                    rejected.append((cand, exc.what))
-                    continue
-                if e.fits:
-                    fitting.append(e)
-                else:
-                    rejected.append((e.candidate, _memory_reason(e)))
-    return fitting
-
-
-def _memory_fits(c: Candidate, profile: ModelProfile, cluster: Cluster):
-    """fits(stage, begin, end): a linear memory model of the stage for memory-aware boundaries."""
-    chunks = profile.chunks[c.tp]
-    b = profile.global_batch // (c.dp * c.num_microbatches)
-    schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
-    per_elem = _state_bytes_per_element(c.zero_stage, c.dp, profile.precision)
-    prefix_state, prefix_act, acc_s, acc_a = [0.0], [0.0], 0.0, 0.0
-    for ch in chunks:
-        acc_s += sum(p.numel for p in ch.params) * per_elem + ch.buffer_bytes
-        acc_a += ch.saved[c.recompute] * b
-        prefix_state.append(acc_s)
-        prefix_act.append(acc_a)
-
-    def fits(stage: int, lo: int, hi: int) -> bool:
-        q = schedule.stage_to_rank[stage]
-        in_flight = -(-counts[q] // c.num_virtual)
-        need = prefix_state[hi] - prefix_state[lo] + in_flight * (prefix_act[hi] - prefix_act[lo])
-        return need <= cluster.usable_bytes(q * c.tp) / c.num_virtual
-    return fits
-
-
-def _state_bytes_per_element(zero: int, dp: int, precision: str) -> float:
-    p = 2 if precision == "bf16" else 4
-    master = 4 if precision == "bf16" else 0
-    if dp == 1 or zero == 0:
-        return p + master + 4 + 8
-    if zero == 1:
-        return p + master + 4 + 8 / dp
-    if zero == 2:
-        return p + master + (4 + 8) / dp
-    return (p + master + 4 + 8) / dp
-
-
-def _ranked(estimates: list[Estimate], *, tie: float = 0.01) -> list[Estimate]:
+def _ranked(estimates: list[Estimate], *, tie: float = TIE) -> list[Estimate]:
     """Fastest first; a run of estimates within ``tie`` of its fastest is ordered simplest first
     (less ZeRO, less recomputation, fewer virtual stages): the model cannot tell them apart."""
     ordered = sorted(estimates, key=lambda e: e.step_time)
@@ -300,85 +431,42 @@ def _ranked(estimates: list[Estimate], *, tie: float = 0.01) -> list[Estimate]:
     return out
 
 
-def _simulate_top(fitting: list[Estimate], model: CostModel, top: int) -> list[Estimate]:
-    fitting = _ranked(fitting)
-    head = [model.estimate(e.candidate, simulate_pipeline=True) for e in fitting[:top]]
-    return _ranked(head) + fitting[top:]
+def _exact_rows(ranked: list[Estimate], floor: float, *, tie: float = TIE) -> int:
+    """How many leading rows of ``ranked`` no unsimulated candidate (each at least ``floor``) can
+    join or precede: the tie groups of :func:`_ranked` whose fastest is under ``floor / (1 + tie)``."""
+    rows, i = 0, 0
+    while i < len(ranked):
+        start = ranked[i].step_time
+        if start * (1 + tie) >= floor:
+            break
+        j = i
+        while j < len(ranked) and ranked[j].step_time <= start * (1 + tie):
+            j += 1
+        rows, i = j, j
+    return rows
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps a digit before the point (GiB, MiB, KiB)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _memory_reason(e: Estimate) -> str:
+    return (f"needs {fmt_bytes(e.memory)} on its fullest rank, has {fmt_bytes(e.capacity)} "
+            f"(activations {fmt_bytes(e.memory_parts.get('activations', 0))}, "
+            f"optimizer state {fmt_bytes(e.memory_parts.get('optimizer', 0))})")
 
 
 def explain(result: SearchResult) -> list[str]:
-    """Why the best candidate won: for each decision, the best alternative and what it lacked."""
-    best = result.best
-    c = best.candidate
-    lines = [f"chosen: {c.label()}: {best.step_time:.4g} s/step estimated, "
-             f"{fmt_bytes(best.memory)} of {fmt_bytes(best.capacity)} on the fullest rank"]
-    axes = (("mesh", lambda x: (x.dp, x.pp, x.tp) != (c.dp, c.pp, c.tp)),
-            ("microbatches", lambda x: (x.dp, x.pp, x.tp, x.schedule) == (c.dp, c.pp, c.tp, c.schedule)
-             and x.num_microbatches != c.num_microbatches),
-            ("schedule", lambda x: (x.dp, x.pp, x.tp, x.num_microbatches) == (c.dp, c.pp, c.tp, c.num_microbatches)
-             and x.schedule != c.schedule),
-            ("ZeRO", lambda x: _same_but(x, c, "zero_stage")),
-            ("recompute", lambda x: _same_but(x, c, "recompute")))
-    everything = list(result.estimates.values())
-    for name, differs in axes:
-        alts = [e for e in everything if differs(e.candidate)]
-        faster = [e for e in alts if e.step_time < best.step_time]
-        if faster:
-            alt = min(faster, key=lambda e: e.step_time)
-            lines.append(f"{name}: {alt.candidate.label()} would take {alt.step_time:.4g} s but "
-                         + (_memory_reason(alt) if not alt.fits else "it fits; the simulator ranks it lower"))
-        elif alts:
-            alt = min(alts, key=lambda e: e.step_time)
-            lines.append(f"{name}: the best alternative, {alt.candidate.label()}, is slower: "
-                         f"{alt.step_time:.4g} s (+{(alt.step_time / best.step_time - 1) * 100:.0f}%)"
-                         + ("" if alt.fits else " and does not fit"))
-    lines.append(_time_breakdown(best))
-    return lines
-
-
-def _same_but(x: Candidate, c: Candidate, field_name: str) -> bool:
-    a, b = replace(x, cuts=()), replace(c, cuts=())
-    return getattr(a, field_name) != getattr(b, field_name) and replace(a, **{field_name: getattr(b, field_name)}) == b
-
-
-def _time_breakdown(e: Estimate) -> str:
-    parts = ", ".join(f"{k} {v:.3g} s" for k, v in e.parts.items() if v > 0)
-    return f"step time: {parts}"
+    """Why the best candidate won (:func:`autopar.planner.reasons.explain`)."""
+    from autopar.planner.reasons import explain as reasons_explain
+    return reasons_explain(result)
 
 
 def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> str:
-    """The ranked candidates (and a few rejected ones with their reasons) as a text table."""
-    head = ("#", "dp", "pp", "tp", "m", "mb", "schedule", "ZeRO", "recompute", "est. s/step", "bubble",
-            "GiB/rank", "of GiB")
-    rows = []
-    for i, e in enumerate(result.ranked[:top], 1):
-        c = e.candidate
-        mb = result.global_batch // (c.dp * c.num_microbatches)
-        bubble = e.parts.get("bubble", 0.0) / e.step_time if e.step_time else 0.0
-        rows.append((str(i), str(c.dp), str(c.pp), str(c.tp), str(c.num_microbatches), str(mb),
-                     c.schedule + (f" v={c.num_virtual}" if c.num_virtual > 1 else ""), str(c.zero_stage),
-                     c.recompute, f"{e.step_time:.4g}" + ("" if e.simulated else "*"), f"{bubble:.0%}",
-                     f"{e.memory / GiB:.1f}", f"{e.capacity / GiB:.1f}"))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
-    lines = [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
-    if any(not e.simulated for e in result.ranked[:top]):
-        lines.append("* analytic pipeline bound (not simulated)")
-    if rejected and result.rejected:
-        lines.append(f"rejected ({len(result.rejected)}), e.g.:")
-        shown = _varied(result.rejected, rejected)
-        lines += [f"  {c.label()}: {reason}" for c, reason in shown]
-    return "\n".join(lines)
-
-
-def _varied(rejected, count):
-    """Up to ``count`` rejections with different reasons."""
-    seen, out = set(), []
-    for c, reason in rejected:
-        key = reason.split(":")[0][:40]
-        if key not in seen:
-            seen.add(key)
-            out.append((c, reason))
-        if len(out) == count:
-            break
-    return out
+    """The ranked table (:func:`autopar.planner.reasons.format_table`)."""
+    from autopar.planner.reasons import format_table as reasons_table
+    return reasons_table(result, top=top, rejected=rejected)

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autopar.errors import PlanError
+from autopar.planner.cost_model import schedule_of
 
-__all__ = ["weighted_cuts", "stage_time"]
+__all__ = ["weighted_cuts", "stage_time", "memory_fits"]
 
 
 def stage_time(costs: Sequence[float], cuts: Sequence[int], speeds: Sequence[float] | None = None) -> float:
@@ -85,3 +86,37 @@ def weighted_cuts(costs: Sequence[float], num_stages: int, *, speeds: Sequence[f
         if high - low <= 1e-12 * high:
             break
     return pack(high)
+
+
+def memory_fits(c, profile, cluster):
+    """fits(stage, begin, end) for :func:`weighted_cuts`: a linear memory model of candidate ``c``'s stages
+    (:class:`~autopar.planner.cost_model.Candidate`) on ``cluster``, for memory-aware boundaries."""
+    chunks = profile.chunks[c.tp]
+    b = profile.global_batch // (c.dp * c.num_microbatches)
+    schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+    per_elem = _state_bytes_per_element(c.zero_stage, c.dp, profile.precision)
+    prefix_state, prefix_act, acc_s, acc_a = [0.0], [0.0], 0.0, 0.0
+    for ch in chunks:
+        acc_s += sum(p.numel for p in ch.params) * per_elem + ch.buffer_bytes
+        acc_a += ch.saved[c.recompute] * b
+        prefix_state.append(acc_s)
+        prefix_act.append(acc_a)
+
+    def fits(stage: int, lo: int, hi: int) -> bool:
+        q = schedule.stage_to_rank[stage]
+        in_flight = -(-counts[q] // c.num_virtual)
+        need = prefix_state[hi] - prefix_state[lo] + in_flight * (prefix_act[hi] - prefix_act[lo])
+        return need <= cluster.usable_bytes(q * c.tp) / c.num_virtual
+    return fits
+
+
+def _state_bytes_per_element(zero: int, dp: int, precision: str) -> float:
+    p = 2 if precision == "bf16" else 4
+    master = 4 if precision == "bf16" else 0
+    if dp == 1 or zero == 0:
+        return p + master + 4 + 8
+    if zero == 1:
+        return p + master + 4 + 8 / dp
+    if zero == 2:
+        return p + master + (4 + 8) / dp
+    return (p + master + 4 + 8) / dp
