@@ -42,13 +42,13 @@ from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import COVERED_SCHEDULES, pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
-from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.registry import build_schedule, schedule_names, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
 __all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of", "SPLIT_BACKWARD"]
 
-SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zb_v")
+SPLIT_BACKWARD = tuple(n for n in schedule_names() if splits_backward(n))  # the registry's
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
 
