@@ -34,7 +34,7 @@ from autopar.runtime.rank_tensors import Held, held_tensors
 from autopar.runtime import rng_state
 from autopar.validation import check_checkpoint_path, check_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_full_state_dict"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_full_state_dict", "agree_on_error"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agree(error: CheckpointError | None) -> None:
+def agree_on_error(error: CheckpointError | None) -> None:
     """Raise on every rank if any rank found an error (so no rank waits for the others in vain)."""
     if _distributed():
         errors: list = [None] * dist.get_world_size()
@@ -180,7 +180,7 @@ def save_checkpoint(program, root: str) -> str:
                                     fix="check the disk; the previous checkpoint under the root is intact")
     if error is not None and rank == 0:
         files.remove_quietly(tmp)
-    _agree(error)
+    agree_on_error(error)
     log.info("saved step %d to %s", step, final)
     return final
 
@@ -380,9 +380,9 @@ def load_checkpoint(program, path: str) -> int:
         manifest = files.read_manifest(folder)
     except CheckpointError as exc:
         error = exc
-    _agree(error)
+    agree_on_error(error)
     held = held_tensors(program)
-    _agree(_check_fits(program, manifest, held))
+    agree_on_error(_check_fits(program, manifest, held))
     try:
         request, params, states = _request(program, manifest, held)
     except CheckpointError as exc:
@@ -390,9 +390,9 @@ def load_checkpoint(program, path: str) -> int:
     except (KeyError, TypeError, ValueError) as exc:
         error, request = CheckpointError(f"the manifest of {folder} is corrupted: {type(exc).__name__}: {exc}",
                                          where=folder, fix="load an earlier checkpoint"), {}
-    _agree(error)
-    _agree(_check_index(folder, request))
-    _agree(_read(folder, request, manifest))
+    agree_on_error(error)
+    agree_on_error(_check_index(folder, request))
+    agree_on_error(_read(folder, request, manifest))
     _apply(program, manifest, held, request, params, states)
     _random(program, manifest, request)
     _barrier()
@@ -416,7 +416,7 @@ def load_full_state_dict(program, state_dict: dict) -> None:
                                 f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]}, "
                                 f"shape mismatches {wrong[:8]}", where="load_full_state_dict",
                                 fix="pass the state_dict of the same model (model.state_dict())")
-    _agree(error)
+    agree_on_error(error)
     with torch.no_grad():
         for h in held:
             h.tensor.copy_(_cut(given[h.name].detach().to("cpu", h.tensor.dtype), h))

@@ -26,7 +26,7 @@ import torch
 
 from autopar.errors import CheckpointError
 
-__all__ = ["MANIFEST", "FORMAT", "step_dir_name", "tmp_dir_for", "resolve", "latest_step_dir", "publish",
+__all__ = ["fsync_path", "MANIFEST", "FORMAT", "step_dir_name", "tmp_dir_for", "resolve", "latest_step_dir", "publish",
            "read_manifest", "write_manifest", "checksum", "remove_quietly"]
 
 MANIFEST = "autopar.json"
@@ -48,7 +48,8 @@ def checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(flat.numpy().tobytes())
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file or a folder (its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,7 +97,7 @@ def publish(tmp: str, root: str, step: int) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer_tmp, os.path.join(root, _LATEST))
-    _fsync_dir(root)
+    fsync_path(root)
     if old is not None:
         remove_quietly(old)
     return final

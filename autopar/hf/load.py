@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
-from autopar.runtime.checkpoint import _agree
+from autopar.runtime.checkpoint import agree_on_error
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.rank_tensors import Held, held_tensors
 
@@ -143,10 +143,10 @@ def load_pretrained(program, folder: str) -> LoadReport:
         ckpt = PretrainedFolder(folder)
     except CheckpointError as exc:
         error = exc
-    _agree(error)
+    agree_on_error(error)
     held = held_tensors(program)
     to_program = checkpoint_to_program(list(ckpt.shapes), program.state_keys)
-    _agree(_fit_error(_union(_problems(program, held, ckpt, to_program)), ckpt, program.plan.model_name))
+    agree_on_error(_fit_error(_union(_problems(program, held, ckpt, to_program)), ckpt, program.plan.model_name))
     by_program = {k: c for c, k in to_program.items()}
     try:
         with torch.no_grad():
@@ -156,7 +156,7 @@ def load_pretrained(program, folder: str) -> LoadReport:
                 h.tensor.copy_(piece)
     except CheckpointError as exc:
         error = exc
-    _agree(error)
+    agree_on_error(error)
     if getattr(program, "mixed", None) is not None:  # round the masters into the bf16 copies; ZeRO owners broadcast
         program.optimizer.publish_parameters()
     report = LoadReport(num_tensors=len(held), elements_read=ckpt.elements_read,

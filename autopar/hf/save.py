@@ -27,8 +27,9 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import INDEX_FILE, SINGLE_FILE
 from autopar.hf.names import find_hf_model, library_class, tied_targets
-from autopar.runtime.checkpoint import _agree
+from autopar.runtime.checkpoint import agree_on_error
 from autopar.runtime.checkpoint_layout import Layout, join, piece_key
+from autopar.runtime.checkpoint_files import fsync_path
 from autopar.runtime.rank_tensors import held_tensors
 
 __all__ = ["save_pretrained", "parse_size"]
@@ -135,14 +136,6 @@ def _my_pieces(program, held, wanted: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _prepare(folder: str, overwrite: bool) -> tuple[str | None, CheckpointError | None]:
     """Rank 0: the temporary folder beside ``folder`` (made empty), or why ``folder`` cannot be written."""
     folder = os.path.abspath(folder)
@@ -174,15 +167,15 @@ def _write_metadata(tmp: str, config, hf_model, dtype_name: str) -> None:
 def _publish(tmp: str, folder: str) -> None:
     """Fsync ``tmp``'s files and itself, rename it to ``folder`` (replacing an old one), fsync the parent."""
     for name in os.listdir(tmp):
-        _fsync(os.path.join(tmp, name))
-    _fsync(tmp)
+        fsync_path(os.path.join(tmp, name))
+    fsync_path(tmp)
     folder = os.path.abspath(folder)
     old = None
     if os.path.exists(folder):
         old = f"{os.path.join(os.path.dirname(folder), '.' + os.path.basename(folder))}.old-{os.getpid()}"
         os.rename(folder, old)
     os.rename(tmp, folder)
-    _fsync(os.path.dirname(folder))
+    fsync_path(os.path.dirname(folder))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -224,15 +217,15 @@ def save_pretrained(program, folder: str, *, config=None, max_shard_size: int | 
     if config is None:
         error = CheckpointError("the program's model holds no transformers model, and no config was given",
                                 where=_WHERE, fix="pass config= (the model's transformers PretrainedConfig)")
-    _agree(error)
+    agree_on_error(error)
     held = held_tensors(program)
     tensors = _tensors(program, held)
     names, error = _library_names(program, tensors, prefix, hf_model)
-    _agree(error)
+    agree_on_error(error)
     tmp = None
     if rank == 0:
         tmp, error = _prepare(folder, overwrite)
-    _agree(error)
+    agree_on_error(error)
     files = _files(names, tensors, dtype, limit)
     file_names, weight_map, total = _file_names(len(files)), {}, 0
     for file, members in zip(file_names, files):
@@ -259,7 +252,7 @@ def save_pretrained(program, folder: str, *, config=None, max_shard_size: int | 
                                     fix="check the disk (space, permissions); the folder was not replaced")
     if rank == 0 and error is not None and tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    _agree(error)
+    agree_on_error(error)
     if rank == 0:
         log.info("saved %d tensors in %d file(s) to %s", len(names), len(files), folder)
     return os.path.abspath(folder)
