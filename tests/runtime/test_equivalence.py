@@ -44,7 +44,6 @@ def test_matches_single_device(case: Case):
     assert_equivalent(case, result, _reference(case.model))
 
 
-
 @pytest.mark.parametrize("case", INFER, ids=lambda c: c.name())
 def test_inference_matches_single_device(case: Case):
     import torch
@@ -52,9 +51,15 @@ def test_inference_matches_single_device(case: Case):
     result = _results(case.world_size)[case]
     assert "error" not in result, result.get("traceback")
     local = case.batch // case.mesh[0]
-    start = result["dp_index"] * local
-    for got, expected in zip(result["outputs"], reference_outputs(case)):
-        torch.testing.assert_close(got, expected[start:start + local], rtol=1e-5, atol=1e-6)
+    expected = reference_outputs(case)
+    seen = set()
+    for rank, mine in enumerate(result["per_rank"]):  # every rank's slice, not rank 0's alone
+        start = mine["dp_index"] * local
+        seen.add(mine["dp_index"])
+        for step, (got, want) in enumerate(zip(mine["outputs"], expected, strict=True)):
+            torch.testing.assert_close(got, want[start:start + local], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, s=step: f"rank {r} batch {s}: {m}")
+    assert seen == set(range(case.mesh[0])), f"dp slices seen: {sorted(seen)}"
 
 
 def test_zero1_shards_optimizer_state():
