@@ -222,12 +222,16 @@ def _rank_problem(rank: int, mine: dict, first: dict, replicas: dict) -> str | N
     peer = replicas.get((coords.get("pp"), coords.get("tp")))
     if peer is None or peer is mine:
         return None
+    where = f"rank {rank} (dp={coords.get('dp')}, pp={coords.get('pp')}, tp={coords.get('tp')})"
+    if set(mine["replica"]) != set(peer["replica"]):
+        return f"{where} holds parameters {sorted(set(mine['replica']) ^ set(peer['replica']))} its dp replica does not"
     for name, tensor in mine["replica"].items():
-        theirs = peer["replica"].get(name)
-        if theirs is None or theirs.shape != tensor.shape or not torch.equal(theirs, tensor):
-            diff = (tensor - theirs).abs().max().item() if theirs is not None and theirs.shape == tensor.shape else None
-            return (f"rank {rank} (dp={coords.get('dp')}, pp={coords.get('pp')}, tp={coords.get('tp')}): "
-                    f"parameter {name} differs from its dp replica at dp=0 (max abs difference {diff})")
+        theirs = peer["replica"][name]
+        if theirs.shape != tensor.shape:
+            return f"{where}: parameter {name} has shape {tuple(tensor.shape)}, its dp replica {tuple(theirs.shape)}"
+        if not torch.equal(theirs, tensor):
+            diff = (tensor - theirs).abs().max().item()
+            return f"{where}: parameter {name} differs from its dp replica at dp=0 (max abs difference {diff:.3g})"
     return None
 
 
