@@ -11,7 +11,7 @@ rank 0's, or when a dp replica's weights (``"replica"``: the compute parameters 
 differ from those of the dp-index-0 rank with the same (pp, tp) coordinates. Replicas must agree
 bitwise: their gradients come from one all-reduce (or one owner's broadcast), and every rank steps
 the same values. The full state dict is rebuilt from dp index 0's shards only, so without this a
-wrong weight on another replica would go unseen. ``result["per_rank"]`` holds every rank's outcome.
+wrong weight on another replica would go unseen. ``result["rank_results"]`` holds every rank's outcome.
 
 The optimizer is SGD with momentum: its update is linear in the gradient, so a parallel run's
 rounding differences (sums taken in another order) stay at rounding size. Adam divides each
@@ -238,7 +238,7 @@ def _rank_problem(rank: int, mine: dict, first: dict, replicas: dict) -> str | N
 def judge_ranks(per_rank: list[dict]) -> dict:
     """Rank 0's result; ``"error"`` set (rank 0's own first) when any rank failed or disagrees."""
     result = dict(per_rank[0])
-    result["per_rank"] = per_rank
+    result["rank_results"] = per_rank
     if "error" in result:
         return result
     replicas = {(r["coords"].get("pp"), r["coords"].get("tp")): r for r in per_rank
@@ -250,6 +250,20 @@ def judge_ranks(per_rank: list[dict]) -> dict:
             result["traceback"] = problem
             break
     return result
+
+
+def assert_outputs_match(case: Case, result: dict) -> None:
+    """Every rank's forward outputs equal its dp slice of one device's (fp32, relative 1e-5), every dp
+    slice seen: each rank returns the model's output for its own dp slice, whatever its pp and tp."""
+    assert "error" not in result, f"{case.name()} failed:\n{result.get('traceback', result['error'])}"
+    local, expected, seen = case.batch // case.mesh[0], reference_outputs(case), set()
+    for rank, mine in enumerate(result["rank_results"]):
+        start = mine["dp_index"] * local
+        seen.add(mine["dp_index"])
+        for step, (got, want) in enumerate(zip(mine["outputs"], expected, strict=True)):
+            torch.testing.assert_close(got, want[start:start + local], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, r=rank, s=step: f"{case.name()} rank {r} batch {s}: {m}")
+    assert seen == set(range(case.mesh[0])), f"{case.name()}: dp slices seen: {sorted(seen)}"
 
 
 def assert_equivalent(case: Case, result: dict, reference: dict) -> None:

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 
-from equivalence import Case, assert_equivalent, reference_run, run_cases
+from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run, run_cases
 
 pytestmark = pytest.mark.dist
 
@@ -46,20 +46,7 @@ def test_matches_single_device(case: Case):
 
 @pytest.mark.parametrize("case", INFER, ids=lambda c: c.name())
 def test_inference_matches_single_device(case: Case):
-    import torch
-    from equivalence import reference_outputs
-    result = _results(case.world_size)[case]
-    assert "error" not in result, result.get("traceback")
-    local = case.batch // case.mesh[0]
-    expected = reference_outputs(case)
-    seen = set()
-    for rank, mine in enumerate(result["per_rank"]):  # every rank's slice, not rank 0's alone
-        start = mine["dp_index"] * local
-        seen.add(mine["dp_index"])
-        for step, (got, want) in enumerate(zip(mine["outputs"], expected, strict=True)):
-            torch.testing.assert_close(got, want[start:start + local], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, r=rank, s=step: f"rank {r} batch {s}: {m}")
-    assert seen == set(range(case.mesh[0])), f"dp slices seen: {sorted(seen)}"
+    assert_outputs_match(case, _results(case.world_size)[case])  # every rank's slice, not rank 0's alone
 
 
 def test_zero1_shards_optimizer_state():
