@@ -129,6 +129,8 @@ def replica_record(program) -> dict:
     those differ by design, and the full state dict gathers every one of them), for the replica check."""
     from autopar.runtime.zero3_ops import zero3_targets
     replica = {}
+    if program.plan.data_parallel == "dataparallel":  # rank 0 alone steps; the others receive its weights at
+        return {"coords": dict(program.info.coords), "replica": replica}  # the next step's start (stale until then)
     for stage in program.stages.values():
         sharded = set(zero3_targets(stage.gm))
         replica.update({f"stage{stage.stage}.{name}": p.detach().clone()
