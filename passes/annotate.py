@@ -2,9 +2,14 @@
 
 These passes write node.meta and never change the graph. Example::
 
-    >>> gm = annotate(captured.gm, example_inputs=(idx, target))
-    >>> [get_meta(n, COST).flops for n in gm.graph.nodes if n.op == "call_function"][:2]
-    [0, 16384]
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.meta_keys import COST, get_meta
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
+    >>> [(n.name, get_meta(n, COST).flops) for n in gm.graph.nodes if n.op == "call_function"][4:6]
+    [('layer_norm', 0), ('linear', 1572864)]
 """
 from __future__ import annotations
 

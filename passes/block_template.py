@@ -19,9 +19,16 @@ capturing every block and says why in the log.
 
 Example::
 
+    >>> import torch
+    >>> from autopar.models import build_model
+    >>> from autopar.passes.capture import capture
+    >>> model = build_model("gpt_tiny", num_layers=6)
+    >>> args = (torch.zeros(2, 16, dtype=torch.long),)
     >>> template = find_block_template(model, mode="once")
     >>> captured, template = capture_blocks(template, lambda: capture(model, args))
-    >>> gm = template.repeat(sharded_gm, tp_rank=0, tp_size=1, specs={})   # every block present
+    >>> gm = template.repeat(captured.gm, tp_rank=0, tp_size=1, specs={})   # every block present
+    >>> sorted({n.target.split(".")[2] for n in gm.graph.nodes if n.op == "get_attr" and ".blocks." in n.target})
+    ['0', '1', '2', '3', '4', '5']
 """
 from __future__ import annotations
 

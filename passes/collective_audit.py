@@ -9,9 +9,13 @@ algorithms.
 
 Example::
 
+    >>> import autopar
+    >>> from autopar.models.examples import gpt_tiny
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> result = autopar.plan(model, (1, 1, 2), example_inputs=(x,), loss_fn=loss_fn, example_target=y)
     >>> records = audit_collectives(result.graph(0))
     >>> per_unit(records)["model.blocks.0"]
-    {('forward', 'all_reduce'): (2, 8192), ('backward', 'all_reduce'): (2, 8192)}
+    {('backward', 'all_reduce'): (2, 16384), ('forward', 'all_reduce'): (2, 16384)}
 """
 from __future__ import annotations
 

@@ -6,8 +6,16 @@ drops it (see :func:`drop_meta`).
 
 Example::
 
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.annotate import annotate
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> from autopar.passes.meta_keys import TENSOR, get_meta
-    >>> info = get_meta(node, TENSOR)   # TensorInfo(shape=(2, 8, 16), dtype=torch.float32, ...)
+    >>> node = next(n for n in gm.graph.nodes if n.op == "call_function")   # the positions' arange
+    >>> get_meta(node, TENSOR).shape, get_meta(node, TENSOR).dtype
+    ((32,), torch.int64)
 """
 from __future__ import annotations
 

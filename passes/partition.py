@@ -8,9 +8,15 @@ heavy first and last stages (embedding, LM head and loss) get fewer blocks.
 
 Example::
 
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.annotate import annotate
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> gm, starts = assign_stages(gm, num_stages=2)
     >>> starts            # the unit each stage after the first begins with
-    ['model.blocks.2']
+    ['model.blocks.1']
 """
 from __future__ import annotations
 

@@ -28,9 +28,14 @@ outside too.
 
 Example::
 
+    >>> import autopar
+    >>> from autopar.models.examples import gpt_tiny
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> result = autopar.plan(model, (1, 2, 1), example_inputs=(x,), loss_fn=loss_fn, example_target=y)
+    >>> stage = result.ranks[1].stages[0]      # the last of two stages: it receives, runs block 1
     >>> gm = apply_recompute(stage.gm, mode="full")
     >>> [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    ['recv_0', 'recompute_0', 'recompute_1', 'send_0']
+    ['recv_0', 'recompute_0']
 """
 from __future__ import annotations
 

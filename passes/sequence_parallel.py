@@ -23,6 +23,15 @@ read there gets a :class:`TpCopy`, whose backward does the same per use.
 
 Example::
 
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.annotate import annotate
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
+    >>> from autopar.passes.tensor_parallel import shard_tensor_parallel
+    >>> gm, _ = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
+    >>> gm = annotate(gm, example_inputs=(x, y))      # shapes of the new nodes (the pass manager does this)
     >>> gm, partial = shard_sequence_parallel(gm, tp_size=2)
     >>> partial[:2]
     ('model.blocks.0.ln_1.weight', 'model.blocks.0.ln_1.bias')

@@ -9,6 +9,12 @@ local shard's. A transformer block therefore holds 2 forward and 2 backward all-
 
 Example::
 
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.annotate import annotate
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
     >>> specs["model.blocks.0.mlp.fc.weight"]
     ShardSpec(dim=0, chunks=1)

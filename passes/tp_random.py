@@ -9,8 +9,18 @@ replicated regions are left alone and draw the same masks on every rank, as one 
 
 Example::
 
+    >>> import torch
+    >>> from autopar.models import build_model, lm_loss
+    >>> from autopar.passes.annotate import annotate
+    >>> from autopar.passes.capture import capture
+    >>> from autopar.passes.tensor_parallel import shard_tensor_parallel
+    >>> model = build_model("gpt_tiny", dropout=0.1)
+    >>> x = y = torch.zeros(8, 16, dtype=torch.long)
+    >>> gm = capture(model, (x,), loss_fn=lm_loss, example_target=y).gm
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
+    >>> gm, _ = shard_tensor_parallel(gm, tp_size=2, tp_rank=1)
     >>> gm = fork_sharded_random(gm, seed=torch.initial_seed(), tp_rank=1)
-    >>> [n.target for n in gm.graph.nodes if n.op == "call_module"][:1]
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("tp_random")][:1]
     ['tp_random_0']
 """
 from __future__ import annotations

@@ -23,9 +23,15 @@ by tp stays replicated with a warning, or raises :class:`ShardingError` when the
 
 Example::
 
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.capture import capture
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> from autopar.passes.annotate import annotate
+    >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> vp = find_vocab_parallel(gm)
     >>> gm, specs = shard_vocab_parallel(gm, vp, tp_size=2, tp_rank=0)
-    >>> specs["model.tok_emb.weight"]
+    >>> specs["model.lm_head.weight"]
     ShardSpec(dim=0, chunks=1)
 """
 from __future__ import annotations

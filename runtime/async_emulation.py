@@ -13,10 +13,11 @@ the same effect). All versions are kept, so nothing depends on stashing bookkeep
   weights ``w_{v_b} - (v_b - v_f) * delta`` whose stage inputs are replaced by the recorded ones
   (gradients pass through to the stage before): the gradient of each stage function at its
   forward input and backward weights, as the runtime's recompute computes it.
+A sketch (tests/runtime/test_async_pipeline.py runs it against the runtime)::
 
-    >>> # result = emulate(model, rule=StalenessRule(kind="2bw", num_stages=2, updates_every=4),
-    >>> #                  layout=stage_layout(autopar.plan(...)), batches=[(x, y), ...], ...)
-    >>> # result.losses[-1] < result.losses[0]
+    result = emulate(model, rule=StalenessRule(kind="2bw", num_stages=2, updates_every=4),
+                     layout=stage_layout(autopar.plan(...)), batches=[(x, y), ...], ...)
+    result.losses[-1] < result.losses[0]
 """
 from __future__ import annotations
 

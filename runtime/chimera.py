@@ -8,8 +8,9 @@ and accumulates both gradients in it), with each send/recv re-addressed to the r
 Lowering then lists every weight as held by two stages, and the runtime sums the two replicas'
 gradients of each part after the backward (an exchange between the two ranks holding them,
 :func:`autopar.runtime.grad_sync.sum_shared_gradients`), so both copies stay equal.
+::
 
-    >>> # stages = replicate_stages(split_pipeline(gm, num_stages=P), num_replicas=2)   # 2P stage graphs
+    stages = replicate_stages(split_pipeline(gm, num_stages=P), num_replicas=2)   # 2P stage graphs
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import shutil
@@ -22,7 +23,8 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Block", "blocks", "write_files", "commands", "run_command", "promised", "free_port", "shell_runs"]
+__all__ = ["Block", "blocks", "write_files", "commands", "run_command", "promised", "free_port", "shell_runs",
+           "printed_losses", "assert_loss_falls"]
 
 _FENCE = re.compile(r"^```(python|bash|sh|shell)\n(.*?)^```", flags=re.S | re.M)
 _FILE = re.compile(r"^# file: (\S+)")
@@ -74,6 +76,22 @@ def promised(block: Block) -> list[str]:
     tokens = tokenize.generate_tokens(io.StringIO(block.text).readline)
     return [tok.string[1:].strip() for tok in tokens
             if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1].lstrip().startswith("print(")]
+
+
+def printed_losses(text: str) -> list[float]:
+    """The losses a training run printed: ``step N: loss X`` lines, or ``loss X -> Y`` (first and last).
+    Any token is parsed, so ``nan`` and ``inf`` are read (and then fail :func:`assert_loss_falls`)."""
+    steps = [float(x) for x in re.findall(r"step \d+: loss (\S+)", text)]
+    if steps:
+        return steps
+    return [float(x) for pair in re.findall(r"loss (\S+) -> (\S+)", text) for x in pair]
+
+
+def assert_loss_falls(losses: list[float], *, where: str) -> None:
+    """Every loss finite and the last below the first (the run trained)."""
+    assert len(losses) >= 2, f"{where}: no loss trace printed"
+    assert all(math.isfinite(x) for x in losses), f"{where}: a loss is not finite: {losses}"
+    assert losses[-1] < losses[0], f"{where}: the loss did not fall: {losses}"
 
 
 def free_port() -> int:

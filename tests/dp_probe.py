@@ -16,7 +16,7 @@ def probe_run(case, mesh) -> dict:
     import autopar
     from autopar.models import lm_loss
     from autopar.runtime.model_state import model_state_bytes
-    from equivalence import batches, build, make_optimizer
+    from equivalence import batches, build, make_optimizer, replica_record
     model = build(case)
     data = batches(case, model.cfg.vocab_size)
     program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
@@ -43,7 +43,8 @@ def probe_run(case, mesh) -> dict:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     state = program.full_state_dict()
-    return {"losses": losses, "state": state, "ranks": everyone, "plan": program.plan.model_dump_json()}
+    return {"losses": losses, "state": state, "ranks": everyone, "plan": program.plan.model_dump_json(),
+            **replica_record(program)}
 
 
 def dataparallel_infer_run(case, mesh) -> dict:

@@ -5,6 +5,14 @@ it (start-up costs seconds). Each :class:`Case` trains the same model, data and 
 optimizer steps with ``autopar.compile`` on its mesh; :func:`reference_run` does the same on one
 device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
 
+Every rank is judged, not rank 0 alone: each rank saves its own outcome, and :func:`run_cases`
+returns rank 0's result with an ``"error"`` when any rank raised, when a rank's losses differ from
+rank 0's, or when a dp replica's weights (``"replica"``: the compute parameters a rank holds whole)
+differ from those of the dp-index-0 rank with the same (pp, tp) coordinates. Replicas must agree
+bitwise: their gradients come from one all-reduce (or one owner's broadcast), and every rank steps
+the same values. The full state dict is rebuilt from dp index 0's shards only, so without this a
+wrong weight on another replica would go unseen. ``result["rank_results"]`` holds every rank's outcome.
+
 The optimizer is SGD with momentum: its update is linear in the gradient, so a parallel run's
 rounding differences (sums taken in another order) stay at rounding size. Adam divides each
 gradient by its own running magnitude, which turns the rounding noise of a near-zero gradient
@@ -98,7 +106,8 @@ def reference_run(case: Case) -> dict:
 
 
 def parallel_run(case: Case, mesh) -> dict:
-    """This rank's run of ``case`` under autopar; rank 0's result is the one compared."""
+    """This rank's run of ``case`` under autopar: losses and full state (compared with one device), and
+    the replica record that :func:`judge_ranks` compares across dp replicas."""
     import autopar
     from autopar.models import lm_loss
     model = build(case)
@@ -112,7 +121,21 @@ def parallel_run(case: Case, mesh) -> dict:
         losses.append(loss.item())
     state = program.full_state_dict()
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
-            "optimizer_state_bytes": program.optimizer.local_state_bytes()}
+            "optimizer_state_bytes": program.optimizer.local_state_bytes(), **replica_record(program)}
+
+
+def replica_record(program) -> dict:
+    """This rank's coordinates and the compute parameters it holds whole (ZeRO-3's 1/N shards left out:
+    those differ by design, and the full state dict gathers every one of them), for the replica check."""
+    from autopar.runtime.zero3_ops import zero3_targets
+    replica = {}
+    if program.plan.data_parallel == "dataparallel":  # rank 0 alone steps; the others receive its weights at
+        return {"coords": dict(program.info.coords), "replica": replica}  # the next step's start (stale until then)
+    for stage in program.stages.values():
+        sharded = set(zero3_targets(stage.gm))
+        replica.update({f"stage{stage.stage}.{name}": p.detach().clone()
+                        for name, p in stage.gm.named_parameters(remove_duplicate=False) if name not in sharded})
+    return {"coords": dict(program.info.coords), "replica": replica}
 
 
 def inference_run(case: Case, mesh) -> dict:
@@ -123,7 +146,7 @@ def inference_run(case: Case, mesh) -> dict:
     program = autopar.compile(model, mesh, example_inputs=(data[0][0],), p2p_timeout_s=120,
                               **dict(case.options))
     outputs = [program(program.shard_batch(idx)) for idx, _ in data]
-    return {"outputs": outputs, "dp_index": program.info.coords["dp"]}
+    return {"outputs": outputs, "dp_index": program.info.coords["dp"], **replica_record(program)}
 
 
 def reference_outputs(case: Case) -> list:
@@ -162,19 +185,17 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None
             try:
                 result = _runner(case.kind)(case, mesh)
             except Exception as exc:  # report per case, keep the group going
-                result = {"error": f"{type(exc).__name__}: {exc}"}
-                if rank == 0:
-                    import traceback
-                    result["traceback"] = traceback.format_exc()
-            if rank == 0:
-                torch.save(result, os.path.join(out_dir, f"case{i}.pt"))
+                import traceback
+                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            torch.save(result, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def run_cases(cases: list[Case], *, timeout_s: float = 600) -> list[dict]:
-    """Run every case (all of one world size) in one spawned process group; rank 0's results."""
+    """Run every case (all of one world size) in one spawned process group; rank 0's results, each
+    judged against every rank's (:func:`judge_ranks`)."""
     world = cases[0].world_size
     assert all(c.world_size == world for c in cases)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -186,8 +207,65 @@ def run_cases(cases: list[Case], *, timeout_s: float = 600) -> list[dict]:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"cases {[c.name() for c in cases]} did not finish in {timeout_s}s")
-        return [torch.load(os.path.join(out_dir, f"case{i}.pt"), weights_only=False)
-                for i in range(len(cases))]
+        return [judge_ranks([torch.load(os.path.join(out_dir, f"case{i}_rank{r}.pt"), weights_only=False)
+                             for r in range(world)]) for i in range(len(cases))]
+
+
+def _rank_problem(rank: int, mine: dict, first: dict, replicas: dict) -> str | None:
+    """What is wrong with ``rank``'s outcome: its error, losses other than rank 0's, or weights other
+    than its dp replica's (``replicas``: the dp-index-0 outcome of each (pp, tp) position)."""
+    if "error" in mine:
+        return f"rank {rank} failed: {mine['error']}\n{mine.get('traceback', '')}"
+    if "losses" in mine and "losses" in first and mine["losses"] != first["losses"]:
+        return f"rank {rank} reports losses {mine['losses']}, rank 0 {first['losses']}"
+    if "replica" not in mine:
+        return None
+    coords = mine["coords"]
+    peer = replicas.get((coords.get("pp"), coords.get("tp")))
+    if peer is None or peer is mine:
+        return None
+    where = f"rank {rank} (dp={coords.get('dp')}, pp={coords.get('pp')}, tp={coords.get('tp')})"
+    if set(mine["replica"]) != set(peer["replica"]):
+        return f"{where} holds parameters {sorted(set(mine['replica']) ^ set(peer['replica']))} its dp replica does not"
+    for name, tensor in mine["replica"].items():
+        theirs = peer["replica"][name]
+        if theirs.shape != tensor.shape:
+            return f"{where}: parameter {name} has shape {tuple(tensor.shape)}, its dp replica {tuple(theirs.shape)}"
+        if not torch.equal(theirs, tensor):
+            diff = (tensor - theirs).abs().max().item()
+            return f"{where}: parameter {name} differs from its dp replica at dp=0 (max abs difference {diff:.3g})"
+    return None
+
+
+def judge_ranks(per_rank: list[dict]) -> dict:
+    """Rank 0's result; ``"error"`` set (rank 0's own first) when any rank failed or disagrees."""
+    result = dict(per_rank[0])
+    result["rank_results"] = per_rank
+    if "error" in result:
+        return result
+    replicas = {(r["coords"].get("pp"), r["coords"].get("tp")): r for r in per_rank
+                if "replica" in r and r["coords"].get("dp") == 0}
+    for rank, mine in enumerate(per_rank[1:], start=1):
+        problem = _rank_problem(rank, mine, per_rank[0], replicas)
+        if problem is not None:
+            result["error"] = problem
+            result["traceback"] = problem
+            break
+    return result
+
+
+def assert_outputs_match(case: Case, result: dict) -> None:
+    """Every rank's forward outputs equal its dp slice of one device's (fp32, relative 1e-5), every dp
+    slice seen: each rank returns the model's output for its own dp slice, whatever its pp and tp."""
+    assert "error" not in result, f"{case.name()} failed:\n{result.get('traceback', result['error'])}"
+    local, expected, seen = case.batch // case.mesh[0], reference_outputs(case), set()
+    for rank, mine in enumerate(result["rank_results"]):
+        start = mine["dp_index"] * local
+        seen.add(mine["dp_index"])
+        for step, (got, want) in enumerate(zip(mine["outputs"], expected, strict=True)):
+            torch.testing.assert_close(got, want[start:start + local], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, r=rank, s=step: f"{case.name()} rank {r} batch {s}: {m}")
+    assert seen == set(range(case.mesh[0])), f"{case.name()}: dp slices seen: {sorted(seen)}"
 
 
 def assert_equivalent(case: Case, result: dict, reference: dict) -> None:

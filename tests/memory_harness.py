@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from equivalence import Case, batches, build, make_optimizer, run_cases
+from equivalence import Case, batches, build, make_optimizer, replica_record, run_cases
 
 KIND = "memory_harness:measured_run"
 OPTIMIZER_KIND = {"sgd": "momentum", "adam": "adamw"}  # equivalence.make_optimizer's choices
@@ -74,7 +74,8 @@ def measured_run(case: Case, mesh) -> dict:
             "dtypes": sorted({str(p.dtype) for gm in program.graphs.values() for p in gm.parameters()})}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    out = {"losses": losses, "state": program.full_state_dict(), "ranks": {r["rank"]: r for r in every}}
+    out = {"losses": losses, "state": program.full_state_dict(), "ranks": {r["rank"]: r for r in every},
+           **replica_record(program)}
     if case in ROUND_TRIP:
         out["round_trip"] = _checkpoint_round_trip(program, data[0])
     return out

@@ -1,8 +1,12 @@
 """The model memory calculator: per-rank bytes of a plan, in one plain process.
 
+    >>> import autopar
+    >>> from autopar.models.examples import gpt_tiny
+    >>> model, (x,), lm_loss, y = gpt_tiny()
     >>> result = autopar.plan(model, (2, 2, 1), example_inputs=(x,), loss_fn=lm_loss, example_target=y)
     >>> estimate = estimate_memory(result, optimizer="adam")
     >>> estimate.ranks[0].total            # bytes rank 0 holds at its peak
+    349964
 
 For each rank: parameters, fp32 masters (bf16 only), gradients and optimizer state
 (:mod:`autopar.memory.states`, by ZeRO stage and precision), buffers, and activations

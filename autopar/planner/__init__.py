@@ -1,10 +1,12 @@
 """The planner: autopar chooses dp x pp x tp, microbatches, schedule, ZeRO stage, recompute and stage cuts.
 
-    >>> report = autopar.plan(model, 1024, plan="auto", cluster=get_cluster("a100-80g-8x", nodes=128),
-    ...                       example_inputs=(tokens,), loss_fn=lm_loss, example_target=targets,
-    ...                       ranks=[0]).planner
-    >>> print(report.table())       # ranked candidates: estimated step time, memory per rank
-    >>> print(report.summary())     # why the first one won
+A sketch (a 70B-shaped model on the meta device; tests/api/test_planner.py runs plans like it)::
+
+    report = autopar.plan(model, 1024, plan="auto", cluster=get_cluster("a100-80g-8x", nodes=128),
+                          example_inputs=(tokens,), loss_fn=lm_loss, example_target=targets,
+                          ranks=[0]).planner
+    print(report.table())       # ranked candidates: estimated step time, memory per rank
+    print(report.summary())     # why the first one won
 
 The parts, in the order they run: :mod:`~autopar.planner.profile` (per-chunk costs from the
 captured graph), :mod:`~autopar.planner.cost_model` (step time and memory of one candidate),

@@ -17,10 +17,10 @@ What the cost model needs, measured rather than looked up:
 Run inside a job, every rank measures while the others do the same, so the figures include the
 ranks' contention for shared cores. :func:`calibrated_cluster` turns the figures into a
 :class:`~autopar.planner.cluster.Cluster`; :func:`calibrate` spawns ``world_size`` gloo processes
-on this machine and returns it (a few seconds)::
+on this machine and returns it (a few seconds; it spawns processes, so this is a sketch, not a doctest)::
 
-    >>> cluster = calibrate(world_size=2)        # doctest: +SKIP
-    >>> report = autopar.plan(model, 2, plan="auto", cluster=cluster, ...).planner
+    cluster = calibrate(world_size=2)
+    report = autopar.plan(model, 2, plan="auto", cluster=cluster, ...).planner
 """
 from __future__ import annotations
 

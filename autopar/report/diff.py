@@ -14,8 +14,13 @@ printed with a marker:
 Nodes that run on the rank's other stages are not listed one by one: a closing section counts
 them per stage and pipeline unit.
 
+    >>> import autopar
+    >>> from autopar.models.examples import gpt_tiny
+    >>> model, (x,), f, y = gpt_tiny()
     >>> result = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=(x,), loss_fn=f, example_target=y)
-    >>> print(graph_diff(result, rank=1))       # or: autopar inspect ... --diff --rank 1
+    >>> text = graph_diff(result, rank=1)       # or: autopar inspect ... --diff --rank 1
+    >>> print(text.splitlines()[0])
+    rank 1 (dp=0 pp=0 tp=1) against the captured graph (84 nodes, one device)
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The ``autopar`` command: help texts, ``inspect`` output, the Plan as JSON, and its errors."""
 from __future__ import annotations
 
-import doctest
 import subprocess
 import sys
 
@@ -10,7 +9,6 @@ import pytest
 import autopar
 from autopar.cli import main, parse_mesh
 from autopar.errors import PlanError
-from autopar.models import examples
 
 GPT = "autopar.models.examples:gpt_tiny"
 
@@ -123,8 +121,3 @@ def test_parse_mesh():
     assert (parse_mesh("dp=2, tp=4").dp, parse_mesh("dp=2, tp=4").pp, parse_mesh("dp=2, tp=4").tp) == (2, 1, 4)
     with pytest.raises(PlanError, match="--mesh"):
         parse_mesh("pp=-1")
-
-
-def test_examples_module_docstring_runs():
-    failures, _ = doctest.testmod(examples)
-    assert failures == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_blocks import blocks, commands, promised, shell_runs, write_files
+from doc_blocks import assert_loss_falls, blocks, commands, printed_losses, promised, shell_runs, write_files
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = {path.name: blocks(path) for path in sorted(DOCS.glob("*.md"))}
@@ -39,6 +39,9 @@ def test_example_runs(block, page_folder, monkeypatch, capsys):
     printed = capsys.readouterr().out.splitlines()
     for expected in promised(block):
         assert any(expected in line for line in printed), f"{block.page}: expected {expected!r} in {printed}"
+    losses = printed_losses("\n".join(printed))
+    if len(losses) >= 2:  # a block that trains and prints its losses: they must fall
+        assert_loss_falls(losses, where=f"{block.page}[{block.index}]")
 
 
 @pytest.mark.parametrize("block,command", [pytest.param(b, c, marks=[pytest.mark.dist] if c.startswith("torchrun")
@@ -47,3 +50,5 @@ def test_shell_example_runs(block, command, page_folder):
     files = tuple((b.file, b.text) for b in PAGES[block.page] if b.file)
     done = shell_runs(command, page_folder(block.page), files)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if command.startswith(("torchrun", "autopar train")):  # a training run: its printed loss must fall
+        assert_loss_falls(printed_losses(done.stdout), where=f"{block.page}: {command}")

@@ -34,12 +34,42 @@ def test_zero0_fp32_adam_is_16_bytes_per_parameter():
     assert r.optimizer == 8 * n + 4 * len(_sizes())  # exp_avg, exp_avg_sq + a 4-byte step per tensor
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATE))
-def test_optimizer_kinds(optimizer):
-    n, k = sum(_sizes()), len(_sizes())
-    per_element, per_tensor = OPTIMIZER_STATE[optimizer]
+_TORCH_OPTIMIZERS = {  # the calculator's optimizer kinds as torch builds them (foreach off: one state per tensor)
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False),
+}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _counted(optimizer: str) -> dict[str, int]:
+    """Bytes counted from real tensors: gpt_tiny's parameters, gradients and the state torch's optimizer
+    holds after one real step (the oracle owes nothing to the calculator's tables)."""
+    torch.manual_seed(0)
+    model = build_model("gpt_tiny", seq_len=16)
+    x = torch.randint(0, 128, (8, 16))
+    opt = _TORCH_OPTIMIZERS[optimizer](list(model.parameters()))
+    lm_loss(model(x), x).backward()
+    opt.step()
+    state = [v for per_param in opt.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {"params": _nbytes(model.parameters()), "grads": _nbytes(p.grad for p in model.parameters()),
+            "optimizer": _nbytes(state)}
+
+
+def test_the_optimizer_kinds_are_the_ones_torch_builds():
+    assert set(OPTIMIZER_STATE) == set(_TORCH_OPTIMIZERS)
+
+
+@pytest.mark.parametrize("optimizer", sorted(_TORCH_OPTIMIZERS))
+def test_zero0_bytes_match_a_real_model_after_a_real_step(optimizer):
+    """Parameters, gradients and optimizer state of a dp rank without ZeRO: the bytes of the real tensors."""
     r = estimate_memory(_plan((2, 1, 1)), optimizer=optimizer, zero_stage=0).ranks[0]
-    assert r.optimizer == 4 * per_element * n + per_tensor * k
+    assert {"params": r.params, "grads": r.grads, "optimizer": r.optimizer} == _counted(optimizer)
 
 
 def test_zero_stages_shard_what_they_say():

@@ -112,7 +112,9 @@ def test_step_time_adds_up(profile):
     assert e.step_time == pytest.approx(p["compute"] + p["tp_comm"] + p["bubble"] + p["dp_comm"] + p["optimizer"])
     assert 0 < p["bubble"] < p["compute"]
     analytic = model.estimate(c)
-    assert analytic.step_time == pytest.approx(e.step_time, rel=0.1)
+    # the closed-form bubble and the simulator's replay of the same stage costs agree to rounding here
+    # (measured: relative 2e-16); the bound is rounding, not modelling slack
+    assert analytic.step_time == pytest.approx(e.step_time, rel=1e-9)
 
 
 def test_planner_memory_agrees_with_the_memory_calculator(profile):
@@ -131,7 +133,11 @@ def test_planner_memory_agrees_with_the_memory_calculator(profile):
     rank = calc.peak_rank()
     assert e.memory_parts["params"] == rank.params
     assert e.memory_parts["optimizer"] == rank.optimizer
-    assert e.memory == pytest.approx(rank.total, rel=0.25)
+    assert e.memory_parts["grads"] == rank.grads
+    # activations: the planner's come from its per-chunk profile, the calculator's from a fake-tensor
+    # forward of each stage; they count tensors at chunk boundaries differently (measured here: 256 B
+    # of 266 KB, relative 3.4e-4 of the total); 1% bounds that boundary term, nothing else differs
+    assert e.memory == pytest.approx(rank.total, rel=0.01)
 
 
 def test_faster_devices_get_more_blocks(profile):

@@ -47,10 +47,18 @@ def _balanced_starts(case: Case) -> tuple[str, ...]:
     return tuple(result.plan.pipeline.stage_starts)
 
 
+# the balanced split worked out by hand, apart from any partitioner: six equal blocks (about 24 h^2 FLOPs
+# per token each, h = 128), the embedding (a lookup) before them, the LM head (2 h V per token, V = 128:
+# 1/12 of a block) and the loss after them. Three blocks on stage 0 and three plus the head on stage 1
+# is the most even cut (3 against 3 1/12 blocks; the next, 4 against 2 1/12, is worse).
+HAND_BALANCED = ("blocks.3",)
+
+
 def test_rebalance_proposes_the_balanced_split_and_trains_like_one_device(results):
     result = results[REBALANCE]
     assert "error" not in result, result.get("traceback", result.get("error"))
-    balanced = _balanced_starts(REBALANCE)
+    balanced = HAND_BALANCED
+    assert _balanced_starts(REBALANCE) == balanced  # autopar's cost partitioner agrees with the hand count
     assert balanced != result["before"]
     assert result["proposal"] == balanced
     assert result["after"] == balanced
@@ -66,11 +74,18 @@ def test_compile_with_plan_auto_trains_like_one_device(results, case):
     assert_equivalent(case, result, reference_run(case))
 
 
+@pytest.mark.timing  # a measured time bound: skipped by default (tests/conftest.py), run with -m timing
+def test_calibrated_context_switch_is_under_50_ms(results):
+    result = results[CALIBRATION]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    assert all(figures["switch_s"] < 0.05 for figures in result["figures"]), result["figures"]
+
+
 def test_calibration_measures_every_figure_on_every_rank(results):
     result = results[CALIBRATION]
     assert "error" not in result, result.get("traceback", result.get("error"))
     for figures in result["figures"]:
-        assert figures["switch_s"] >= 0 and figures["switch_s"] < 0.05
+        assert figures["switch_s"] >= 0
         assert all(figures[k] > 0 for k in ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "p2p_bandwidth"))
     cluster = result["cluster"]
     import os

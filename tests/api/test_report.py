@@ -1,7 +1,6 @@
 """The HTML report and the graph diff (autopar.report), read as text; test_report_browser.py renders it."""
 from __future__ import annotations
 
-import doctest
 import html
 import re
 import types
@@ -13,7 +12,7 @@ from autopar.cli import main
 from autopar.errors import PlanError
 from autopar.models import examples
 from autopar.report import graph_diff, render_report, timeline_svg, write_report
-from autopar.report import memory_view, nodes, timeline
+from autopar.report import memory_view
 from autopar.report.collect import graph_groups, original_graph
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 from autopar.runtime.p2p import p2p_nodes
@@ -179,9 +178,3 @@ def test_report_to_a_missing_folder_exits_2(tmp_path, capsys):
 def test_a_result_without_its_captured_graph_is_refused():
     with pytest.raises(PlanError, match="holds no captured graph"):
         original_graph(types.SimpleNamespace(captured=None))
-
-
-@pytest.mark.parametrize("module", [nodes, timeline], ids=lambda m: m.__name__)
-def test_module_docstrings_run(module):
-    failures, _ = doctest.testmod(module)
-    assert failures == 0

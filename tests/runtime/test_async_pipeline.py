@@ -129,6 +129,58 @@ def test_emulation_of_one_stage_is_plain_per_microbatch_training():
         torch.testing.assert_close(got.state[name], value)
 
 
+# the weight version each microbatch of a 2-stage stream reads, written out by hand from the papers:
+# PipeDream (Narayanan et al. 2019) updates after every microbatch; stage s of p reads the weights
+# after i - (p - 1 - s) updates (the last stage the newest, stage 0 one behind), in forward and in
+# backward (weight stashing). 2BW (Narayanan et al. 2021) updates once per batch of m = 2 with the
+# batch's mean gradient, W(t+1) = W(t) - lr * grad f(W(t-1)): batches 0 and 1 both read W(0).
+HAND_VERSIONS = {"pipedream": ([0, 0, 1, 2], [0, 1, 2, 3]), "2bw": ([0, 0, 0, 0], [0, 0, 0, 0])}
+HAND_UPDATES_AFTER = {"pipedream": [0, 1, 2, 3], "2bw": [1, 3]}  # microbatches that close an update
+
+
+def _hand_trace(kind: str, w0: float, w1: float, microbatches, lr: float, versions=None):
+    """Scalar arithmetic, no autograd: out = w1 * (w0 * x), loss (out - y)^2, gradients by hand."""
+    v0, v1 = versions or HAND_VERSIONS[kind]
+    weights, grads, losses = [(w0, w1)], [], []
+    for i, (x, y) in enumerate(microbatches):
+        a, b = weights[v0[i]][0], weights[v1[i]][1]
+        h = a * x
+        d = 2 * (b * h - y)
+        losses.append((b * h - y) ** 2)
+        grads.append((d * b * x, d * h))  # d loss / d w0 (at stage 0's version), d loss / d w1
+        if i in HAND_UPDATES_AFTER[kind]:
+            n = 1 if kind == "pipedream" else 2
+            g0, g1 = (sum(g[k] for g in grads[-n:]) / n for k in (0, 1))
+            weights.append((weights[-1][0] - lr * g0, weights[-1][1] - lr * g1))
+    return losses, weights[-1]
+
+
+@pytest.mark.parametrize("kind", ["pipedream", "2bw"])
+def test_emulation_follows_a_hand_computed_staleness_trace_at_p2_m2(kind):
+    """Two stages of one scalar weight each, two batches of two microbatches, plain SGD: the emulation
+    (which the distributed runtime is judged against above) gives the losses and weights of the trace
+    computed by hand from the published update rules, not from runtime/schedules/staleness.py."""
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[1].weight.fill_(-0.75)
+    xs, ys = [[1.0, 2.0], [-1.0, 0.5]], [[0.3, -0.2], [0.1, 0.4]]
+    batches = [((torch.tensor(x).view(2, 1),), torch.tensor(y).view(2, 1)) for x, y in zip(xs, ys)]
+    rule = StalenessRule(kind=kind, num_stages=2, **({"updates_every": 2} if kind == "2bw" else {}))
+    layout = StageLayout({"0.weight": (0,), "1.weight": (1,)}, ("1",))
+    got = emulate(model, rule=rule, layout=layout, batches=batches, num_microbatches=2,
+                  loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    flat = [(x, y) for bx, by in zip(xs, ys) for x, y in zip(bx, by)]
+    losses, (w0, w1) = _hand_trace(kind, 0.5, -0.75, flat, lr=0.1)
+    assert got.losses == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-6)
+    assert got.state["0.weight"].item() == pytest.approx(w0, rel=1e-6)  # fp32 against float64 arithmetic
+    assert got.state["1.weight"].item() == pytest.approx(w1, rel=1e-6)
+    # the trace has teeth: the same updates read at the newest weights (no staleness) end elsewhere
+    newest = [0, 1, 2, 3] if kind == "pipedream" else [0, 0, 1, 1]
+    _, fresh = _hand_trace(kind, 0.5, -0.75, flat, lr=0.1, versions=(newest, newest))
+    assert abs(fresh[0] - w0) > 1e-3 * abs(w0)
+
+
 def test_pipemare_rescales_the_rate_by_delay_then_releases_it():
     rule = StalenessRule(kind="pipemare", num_stages=4, lr_warmup_updates=10, correction_decay=0.5)
     assert rule.lr_scale(0, 0) == pytest.approx(1 / 3) and rule.lr_scale(3, 0) == 1.0

@@ -1,8 +1,6 @@
 """Actions and schedules as data: short string form, CSV round trip, printing with marks."""
 from __future__ import annotations
 
-import doctest
-import importlib
 
 import pytest
 from hypothesis import given, settings
@@ -114,14 +112,3 @@ def test_from_csv_takes_meta_and_rejects_unknown_fields():
     with pytest.raises(ScheduleError, match="cannot parse action"):
         Schedule.from_csv("0F0,0Q0\n")
     assert Schedule.from_csv(" 0F0 , 0B0 ,\n").actions == one.actions[:1]
-
-
-MODULES = ["action", "deps", "naive", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "zb_v",
-           "registry", "simulator", "validator", "chimera", "list_scheduler", "forward_only", "staleness",
-           "asynchronous"]
-
-
-@pytest.mark.parametrize("module", ["autopar.runtime.schedules"] + [f"autopar.runtime.schedules.{m}" for m in MODULES])
-def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(module))
-    assert result.failed == 0

@@ -11,7 +11,8 @@ from autopar.runtime.trace import (
     TraceEvent, action_durations, bubble_report, chrome_trace, from_simulation, measured_bubble, plot_timeline,
     replay, transfer_latency, write_chrome_trace,
 )
-from schedule_runners import TRACE_CASE, results
+from equivalence import run_cases
+from schedule_runners import TRACE_CASE
 
 
 def _simulated(name="1f1b", p=2, m=4, **costs):
@@ -65,6 +66,7 @@ def test_waits_count_as_idle_and_give_the_transfer_latency():
 
 
 @pytest.mark.dist
+@pytest.mark.timing  # wall-clock figures: skipped by default (tests/conftest.py), run with -m timing
 def test_measured_bubble_is_within_3_points_of_the_simulated_one_at_p2():
     """Each step is replayed in the simulator with the action times and the transfer latency measured in
     that same step, and the median over the five steps after the warm-up step is judged.
@@ -79,7 +81,7 @@ def test_measured_bubble_is_within_3_points_of_the_simulated_one_at_p2():
     ended) count, so a late wake-up is never taken for the transfer. A stall of a waiting process
     is then the only thing left between the two figures; the median of five steps keeps one or two
     steps hit by such stalls from deciding, without picking the best step (a retry)."""
-    result = results(TRACE_CASE.world_size)[TRACE_CASE]
+    result = run_cases([TRACE_CASE])[0]
     assert "error" not in result, result.get("traceback", result.get("error"))
     gaps = []
     for events in result["steps"][1:]:
