@@ -1,9 +1,11 @@
-"""Shared test set-up: the tests folder is importable (for the equivalence harness)."""
+"""Shared test set-up: the tests folder is importable (for the equivalence harness); markers; fixtures."""
 import os
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -18,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if skip_timing is not None and "timing" in item.keywords:
             item.add_marker(skip_timing)
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A gloo group of one rank in this process and its (dp, pp, tp) = (1, 1, 1) mesh; closed after the test."""
+    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    finally:
+        dist.destroy_process_group()

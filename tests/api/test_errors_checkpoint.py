@@ -12,21 +12,11 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import build_model, lm_loss
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _batch():
@@ -61,9 +51,9 @@ def _unchanged(program, before: dict) -> bool:
     return all(torch.equal(v, after[k]) for k, v in before.items()) and program.step_count == 0
 
 
-def test_checkpoint_of_another_model_names_the_keys(one_rank_group, tmp_path):
-    _trained_checkpoint(one_rank_group, tmp_path / "ck")
-    other = _program(one_rank_group, "llama_tiny")
+def test_checkpoint_of_another_model_names_the_keys(one_rank_mesh, tmp_path):
+    _trained_checkpoint(one_rank_mesh, tmp_path / "ck")
+    other = _program(one_rank_mesh, "llama_tiny")
     before = other.full_state_dict()
     with pytest.raises(autopar.CheckpointError) as info:
         other.load_checkpoint(str(tmp_path / "ck"))
@@ -73,9 +63,9 @@ def test_checkpoint_of_another_model_names_the_keys(one_rank_group, tmp_path):
     assert _unchanged(other, before)
 
 
-def test_checkpoint_of_another_size_names_the_shapes(one_rank_group, tmp_path):
-    _trained_checkpoint(one_rank_group, tmp_path / "ck")
-    wider = _program(one_rank_group, hidden=64)
+def test_checkpoint_of_another_size_names_the_shapes(one_rank_mesh, tmp_path):
+    _trained_checkpoint(one_rank_mesh, tmp_path / "ck")
+    wider = _program(one_rank_mesh, hidden=64)
     before = wider.full_state_dict()
     with pytest.raises(autopar.CheckpointError) as info:
         wider.load_checkpoint(str(tmp_path / "ck"))
@@ -106,8 +96,8 @@ def _truncate(path, size):
     ("garble_manifest", "is corrupted"),
     ("drop_manifest", "is missing"),
 ])
-def test_corrupted_checkpoint_is_a_checkpoint_error(one_rank_group, tmp_path, damage, what):
-    program, folder = _trained_checkpoint(one_rank_group, tmp_path / "ck")
+def test_corrupted_checkpoint_is_a_checkpoint_error(one_rank_mesh, tmp_path, damage, what):
+    program, folder = _trained_checkpoint(one_rank_mesh, tmp_path / "ck")
     if damage == "flip":
         _flip_middle_of_largest_piece(folder)
     elif damage == "truncate_data":
@@ -119,7 +109,7 @@ def test_corrupted_checkpoint_is_a_checkpoint_error(one_rank_group, tmp_path, da
             f.write("{not json")
     else:
         os.remove(os.path.join(folder, "autopar.json"))
-    fresh = _program(one_rank_group)
+    fresh = _program(one_rank_mesh)
     before = fresh.full_state_dict()
     with pytest.raises(autopar.CheckpointError) as info:
         fresh.load_checkpoint(folder)
@@ -127,8 +117,8 @@ def test_corrupted_checkpoint_is_a_checkpoint_error(one_rank_group, tmp_path, da
     assert _unchanged(fresh, before)
 
 
-def test_missing_checkpoint_is_a_checkpoint_error(one_rank_group, tmp_path):
-    program = _program(one_rank_group)
+def test_missing_checkpoint_is_a_checkpoint_error(one_rank_mesh, tmp_path):
+    program = _program(one_rank_mesh)
     with pytest.raises(autopar.CheckpointError) as info:
         program.load_checkpoint(str(tmp_path / "nowhere"))
     _check(info, what="does not exist", where="load_checkpoint", fix="root folder")
@@ -137,8 +127,8 @@ def test_missing_checkpoint_is_a_checkpoint_error(one_rank_group, tmp_path):
         program.load_checkpoint(str(tmp_path / "empty"))
 
 
-def test_state_dict_of_another_model_is_a_checkpoint_error(one_rank_group):
-    program = _program(one_rank_group)
+def test_state_dict_of_another_model_is_a_checkpoint_error(one_rank_mesh):
+    program = _program(one_rank_mesh)
     before = program.full_state_dict()
     other = build_model("gpt_tiny", hidden=64).state_dict()
     with pytest.raises(autopar.CheckpointError) as info:
@@ -150,13 +140,13 @@ def test_state_dict_of_another_model_is_a_checkpoint_error(one_rank_group):
     assert _unchanged(program, before)
 
 
-def test_a_saved_checkpoint_loads_and_the_manifest_reads(one_rank_group, tmp_path):
+def test_a_saved_checkpoint_loads_and_the_manifest_reads(one_rank_mesh, tmp_path):
     """The good path of the same set-up, so the failures above are about the damage alone."""
-    program, folder = _trained_checkpoint(one_rank_group, tmp_path / "ck")
+    program, folder = _trained_checkpoint(one_rank_mesh, tmp_path / "ck")
     manifest = json.loads(open(os.path.join(folder, "autopar.json")).read())
     assert manifest["step"] == 1 and manifest["model"] == "GPT"
     assert "optim/blocks.0.attn.qkv.weight/momentum_buffer" in manifest["tensors"]
-    fresh = _program(one_rank_group)
+    fresh = _program(one_rank_mesh)
     assert fresh.load_checkpoint(str(tmp_path / "ck")) == 1
     saved, loaded = program.full_state_dict(), fresh.full_state_dict()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)

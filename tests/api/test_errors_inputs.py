@@ -2,14 +2,12 @@
 used to end in a foreign traceback or a silent success, and their neighbours, each get autopar's error."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import build_model, lm_loss
@@ -166,20 +164,12 @@ def test_a_plan_made_for_another_model_is_a_plan_error(pp2_plan):
                      plan=pp2_plan)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
-def test_compile_with_a_plan_made_for_another_mesh_is_a_plan_error(one_rank_group, gpt, pp2_plan):
+def test_compile_with_a_plan_made_for_another_mesh_is_a_plan_error(one_rank_mesh, gpt, pp2_plan):
     x, y = _batch()
     with pytest.raises(autopar.PlanError) as info:
-        autopar.compile(gpt, one_rank_group, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=pp2_plan)
+        autopar.compile(gpt, one_rank_mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=pp2_plan)
     _check(info, autopar.PlanError, what="the Plan was made for mesh dp=1 x pp=2 x tp=1 but the mesh is dp=1 x pp=1",
            where="compile(plan=...)", fix="run on the Plan's mesh")
 
@@ -259,9 +249,9 @@ def test_a_state_dict_of_the_wrong_kind_is_a_checkpoint_error(given, what):
            fix="model.state_dict()")
 
 
-def test_a_checkpoint_path_of_the_wrong_kind_is_a_checkpoint_error(one_rank_group):
+def test_a_checkpoint_path_of_the_wrong_kind_is_a_checkpoint_error(one_rank_mesh):
     x, y = _batch(4)
-    program = autopar.compile(build_model("gpt_tiny"), one_rank_group, example_inputs=(x,), loss_fn=lm_loss,
+    program = autopar.compile(build_model("gpt_tiny"), one_rank_mesh, example_inputs=(x,), loss_fn=lm_loss,
                               example_target=y)
     with pytest.raises(autopar.CheckpointError) as info:
         program.load_checkpoint(None)

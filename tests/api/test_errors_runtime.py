@@ -4,13 +4,11 @@ and nothing is lost (the model's weights, the program's weights and step counter
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import build_model, lm_loss
@@ -109,14 +107,6 @@ def test_batchnorm_seeing_the_whole_batch_plans():
     assert result.plan.pipeline.num_microbatches == 1
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _gpt_program(mesh, loss_fn=lm_loss):

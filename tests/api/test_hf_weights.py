@@ -12,9 +12,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.hf.folder import PretrainedFolder
@@ -27,14 +25,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs transformers and safetensors (the [test] extra)")
 
 
-@pytest.fixture
-def mesh(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _tokens():
@@ -56,8 +46,8 @@ def _library(model):
     return library.eval()
 
 
-def _program(mesh, model):
-    return autopar.compile(model, mesh, example_inputs=(_tokens(),))
+def _program(one_rank_mesh, model):
+    return autopar.compile(model, one_rank_mesh, example_inputs=(_tokens(),))
 
 
 def _check(info, *, what: str, fix: str):
@@ -111,12 +101,12 @@ class CausalLM(nn.Module):
         return self.hf(input_ids=tokens, use_cache=False).logits
 
 
-def test_a_wrapped_model_loads_a_base_model_checkpoint_and_saves_the_library_names(mesh, tmp_path):
+def test_a_wrapped_model_loads_a_base_model_checkpoint_and_saves_the_library_names(one_rank_mesh, tmp_path):
     import transformers
     source = _library(_llama(1))
     source.model.save_pretrained(tmp_path / "base")  # LlamaModel: no "model." prefix, no head (tied to the embedding)
     wrapped = CausalLM(_library(_llama(2)))
-    program = _program(mesh, wrapped)
+    program = _program(one_rank_mesh, wrapped)
     wrapped.to("meta")  # nothing is asked of the model's own weights: the program's tensors are filled
     report = autopar.hf.load_pretrained(program, os.fspath(tmp_path / "base"))
     assert report.elements_read == report.checkpoint_elements  # one rank holds everything
@@ -134,7 +124,7 @@ def test_a_wrapped_model_loads_a_base_model_checkpoint_and_saves_the_library_nam
     assert sorted(os.listdir(tmp_path)) == ["base", "out", "store"]  # no temporary folder left behind
 
 
-def test_library_patterns_for_unexpected_names_are_ignored(mesh, tmp_path):
+def test_library_patterns_for_unexpected_names_are_ignored(one_rank_mesh, tmp_path):
     from safetensors.torch import load_file, save_file
     import transformers
     from autopar.models.hf import build_hf_model
@@ -147,15 +137,15 @@ def test_library_patterns_for_unexpected_names_are_ignored(mesh, tmp_path):
     tensors["transformer.h.0.attn.bias"] = torch.ones(1, 1, 32, 32)  # old GPT-2 checkpoints hold the causal mask
     save_file(tensors, path, metadata={"format": "pt"})
     torch.manual_seed(4)
-    program = _program(mesh, build_hf_model("hf_gpt2"))
+    program = _program(one_rank_mesh, build_hf_model("hf_gpt2"))
     autopar.hf.load_pretrained(program, os.fspath(tmp_path / "gpt2"))
     for key, value in gpt2.state_dict().items():
         assert torch.equal(program.full_state_dict()[key], value), key
 
 
 # -- refusals ---------------------------------------------------------------------------------------
-def test_missing_or_unreadable_folders_are_refused(mesh, tmp_path):
-    program = _program(mesh, _llama(2))
+def test_missing_or_unreadable_folders_are_refused(one_rank_mesh, tmp_path):
+    program = _program(one_rank_mesh, _llama(2))
     with pytest.raises(autopar.CheckpointError) as info:
         autopar.hf.load_pretrained(program, os.fspath(tmp_path / "nowhere"))
     _check(info, what="does not exist", fix="config.json and model.safetensors")
@@ -178,9 +168,9 @@ def test_missing_or_unreadable_folders_are_refused(mesh, tmp_path):
     ({"intermediate_size": 48},
      "shape mismatches: ['model.layers.0.mlp.gate_proj.weight: checkpoint (48, 32) vs model (64, 32)"),
 ], ids=["fewer_layers", "more_layers", "other_width"])
-def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(mesh, tmp_path, other, what):
+def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(one_rank_mesh, tmp_path, other, what):
     _library(_llama(1, **other)).save_pretrained(tmp_path / "other")
-    program = _program(mesh, _llama(2))
+    program = _program(one_rank_mesh, _llama(2))
     before = {k: v.clone() for k, v in program.full_state_dict().items()}
     with pytest.raises(autopar.CheckpointError) as info:
         autopar.hf.load_pretrained(program, os.fspath(tmp_path / "other"))
@@ -188,8 +178,8 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(mesh, tmp_
     assert all(torch.equal(v, before[k]) for k, v in program.full_state_dict().items())
 
 
-def test_saving_refuses_an_occupied_folder_and_a_model_without_a_library_model(mesh, tmp_path):
-    program = _program(mesh, _llama(2))
+def test_saving_refuses_an_occupied_folder_and_a_model_without_a_library_model(one_rank_mesh, tmp_path):
+    program = _program(one_rank_mesh, _llama(2))
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(autopar.CheckpointError) as info:

@@ -1,12 +1,9 @@
 """Token ids and positions past their tables: caught before any stage reads them, on every rank."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import build_model, lm_loss
@@ -33,14 +30,6 @@ def test_the_token_input_carries_its_bound_onto_the_stage_that_reads_it(mesh):
         assert _bounds(result.graph(1, stage=1)) == {}
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_out_of_range_token_id_is_an_index_range_error_and_the_step_is_not_taken(one_rank_mesh):
