@@ -15,9 +15,17 @@ already there is a no-op and the assertions check the device the graph really ru
 Nothing is special-cased per family or per op: every argument and keyword of every call node
 is visited.
 
-Example::
+Example (a graph as export writes it for a model built on meta)::
 
-    >>> n = retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
+    >>> graph = fx.Graph()
+    >>> x = graph.placeholder("x")
+    >>> ramp = graph.call_function(torch.ops.aten.arange.start, (0, 3), {"device": torch.device("meta")})
+    >>> _ = graph.output(graph.call_function(torch.ops.aten.add.Tensor, (x, ramp)))
+    >>> gm = fx.GraphModule(torch.nn.Module(), graph)
+    >>> retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
+    1
+    >>> graph_devices(gm), gm(torch.ones(3))
+    ({device(type='cpu')}, tensor([1., 2., 3.]))
 """
 from __future__ import annotations
 

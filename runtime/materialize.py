@@ -13,10 +13,10 @@ rank's own piece, which a **filler** provides:
 Two fillers share this contract: :func:`autopar.runtime.init_replay.init_filler` (the model's own
 initialisers, replayed one module at a time) and a pretrained loader that reads only the slices a
 rank holds from a checkpoint. Ties are kept: one tensor read under two names (a tied embedding and
-LM head) becomes one real tensor. Example::
+LM head) becomes one real tensor. In use (``autopar.compile`` does this on every rank)::
 
-    >>> slots = rank_slots(gms, plan=plan, coords={"dp": 0, "pp": 1, "tp": 0})
-    >>> materialize_rank(gms, plan=plan, coords=coords, fill=init_filler(model), device="cpu")
+    slots = rank_slots(gms, plan=plan, coords={"dp": 0, "pp": 1, "tp": 0})
+    materialize_rank(gms, plan=plan, coords=coords, fill=init_filler(model, seed=0), device="cpu")
 """
 from __future__ import annotations
 
