@@ -15,11 +15,13 @@ model, compile it for inference on mesh (dp=1, pp=1, tp) and call
 weights (``model.to("meta")``: the program keeps its own shard), so the load runs in a rank that
 holds only its shard, as a meta-built model's rank does. The process's own peak (``process peak``)
 includes building the whole model on the CPU. ``--build meta`` builds it under
-``torch.device("meta")`` instead (needs meta-device compile, issue 14 item 1): then ``process
-peak`` follows the shard as well. Expect ``peak in load`` at tp=2 about half of tp=1's, less the
+``torch.device("meta")`` and gives the folder to compile (``weights=autopar.hf.pretrained_weights``):
+each rank's tensors are created from their slices, and ``peak in load`` covers the whole compile,
+which reads the folder; ``process peak`` then follows the shard as well. Expect ``peak in load`` at tp=2 about half of tp=1's, less the
 interpreter's own memory that both pay. Not a test: memory figures only, no timing.
 
     python bench/bench_hf_weights.py                     # Llama ~1.1 GB fp32; about 2 minutes
+    python bench/bench_hf_weights.py --build meta         # the folder as compile's weights, model on meta
     python bench/bench_hf_weights.py --hidden 128 --layers 2 --vocab 512   # smoke run, seconds
 """
 from __future__ import annotations
@@ -91,19 +93,33 @@ def body(rank: int, world: int, folder: str, fields: dict, build: str) -> list[d
         def forward(self, tokens):
             return self.hf(input_ids=tokens).logits
 
-    program = autopar.compile(Logits(model), mesh, example_inputs=(torch.zeros(2, 16, dtype=torch.long),))
-    model.to("meta")  # the program holds its own shard; the model's full weights go
-    _release_freed_memory()
-    held = sum(h.tensor.numel() * h.tensor.element_size() for h in held_tensors(program))
-    before = _status()["VmRSS"]
-    process_peak = _status()["VmHWM"]
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    report = autopar.hf.load_pretrained(program, folder)
-    after = _status()
-    mine = dict(tp=world, rank=rank, held_mib=held / MIB, rss_before_mib=before / MIB,
+    example = (torch.zeros(2, 16, dtype=torch.long),)
+    if build == "meta":  # the folder is compile's filler: the rank's tensors are created from their slices
+        rest = _status()["VmRSS"]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        fill = autopar.hf.pretrained_weights(folder, model)
+        program = autopar.compile(Logits(model), mesh, example_inputs=example, weights=fill)
+        after = _status()
+        held = sum(h.tensor.numel() * h.tensor.element_size() for h in held_tensors(program))
+        read, total = fill.elements_read, sum(p.numel() for p in model.parameters())
+        before, process_peak = after["VmRSS"], after["VmHWM"]
+    else:  # a compiled program (of a model built on the CPU) loads the folder
+        program = autopar.compile(Logits(model), mesh, example_inputs=example)
+        model.to("meta")  # the program holds its own shard; the model's full weights go
+        _release_freed_memory()
+        held = sum(h.tensor.numel() * h.tensor.element_size() for h in held_tensors(program))
+        before = _status()["VmRSS"]
+        process_peak = _status()["VmHWM"]
+        rest = before - held
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        report = autopar.hf.load_pretrained(program, folder)
+        after = _status()
+        read, total = report.elements_read, report.checkpoint_elements
+    mine = dict(tp=world, rank=rank, held_mib=held / MIB, rss_before_mib=before / MIB, rest_mib=rest / MIB,
                 load_peak_mib=after["VmHWM"] / MIB, process_peak_mib=max(process_peak, after["VmHWM"]) / MIB,
-                read=report.elements_read, total=report.checkpoint_elements)
+                read=read, total=total)
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     return every
@@ -132,7 +148,7 @@ def table(rows: list[dict]) -> str:
             "process peak MiB | elements read |")
     lines = [head, "|" + "---|" * 8]
     for r in rows:
-        r["weights_peak_mib"] = r["load_peak_mib"] - (r["rss_before_mib"] - r["held_mib"])
+        r["weights_peak_mib"] = r["load_peak_mib"] - r["rest_mib"]
         lines.append(f"| {r['tp']} | {r['rank']} | {r['held_mib']:.0f} | {r['rss_before_mib']:.0f} | "
                      f"{r['load_peak_mib']:.0f} | {r['weights_peak_mib']:.0f} | {r['process_peak_mib']:.0f} | "
                      f"{r['read']:,} of {r['total']:,} |")
@@ -142,7 +158,9 @@ def table(rows: list[dict]) -> str:
         two = max(r[key] for r in rows if r["tp"] == 2)
         ratios.append(f"{label}, tp=2 / tp=1: {two / one:.2f}")
     return ("\n".join(lines) + "\n\n" + "; ".join(ratios) + " (the larger tp=2 rank). \"The rest\" is what a rank "
-            "holds besides its weights just before the load (the interpreter, torch, transformers): rss before - held.")
+            "holds besides its weights (the interpreter, torch, transformers): with --build cpu, rss before the load "
+            "less the weights held; with --build meta, rss before compile (the peak then covers compile, which reads "
+            "the folder).")
 
 
 def main(argv=None) -> None:
@@ -161,8 +179,9 @@ def main(argv=None) -> None:
             + table(rows))
     print(text)
     if args.write_docs:
-        update_section("hf_weights", "## Pretrained weights in: peak memory per rank (bench/bench_hf_weights.py)\n\n"
-                       + text)
+        how = "into a meta-built model at compile" if args.build == "meta" else "into a compiled program"
+        update_section(f"hf_weights_{args.build}", f"## Pretrained weights in, {how}: peak memory per rank "
+                       f"(bench/bench_hf_weights.py --build {args.build})\n\n" + text)
 
 
 if __name__ == "__main__":
