@@ -98,8 +98,9 @@ def body(rank: int, world: int, folder: str, fields: dict, build: str) -> list[d
         rest = _status()["VmRSS"]
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
-        fill = autopar.hf.pretrained_weights(folder, model)
-        program = autopar.compile(Logits(model), mesh, example_inputs=example, weights=fill)
+        wrapped = Logits(model)
+        fill = autopar.hf.pretrained_weights(folder, wrapped)
+        program = autopar.compile(wrapped, mesh, example_inputs=example, weights=fill)
         after = _status()
         held = sum(h.tensor.numel() * h.tensor.element_size() for h in held_tensors(program))
         read, total = fill.elements_read, sum(p.numel() for p in model.parameters())

@@ -68,8 +68,15 @@ def pretrained_weights(folder: str, model: nn.Module) -> Filler:
     to_model = checkpoint_to_program(list(ckpt.shapes), model.state_dict(keep_vars=True).keys())
     _check_fit(model, ckpt, to_model)
     by_model = {k: c for c, k in to_model.items()}
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in model.named_buffers(remove_duplicate=False)}
 
     def fill(slots: list[Slot]) -> dict[str, torch.Tensor]:
+        strangers = [s.name for s in slots if not set(s.aliases) & known]
+        if strangers:
+            raise CheckpointError(f"the filler was made for {type(model).__name__}, but the compiled model holds "
+                                  f"{strangers[:3]}, which it does not", where=f"{_WHERE}({ckpt.path!r}, model)",
+                                  fix="pass the very module you compile (a wrapper included) to pretrained_weights")
         pieces, rest = {}, []
         for slot in slots:
             key = next((by_model[a] for a in slot.aliases if a in by_model), None)
