@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import autopar
+from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.load import read_piece
 from autopar.hf.names import checkpoint_to_program
@@ -208,3 +209,20 @@ def test_saving_refuses_an_occupied_folder_and_a_model_without_a_library_model(o
         autopar.hf.save_pretrained(extra, os.fspath(tmp_path / "extra"))
     _check(info, what="outside the transformers model", fix="full_state_dict")
     assert sorted(os.listdir(tmp_path)) == ["store", "taken"]
+
+
+def test_pretrained_weights_fill_a_meta_built_model_and_refuse_a_filler_for_another_module(one_rank_mesh, tmp_path):
+    source = _library(_llama(1))
+    source.save_pretrained(tmp_path / "llama")
+    folder = os.fspath(tmp_path / "llama")
+    with torch.device("meta"):
+        wrapped = CausalLM(_library(_llama(2)))
+    with pytest.raises(CheckpointError, match="made for LlamaForCausalLM") as info:
+        autopar.compile(wrapped, one_rank_mesh, example_inputs=(_tokens(),),
+                        weights=autopar.hf.pretrained_weights(folder, wrapped.hf))  # not the compiled module
+    assert "pass the very module you compile" in info.value.fix
+    program = autopar.compile(wrapped, one_rank_mesh, example_inputs=(_tokens(),),
+                              weights=autopar.hf.pretrained_weights(folder, wrapped))
+    assert all(p.is_meta for p in wrapped.parameters())  # the user's model stays unallocated
+    with torch.no_grad():
+        torch.testing.assert_close(program(_tokens()), source(_tokens()).logits, rtol=1e-5, atol=1e-6)
