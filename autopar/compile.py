@@ -96,7 +96,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                         where="compile(data_parallel='dataparallel')",
                         fix="use data_parallel='ddp' (the default), or build the model on a real device")
     if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
-        from autopar.runtime.data_parallel import compile_data_parallel
+        from autopar.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)

@@ -22,6 +22,7 @@ from autopar.passes.annotate import annotate
 from autopar.passes.batch_stats import check_batch_statistics
 from autopar.passes.block_template import BlockTemplate, capture_blocks, find_block_template
 from autopar.passes.capture import MODEL_PREFIX, CapturedGraph, capture
+from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import MODULE, PARAM, STAGE, get_meta
 from autopar.passes.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
@@ -36,9 +37,9 @@ from autopar.passes.tp_regions import TpRegion, find_tp_regions
 from autopar.passes.vocab_parallel import VocabParallel, find_vocab_parallel, shard_vocab_parallel
 from autopar.passes.weight_grad_split import check_split_backward_recompute, expose_weight_uses
 from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
-from autopar.runtime.mixed_precision import low_precision_copy
+from autopar.passes.low_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
-from autopar.runtime.chimera import replicate_stages
+from autopar.passes.chimera_replicate import replicate_stages
 from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
 from autopar.validation import check_captured
 
@@ -57,12 +58,6 @@ class Lowered:
     stages: list[StageGraph]
     param_shards: dict[str, ShardSpec]
     tp_partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
-
-
-def user_name(graph_name: str) -> str:
-    """A graph attribute name (``model.blocks.0.mlp.fc.weight``) as the user's model names it."""
-    prefix = MODEL_PREFIX + "."
-    return graph_name[len(prefix):] if graph_name.startswith(prefix) else graph_name
 
 
 def choose_microbatches(*, batch: int, dp: int, pp: int, requested: int | None) -> int:

@@ -7,6 +7,7 @@ Parameters stay ``get_attr`` nodes named by their module path, and every call no
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
@@ -128,15 +129,13 @@ class CapturedGraph:
 
 def _is_user_file(filename: str) -> bool:
     """False for generated code and for files of torch, autopar's compiler or the standard library."""
-    import autopar
-    import autopar.passes
-    import autopar.runtime
-
     if filename.startswith("<"):  # generated code (fx, exec)
         return False
     path = os.path.abspath(filename)
-    compiler = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                     for m in (torch, autopar, autopar.passes, autopar.runtime))
+    # the packages' folders, found without importing them (autopar imports this module)
+    compiler = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
+        os.path.abspath(folder) + os.sep for name in ("autopar", "autopar.passes", "autopar.runtime")
+        for folder in importlib.util.find_spec(name).submodule_search_locations)
     paths = sysconfig.get_paths()
     installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
     in_stdlib = path.startswith(os.path.abspath(paths["stdlib"]) + os.sep) and not path.startswith(installed)

@@ -32,7 +32,6 @@ from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint_layout import Layout, join, piece_key, split
 from autopar.runtime.rank_tensors import Held, held_tensors
 from autopar.runtime import rng_state
-from autopar.validation import check_checkpoint_path, check_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_full_state_dict", "agree_on_error"]
 
@@ -372,7 +371,7 @@ def _apply(program, manifest: dict, held: list[Held], request: dict, params: dic
 
 def load_checkpoint(program, path: str) -> int:
     """Load a checkpoint (a root's latest, or one step folder) into ``program``; returns its step."""
-    check_checkpoint_path(path)  # a str or os.PathLike (autopar/validation.py)
+    files.check_checkpoint_path(path)  # a str or os.PathLike (runtime/checkpoint_files.py)
     folder = manifest = None
     error = None
     try:
@@ -403,7 +402,7 @@ def load_checkpoint(program, path: str) -> int:
 # -- single-device state dicts ------------------------------------------------------------------------
 def load_full_state_dict(program, state_dict: dict) -> None:
     """Set the weights (and buffers) from a single-device ``state_dict``; the optimizer is left as it is."""
-    check_state_dict(state_dict)  # a mapping of str -> tensor (autopar/validation.py)
+    files.check_state_dict(state_dict)  # a mapping of str -> tensor (runtime/checkpoint_files.py)
     held = held_tensors(program)
     missing = sorted(h.name for h in held if not any(a in state_dict for a in h.aliases))
     unexpected = sorted(set(state_dict) - set(program.state_keys))

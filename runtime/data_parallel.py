@@ -16,6 +16,7 @@ overlap backward (:mod:`autopar.runtime.ddp_buckets`). Only pp=1 is supported.
 
 ``train_step`` and ``program(...)`` take the *global* batch (only dp rank 0's copy is read);
 ``program.shard_batch(t)`` returns ``t`` unchanged, so code written for the other modes runs as is.
+The entry that lowers the model without its loss is :func:`autopar.data_parallel.compile_data_parallel`.
 """
 from __future__ import annotations
 
@@ -25,45 +26,12 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.errors import PlanError
-from autopar.lowering import lower
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.program import RankProgram
-from autopar.runtime.schedules.registry import build_schedule
 
-__all__ = ["DataParallelProgram", "compile_data_parallel"]
+__all__ = ["DataParallelProgram"]
 
 log = logging.getLogger(__name__)
-
-
-def _check(info, opts, loss_fn) -> None:
-    if info.shape.pp > 1:
-        raise PlanError(f"data_parallel='dataparallel' runs one pipeline stage, but the mesh has pp={info.shape.pp}",
-                        where="compile(data_parallel='dataparallel')",
-                        fix="use pp=1, or data_parallel='ddp' (the default), which composes with pp")
-    if loss_fn is None:
-        raise PlanError("data_parallel='dataparallel' is a training baseline and needs a loss",
-                        where="compile(data_parallel='dataparallel')", fix="pass loss_fn= and example_target=")
-    if "zero_stage" in opts.model_fields_set and opts.zero_stage != 0:
-        raise PlanError(f"zero_stage={opts.zero_stage} does not apply to data_parallel='dataparallel' "
-                        f"(rank 0 holds the whole optimizer)", where="compile(zero_stage=...)",
-                        fix="drop zero_stage, or use data_parallel='ddp' for ZeRO")
-    if opts.num_microbatches not in (None, 1):
-        raise PlanError("data_parallel='dataparallel' runs the batch in one pass",
-                        where=f"compile(num_microbatches={opts.num_microbatches})", fix="drop num_microbatches")
-
-
-def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
-                          plan=None) -> "DataParallelProgram":
-    """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
-    _check(info, opts, loss_fn)
-    opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
-    lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    loss_fn=None, options=opts, plan=plan)
-    schedule = build_schedule("gpipe", num_ranks=1, num_microbatches=1, num_virtual=1)
-    return DataParallelProgram(lowered=lowered, info=info, schedule=schedule, optimizer_factory=optimizer_factory,
-                               state_keys=tuple(model.state_dict().keys()), p2p_timeout_s=opts.p2p_timeout_s,
-                               loss_fn=loss_fn)
 
 
 class DataParallelProgram(RankProgram):

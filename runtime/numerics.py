@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import NumericsError
-from autopar.lowering import user_name
+from autopar.passes.graph_names import user_name
 from autopar.runtime.index_guard import index_error
 
 __all__ = ["all_finite", "local_nonfinite", "check_finite"]

@@ -8,16 +8,20 @@ Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.runtim
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autopar.errors import PlanError
-from autopar.lowering import Lowered, user_name
-from autopar.mesh import MeshInfo
+from autopar.runtime.rank_context import MeshInfo
+from autopar.passes.capture import CapturedGraph
+from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import PARAM, get_meta
 from autopar.passes.pipeline_split import StageGraph
+from autopar.passes.tensor_parallel import ShardSpec
+from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
 from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import run_actions
@@ -37,9 +41,19 @@ from autopar.runtime.numerics import check_finite
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
 
-__all__ = ["RankProgram"]
+__all__ = ["LoweredStages", "RankProgram"]
 
 log = logging.getLogger(__name__)
+
+
+class LoweredStages(Protocol):
+    """What a program is built from: one tp rank's lowering (``autopar.lowering.Lowered`` is one)."""
+
+    plan: Plan
+    captured: CapturedGraph
+    stages: list[StageGraph]
+    param_shards: dict[str, ShardSpec]
+    tp_partial_grads: tuple[str, ...]
 
 
 def _own_parameters(stages: list[StageGraph]) -> None:
@@ -57,7 +71,7 @@ def _own_parameters(stages: list[StageGraph]) -> None:
 class RankProgram:
     """This rank's share of the parallel program."""
 
-    def __init__(self, *, lowered: Lowered, info: MeshInfo, schedule: Schedule, optimizer_factory,
+    def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None,
                  max_grad_norm: float | None = None, materialize=None):
         self.plan = lowered.plan

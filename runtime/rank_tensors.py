@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.lowering import user_name
+from autopar.passes.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout
 
 __all__ = ["Held", "held_tensors", "model_buffers"]

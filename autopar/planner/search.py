@@ -36,7 +36,7 @@ from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.planner.stage_cuts import memory_fits, weighted_cuts
 
-__all__ = ["SearchSpace", "SearchResult", "search", "explain", "format_table", "TIE"]
+__all__ = ["SearchSpace", "SearchResult", "search", "TIE"]
 
 log = logging.getLogger(__name__)
 
@@ -458,15 +458,3 @@ def _memory_reason(e: Estimate) -> str:
     return (f"needs {fmt_bytes(e.memory)} on its fullest rank, has {fmt_bytes(e.capacity)} "
             f"(activations {fmt_bytes(e.memory_parts.get('activations', 0))}, "
             f"optimizer state {fmt_bytes(e.memory_parts.get('optimizer', 0))})")
-
-
-def explain(result: SearchResult) -> list[str]:
-    """Why the best candidate won (:func:`autopar.planner.reasons.explain`)."""
-    from autopar.planner.reasons import explain as reasons_explain
-    return reasons_explain(result)
-
-
-def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> str:
-    """The ranked table (:func:`autopar.planner.reasons.format_table`)."""
-    from autopar.planner.reasons import format_table as reasons_table
-    return reasons_table(result, top=top, rejected=rejected)

@@ -80,7 +80,7 @@ def _info(pp: int) -> MeshInfo:
     (_info(1), {"num_microbatches": 2}, "one pass"),
 ])
 def test_dataparallel_refuses_what_it_cannot_run(info, options, match):
-    from autopar.runtime.data_parallel import compile_data_parallel
+    from autopar.data_parallel import compile_data_parallel
     opts = CompileOptions(data_parallel="dataparallel", **options)
     with pytest.raises(PlanError, match=match):
         compile_data_parallel(torch.nn.Linear(2, 2), info=info, opts=opts, example_inputs=(torch.zeros(2, 2),),
@@ -89,7 +89,7 @@ def test_dataparallel_refuses_what_it_cannot_run(info, options, match):
 
 
 def test_dataparallel_needs_a_loss():
-    from autopar.runtime.data_parallel import compile_data_parallel
+    from autopar.data_parallel import compile_data_parallel
     with pytest.raises(PlanError, match="needs a loss"):
         compile_data_parallel(torch.nn.Linear(2, 2), info=_info(1), opts=CompileOptions(data_parallel="dataparallel"),
                               example_inputs=(torch.zeros(2, 2),), example_target=None, loss_fn=None,
