@@ -41,7 +41,8 @@ from torch.func import functional_call
 from autopar.errors import PlanError
 from autopar.runtime.executor import ActionEvent
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
-from autopar.runtime.program import RankProgram
+from autopar.runtime.p2p import P2PNode
+from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.schedules.action import Action, ActionKind
 from autopar.runtime.schedules.asynchronous import stream_segment
 from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
@@ -80,7 +81,7 @@ class _Proxy:
 @contextlib.contextmanager
 def _bound(stage, channel):
     """Point the stage's send/recv nodes at ``channel`` for the duration."""
-    nodes = [m for m in stage.gm.modules() if hasattr(m, "bind") and hasattr(m, "edge")]
+    nodes = [m for m in stage.gm.modules() if isinstance(m, P2PNode)]
     before = [m.channel for m in nodes]
     for m in nodes:
         m.channel = channel
@@ -100,11 +101,13 @@ def _roots(stage, out, scale: int):
     return tokens, [torch.ones_like(t) for t in tokens]
 
 
-class AsyncProgram(RankProgram):
-    """A :class:`RankProgram` whose pipeline runs one endless stream; see the module doc."""
+class AsyncProgram(ProgramSurface):
+    """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
-    def __init__(self, *, options=None, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
+        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm`` is not applied here
+        (each stage steps on its own clock); ``parts``: as :class:`ProgramSurface` builds them."""
+        super().__init__(**parts)
         rule = self.schedule.staleness
         if options is not None and rule.kind == "pipemare":
             rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
@@ -152,6 +155,11 @@ class AsyncProgram(RankProgram):
                     where=f"compile(schedule={name!r})",
                     fix="use 'pipedream_2bw' (it sums the copies' gradients once per batch), a synchronous "
                         "schedule, or a model without tied weights (e.g. llama_tiny)")
+
+    @torch.no_grad()
+    def __call__(self, *inputs):
+        """Forward only on the live weights: the model's output for this rank's batch, on every rank."""
+        return self._forward_only(inputs)
 
     # -- the stream ------------------------------------------------------------------------
     def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ import torch.nn as nn
 
 from autopar.errors import CheckpointError
 
-__all__ = ["check_checkpoint_path", "check_state_dict", "fsync_path", "MANIFEST", "FORMAT", "step_dir_name", "tmp_dir_for", "resolve", "latest_step_dir", "publish",
-           "read_manifest", "write_manifest", "checksum", "remove_quietly"]
+__all__ = ["check_checkpoint_path", "check_state_dict", "fsync_path", "MANIFEST", "FORMAT", "step_dir_name",
+           "tmp_dir_for", "resolve", "latest_step_dir", "publish", "read_manifest", "write_manifest", "checksum",
+           "remove_quietly"]
 
 MANIFEST = "autopar.json"
 FORMAT = "autopar-checkpoint/1"

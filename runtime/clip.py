@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import issue
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_gradients"]
 
@@ -64,7 +65,7 @@ def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: flo
     return total
 
 
-def clip_program_gradients(program, *, max_norm: float) -> torch.Tensor:
+def clip_program_gradients(program: ProgramState, *, max_norm: float) -> torch.Tensor:
     """Clip a RankProgram's gradients (after gradient sync, before the step); returns the global norm."""
     plan, names = program.plan, {n for n, _ in program.named_params}
     owners = program.optimizer.owner_of() if hasattr(program.optimizer, "owner_of") else None

@@ -27,22 +27,21 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.runtime import comm_audit as comm
-from autopar.runtime.program import RankProgram
+from autopar.runtime.program_surface import ProgramSurface
 
 __all__ = ["DataParallelProgram"]
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelProgram(RankProgram):
-    """This rank's share of a DataParallel program (see the module docstring)."""
+class DataParallelProgram(ProgramSurface):
+    """This rank's parts run as DataParallel: everything through dp rank 0 (see the module docstring)."""
 
-    def __init__(self, *, loss_fn, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *, loss_fn, **parts):
+        super().__init__(**parts)
         self.loss_fn = loss_fn
-        self.size = self.plan.mesh.dp
-        self.dp_group, self.root = self.info.groups["dp"], self.info.axis_ranks["dp"][0]
-        self.is_root = self.info.coords["dp"] == 0
+        dp = self.ctx.axis("dp")
+        self.size, self.dp_group, self.root, self.is_root = dp.size, dp.group, dp.ranks[0], dp.index == 0
         (self.stage,) = self.stages.values()
 
     def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:

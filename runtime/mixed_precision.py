@@ -2,8 +2,8 @@
 
 The design is Megatron's (bf16 model, fp32 "main" parameters and gradients):
 
-- **Capture in bf16.** :func:`autopar.passes.low_precision.low_precision_copy` gives the compiler a copy of the model whose
-  floating parameters and buffers are bf16, so the captured graph is the model as bf16 code:
+- **Capture in bf16.** :func:`autopar.passes.low_precision.low_precision_copy` gives the compiler a
+  copy of the model whose floating parameters and buffers are bf16, so the captured graph is the model as bf16 code:
   a deliberate ``x.float()`` stays fp32 and ``.type_as(x)`` becomes bf16. The stage graphs then
   hold bf16 *compute* parameters and send bf16 activations between stages.
 - **fp32 masters.** :func:`fp32_masters` cuts this rank's fp32 masters from the user's original

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
 
-__all__ = ["P2PChannel", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
+__all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 
 log = logging.getLogger(__name__)
 _MB_BITS = 12
@@ -150,7 +150,9 @@ class _RecvFn(torch.autograd.Function):
         return None, None
 
 
-class _P2PNode(nn.Module):
+class P2PNode(nn.Module):
+    """A send or recv node of a stage graph: one edge between two stages, run over the bound channel."""
+
     def __init__(self, *, edge: int, src_stage: int, dst_stage: int, shape, dtype, requires_grad):
         super().__init__()
         self.edge, self.src_stage, self.dst_stage = edge, src_stage, dst_stage
@@ -173,7 +175,7 @@ class _P2PNode(nn.Module):
                 f"dtype={self.dtype}, grad={self.requires_grad}")
 
 
-class SendActivation(_P2PNode):
+class SendActivation(P2PNode):
     """Send a value to a later stage; returns a scalar token whose backward receives the grad."""
 
     def forward(self, x):
@@ -188,7 +190,7 @@ class SendActivation(_P2PNode):
         return x.new_zeros(())
 
 
-class RecvActivation(_P2PNode):
+class RecvActivation(P2PNode):
     """Receive a value from an earlier stage; its backward sends the gradient back."""
 
     def receive(self) -> torch.Tensor:
@@ -216,4 +218,4 @@ def forward_receives(gm) -> list[RecvActivation]:
 def p2p_nodes(gm) -> list:
     """The send and recv call_module nodes of a stage graph."""
     return [n for n in gm.graph.nodes if n.op == "call_module"
-            and isinstance(gm.get_submodule(n.target), _P2PNode)]
+            and isinstance(gm.get_submodule(n.target), P2PNode)]

@@ -14,6 +14,7 @@ import torch
 
 from autopar.passes.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["Held", "held_tensors", "model_buffers"]
 
@@ -32,7 +33,7 @@ class Held:
 
 
 # -- what this rank holds -----------------------------------------------------------------------
-def _zero3_shapes(program) -> dict[str, tuple[int, ...]]:
+def _zero3_shapes(program: ProgramState) -> dict[str, tuple[int, ...]]:
     """{single-device name: tp-local shape} of the parameters held as flat ZeRO-3 shards (by name, so
     their fp32 masters under bf16, flat blocks too, are found as well)."""
     from autopar.runtime.zero3_ops import ZeroGather
@@ -45,7 +46,7 @@ def _zero3_shapes(program) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_buffers(program) -> list[tuple[str, torch.Tensor]]:
+def model_buffers(program: ProgramState) -> list[tuple[str, torch.Tensor]]:
     """(single-device name, tensor) of the persistent buffers this rank's stages read (BatchNorm stats)."""
     seen, out = set(), []
     for stage in program.stages.values():
@@ -61,7 +62,7 @@ def model_buffers(program) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def held_tensors(program) -> list[Held]:
+def held_tensors(program: ProgramState) -> list[Held]:
     """Every parameter and persistent buffer this rank holds, with its layout."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shapes(program)
