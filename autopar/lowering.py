@@ -40,7 +40,7 @@ from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.passes.low_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
 from autopar.passes.chimera_replicate import replicate_stages
-from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
+from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, model_replicas, splits_backward
 from autopar.validation import check_captured
 
 __all__ = ["Lowered", "Captured", "lower", "capture_and_annotate", "shard_captured", "lower_captured", "choose_microbatches",
@@ -309,15 +309,16 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
             cap.template.repeated_names(found["partial_grads"]))
         region_plans = cap.template.extend_regions(region_plans)
         gm, found["starts"] = assign_stages(gm, num_stages=num_stages, stage_starts=_plan_starts(plan))
-    only = None if stages is None or options.schedule == "chimera" else sorted(set(stages))
+    replicas = model_replicas(options.schedule)
+    only = None if stages is None or replicas > 1 else sorted(set(stages))
     shared = _param_stages(gm) if only is not None else None  # from the graph: not every stage is built
     stages = split_pipeline(gm, num_stages=num_stages, only=only)
     if cap.has_loss and _splits_backward(options.schedule):
         # zero-bubble schedules run B and W apart: every weight use gets its own alias and output
         stages = [expose_weight_uses(s) for s in stages]
-    if options.schedule == "chimera":
-        # Chimera's second pipeline runs a second replica of every stage, in the other direction
-        stages = replicate_stages(stages, num_replicas=2)
+    if replicas > 1:
+        # Chimera's and DualPipe's second pipeline runs a second replica of every stage, the other way
+        stages = replicate_stages(stages, num_replicas=replicas)
     modes = recompute_modes(plan.recompute if plan is not None else (), options.recompute,
                             len(stages) if only is None else num_stages)
     if cap.has_loss and _splits_backward(options.schedule):

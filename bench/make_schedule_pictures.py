@@ -15,6 +15,7 @@ import sys
 
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
+from autopar.runtime.schedules.registry import default_stages_per_rank, schedule_names
 from autopar.runtime.trace import from_simulation, plot_timeline
 
 __all__ = ["SCHEDULES", "figures", "main"]
@@ -25,8 +26,7 @@ DOC = os.path.join(ROOT, "docs", "schedules.md")
 P, M, BATCHES = 4, 8, 3
 ASYNC = {"pipedream": pipedream, "pipedream_2bw": pipedream_2bw, "pipemare": pipemare}
 #: name -> stages per rank within one replica (the cost of a stage is 1 / that)
-SCHEDULES = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 1, "zb_h2": 1,
-             "zb_v": 2, "dualpipev": 2, "chimera": 1, "pipedream": 1, "pipedream_2bw": 1, "pipemare": 1}
+SCHEDULES = {name: default_stages_per_rank(name) for name in schedule_names()}  # the registry's
 
 
 def _schedule(name: str):

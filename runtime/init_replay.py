@@ -13,8 +13,9 @@ one module's tensors at a time (plus the pieces the rank keeps):
   also recomputes buffers computed at init (rotary ``inv_freq``, BERT's ``position_ids``).
 
 Each initialiser runs on the meta model itself under a dispatch mode that gives every meta tensor
-it touches a real twin (on CPU, so the draws are the CPU build's): the twin starts as NaN (zero
-for integer tensors), the initialiser writes it, and when the module is done each twin the rank
+it touches a real twin (on CPU, so the draws are the CPU build's), and factories that ask for
+the meta device (``torch.arange(..., device=self.cos.device)`` in a buffer's initialiser) build
+on CPU: the twin starts as NaN (zero for integer tensors), the initialiser writes it, and when the module is done each twin the rank
 holds is cut into the rank's piece and dropped; elements left NaN keep the earlier value, so a
 parent that rewrites part of a child's weight composes. A tensor tied under two names takes the
 value its first name's module wrote, as ``tie_weights`` leaves it. A piece still NaN at the end was
@@ -73,12 +74,18 @@ class _Twins(TorchDispatchMode):
                 return twin
             return x
 
+        if _on_meta(kwargs.get("device")):  # a factory (arange, zeros, ...) asked for meta: make it real too
+            kwargs = {**kwargs, "device": torch.device("cpu")}
         out = func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs))
         return pytree.tree_map(lambda o: metas.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
     def take(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         done, self.twins, self.live_bytes = list(self.twins.values()), {}, 0
         return done
+
+
+def _on_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
 
 
 def _tensor_names(module: nn.Module) -> dict[int, list[str]]:

@@ -96,6 +96,8 @@ SYNC_CASES = [
     _case("llama_tiny", (2, 2, 1), "chimera", 2),
     _case("llama_tiny", (1, 2, 1), "dualpipev", 4),
     _case("gpt_tiny", (1, 4, 1), "dualpipev", 8, layers=6),
+    _case("gpt_tiny", (1, 2, 1), "dualpipe", 4),
+    _case("llama_tiny", (1, 4, 1), "dualpipe", 8, layers=4),
 ]
 #: forward-only inference through the forward_only schedule of a multi-stage placement
 INFER_CASES = [_case("llama_tiny", (1, 2, 1), "chimera", 2, kind="infer"),

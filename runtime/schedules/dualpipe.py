@@ -41,24 +41,21 @@ like every other schedule here; the bubble is that of ZB-V's fill and drain.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from autopar.runtime.schedules._common import B, F, W, check_count
 from autopar.runtime.schedules.action import Action, Schedule
+from autopar.runtime.schedules.chimera import chimera_placement
+from autopar.errors import ScheduleError
 
-__all__ = ["dualpipev"]
+__all__ = ["dualpipe", "dualpipev"]
 
 
 def dualpipev(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """The DualPipeV schedule: ``2 * num_ranks`` stages in a V, overlapped F/B pairs, W's in the gaps."""
     p = check_count("dualpipev", "num_ranks", num_ranks)
     m = check_count("dualpipev", "num_microbatches", num_microbatches)
-    rows, pairs = [], []
-    for rank in range(p):
-        row, overlapped = _RankOrder(rank, p).build(max(m, 2 * p))
-        kept = [i for i, a in enumerate(row) if a.microbatch < m]  # fewer than 2p: drop the padding
-        index = {old: new for new, old in enumerate(kept)}
-        rows.append(tuple(row[i] for i in kept))
-        pairs.append(tuple(index[i] for i in overlapped if i in index and i + 1 in index))
+    rows, pairs = _kept([_RankOrder(rank, p).build(max(m, 2 * p)) for rank in range(p)], m)
     return Schedule(
         name="dualpipev", num_ranks=p, num_stages=2 * p, num_microbatches=m,
         stage_to_rank=tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)),
@@ -67,11 +64,18 @@ def dualpipev(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 class _RankOrder:
-    """Builds one rank's list; counters give each stage's next microbatch, ``pending`` the queued W's."""
+    """Builds one rank's list; counters give each stage's next microbatch, ``pending`` the queued W's.
 
-    def __init__(self, rank: int, p: int):
+    ``rank`` and ``p`` are the position in DeepSeek's phase formulas (DualPipe passes the half
+    rank and half the ranks), ``chunks`` the rank's two stages (nearest the input first) and
+    ``microbatch(stage, k)`` the id of the ``k``-th microbatch through ``stage``.
+    """
+
+    def __init__(self, rank: int, p: int, *, chunks: tuple[int, int] | None = None,
+                 microbatch: Callable[[int, int], int] = lambda stage, k: k):
         self.rank, self.p = rank, p
-        self.chunks = (rank, 2 * p - 1 - rank)
+        self.chunks = chunks if chunks is not None else (rank, 2 * p - 1 - rank)
+        self.microbatch = microbatch
         self.next_f = {s: 0 for s in self.chunks}
         self.next_b = {s: 0 for s in self.chunks}
         self.pending: deque[Action] = deque()
@@ -80,13 +84,13 @@ class _RankOrder:
 
     def forward(self, chunk: int) -> None:
         stage = self.chunks[chunk]
-        self.row.append(F(stage, self.next_f[stage]))
+        self.row.append(F(stage, self.microbatch(stage, self.next_f[stage])))
         self.next_f[stage] += 1
 
     def backward(self, chunk: int, *, split: bool) -> None:
         """B on ``chunk``; split: its W is queued for later, else it follows at once (a full backward)."""
         stage = self.chunks[chunk]
-        microbatch = self.next_b[stage]
+        microbatch = self.microbatch(stage, self.next_b[stage])
         self.next_b[stage] += 1
         self.row.append(B(stage, microbatch))
         if split:
@@ -138,3 +142,58 @@ class _RankOrder:
             self.weight()
         assert all(self.next_f[s] == self.next_b[s] == m for s in self.chunks), (self.next_f, self.next_b)
         return self.row, self.overlapped
+
+
+def dualpipe(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipe: two model replicas in opposite directions (Chimera's placement), DualPipeV's phases per half.
+
+    Rank ``r`` holds part ``r`` of the *down* replica (stage ``r``) and part ``p - 1 - r`` of the
+    *up* one (stage ``2p - 1 - r``), as in :func:`~autopar.runtime.schedules.chimera.chimera`;
+    microbatch ``i`` goes down when ``i`` is even and up when odd. Each rank runs the eight phases
+    of :func:`dualpipev` with its *half rank* ``min(r, p - 1 - r)`` among ``p / 2`` and half of the
+    microbatches per direction; its first chunk is the direction whose input end is nearer (down
+    on the first half of the ranks, up on the second). The two replicas' gradients of each part
+    are summed after the step, as for Chimera. ``p`` must be even (DeepSeek's condition);
+    with fewer than ``2p`` microbatches the order for ``2p`` is built and the rest dropped.
+
+        >>> s = dualpipe(num_ranks=2, num_microbatches=4)
+        >>> " ".join(str(a) for a in s.actions[0])
+        '0F0 3F1 0F2 3B1 3W1 3F3 0B0 0W0 3B3 3W3 0B2 0W2'
+        >>> s.stage_to_rank, s.microbatch_replica, s.overlapped[0]
+        ((0, 1, 1, 0), (0, 1, 0, 1), (5,))
+    """
+    p = check_count("dualpipe", "num_ranks", num_ranks)
+    m = check_count("dualpipe", "num_microbatches", num_microbatches)
+    if p % 2:
+        raise ScheduleError(f"dualpipe needs an even number of pipeline ranks, got {p}",
+                            where=f"schedule 'dualpipe', pp={p}",
+                            fix="use an even pp, or 'dualpipev' (one replica, any pp), or 'chimera' for odd pp")
+    half = p // 2
+    per_direction = max(-(-m // 2), p)
+
+    def microbatch(stage: int, k: int) -> int:  # the k-th microbatch of the stage's replica
+        return 2 * k + (stage >= p)
+
+    orders = []
+    for rank in range(p):
+        down, up = rank, 2 * p - 1 - rank
+        chunks = (down, up) if rank < half else (up, down)
+        orders.append(_RankOrder(min(rank, p - 1 - rank), half, chunks=chunks, microbatch=microbatch)
+                      .build(per_direction))
+    rows, pairs = _kept(orders, m)
+    return Schedule(
+        name="dualpipe", num_ranks=p, num_stages=2 * p, num_microbatches=m,
+        stage_to_rank=chimera_placement(p), actions=tuple(rows), split_backward=True,
+        overlapped=tuple(pairs), num_replicas=2, microbatch_replica=tuple(i % 2 for i in range(m)),
+    )
+
+
+def _kept(orders: list[tuple[list[Action], list[int]]], m: int):
+    """Each rank's order without the padding microbatches (ids >= m), pairs re-indexed; a broken pair is dropped."""
+    rows, pairs = [], []
+    for row, overlapped in orders:
+        kept = [i for i, a in enumerate(row) if a.microbatch < m]
+        index = {old: new for new, old in enumerate(kept)}
+        rows.append(tuple(row[i] for i in kept))
+        pairs.append(tuple(index[i] for i in overlapped if i in index and i + 1 in index))
+    return rows, pairs

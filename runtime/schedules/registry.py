@@ -4,7 +4,7 @@
     '1f1b'
     >>> schedule_names()  # doctest: +NORMALIZE_WHITESPACE
     ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v', 'dualpipev',
-     'chimera', 'pipedream', 'pipedream_2bw', 'pipemare')
+     'dualpipe', 'chimera', 'pipedream', 'pipedream_2bw', 'pipemare')
     >>> splits_backward("dualpipev"), default_stages_per_rank("zb_v")
     (True, 2)
     >>> schedule_names(asynchronous=False)[-1]
@@ -22,7 +22,7 @@ from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
-from autopar.runtime.schedules.dualpipe import dualpipev
+from autopar.runtime.schedules.dualpipe import dualpipe, dualpipev
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
 from autopar.runtime.schedules.naive import naive
@@ -30,7 +30,7 @@ from autopar.runtime.schedules.one_f_one_b import one_f_one_b
 from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
 
-__all__ = ["build_schedule", "schedule_names", "splits_backward", "default_stages_per_rank"]
+__all__ = ["build_schedule", "schedule_names", "splits_backward", "default_stages_per_rank", "model_replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class _Family(NamedTuple):
     default: int | None = None  # for an option: used when num_virtual is not given
     split_backward: bool = False  # B (input gradient) and W (weight gradient) run apart
     compile_virtual: int | None = None  # for an option: what compile uses when num_virtual is not given
+    replicas: int = 1  # model replicas the stages form (two pipelines in opposite directions: 2)
 
 
 _FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
@@ -57,7 +58,8 @@ _FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
     "zb_h2": _Family(zb_h2, fixed=1, split_backward=True),
     "zb_v": _Family(zb_v, fixed=2, split_backward=True),
     "dualpipev": _Family(dualpipev, fixed=2, split_backward=True),
-    "chimera": _Family(chimera, fixed=1),  # one stage per rank in each of its two replicas
+    "dualpipe": _Family(dualpipe, fixed=1, split_backward=True, replicas=2),  # one stage per rank per replica
+    "chimera": _Family(chimera, fixed=1, replicas=2),  # one stage per rank in each of its two replicas
     "pipedream": _Family(pipedream, fixed=1),
     "pipedream_2bw": _Family(pipedream_2bw, fixed=1),
     "pipemare": _Family(pipemare, fixed=1),
@@ -79,6 +81,11 @@ def _family(name: str) -> _Family:
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` runs backward as B (input gradient) and W (weight gradient) apart."""
     return _family(name).split_backward
+
+
+def model_replicas(name: str) -> int:
+    """How many copies of the model schedule ``name`` runs (Chimera and DualPipe: 2, one per direction)."""
+    return _family(name).replicas
 
 
 def default_stages_per_rank(name: str, requested: int | None = None) -> int:

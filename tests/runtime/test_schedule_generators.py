@@ -68,6 +68,11 @@ GOLDEN = {
 0F0,0F1,0F2,3F0,3B0,3W0,3F1,0F3&3B1,3W1,3F2&0B0,0W0,3B2,3W2,3F3&0B1,0W1,3B3,3W3,0B2,0W2,0B3,0W3
 1F0,2F0,1F1,2F1,1F2,2B0,2W0,2F2&1B0,1W0,1F3&2B1,2W1,2F3&1B1,1W1,2B2,2W2,1B2,1W2,2B3,1B3,2W3,1W3
 """,
+    # DualPipe, derived by hand from DeepSeek's eight phases (p=2: both ranks are "middle" ranks)
+    ("dualpipe", 2, 4, None): """
+0F0,3F1,0F2,3B1,3W1,3F3&0B0,0W0,3B3,3W3,0B2,0W2
+2F1,1F0,2F3,1B0,1W0,1F2&2B1,2W1,1B2,1W2,2B3,2W3
+""",
     ('chimera', 4, 4, None): """
 0F0,0F2,7F1,7B1,7F3,7B3,0B0,0B2
 1F0,6F1,1F2,6F3,6B1,1B0,6B3,1B2
@@ -104,9 +109,9 @@ def test_golden_orders(key):
 def test_registry_knows_every_family():
     assert schedule_names() == (
         "naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "dualpipev",
-        "chimera", "pipedream", "pipedream_2bw", "pipemare",
+        "dualpipe", "chimera", "pipedream", "pipedream_2bw", "pipemare",
     )
-    assert schedule_names(asynchronous=False) == schedule_names()[:10]
+    assert schedule_names(asynchronous=False) == schedule_names()[:11]
     assert {key[0] for key in GOLDEN} == set(schedule_names())
 
 
@@ -118,6 +123,8 @@ def _expected_rejection(name: str, p: int, m: int, v: int | None) -> str | None:
         return "multiple of num_ranks"
     if name == "pipedream_2bw" and m < p:
         return "needs num_microbatches >= "
+    if name == "dualpipe" and p % 2:
+        return "needs an even number of pipeline ranks"
     return None
 
 
@@ -137,12 +144,13 @@ def test_every_generator_is_valid_over_a_grid(name, p, m, v):
         return
     schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=num_virtual)
     validate(schedule)
-    stages_per_rank = {"zb_v": 2, "dualpipev": 2, "interleaved_1f1b": v, "looped_bfs": v, "chimera": 2}.get(name, 1)
+    stages_per_rank = {"zb_v": 2, "dualpipev": 2, "interleaved_1f1b": v, "looped_bfs": v, "chimera": 2,
+                       "dualpipe": 2}.get(name, 1)
     assert schedule.name == name
     assert (schedule.num_ranks, schedule.num_microbatches) == (p, m)
     assert schedule.num_stages == p * stages_per_rank
     assert (schedule.staleness is not None) == (name in ("pipedream", "pipedream_2bw", "pipemare"))
-    assert schedule.split_backward == (name.startswith("zb_") or name == "dualpipev")
+    assert schedule.split_backward == (name.startswith("zb_") or name.startswith("dualpipe"))
     assert all(len(schedule.stages_of_rank(r)) == stages_per_rank for r in range(p))
     kinds = 3 if schedule.split_backward else 2
     assert sum(map(len, schedule.actions)) == kinds * schedule.parts * m  # each microbatch visits one replica
@@ -251,3 +259,22 @@ def test_generators_take_keyword_options_only():
         gpipe(2, 4)  # type: ignore[misc]
     with pytest.raises(TypeError):
         build_schedule("gpipe", 2, 4)  # type: ignore[misc]
+
+
+def test_dualpipe_rank_order_follows_deepseeks_phases_on_four_ranks():
+    # rank 0 of p=4, m=8, worked by hand: half rank 0 of 2, down stage 0 first, up stage 7 second
+    # (up microbatches are the odd ones): 1: 2 F; 2: F F; 3: B(split) W F; 4: (F&B) (F&B);
+    # 5: B, (F&B); 6: B then split B; 7: W, split B; 8: W
+    schedule = build_schedule("dualpipe", num_ranks=4, num_microbatches=8)
+    assert schedule.cells(0) == (
+        "0F0 0F2 0F4 7F1 7B1 7W1 7F3 0F6&7B3 7W3 7F5&0B0 0W0 7B5 7W5 7F7&0B2 0W2 7B7 7W7 0B4 0W4 0B6 0W6").split()
+    assert schedule.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert schedule.microbatch_replica == (0, 1) * 4
+
+
+def test_dualpipe_bubble_is_below_1f1bs():
+    from autopar.runtime.schedules import StageCosts, simulate
+    costs = StageCosts(forward=1.0, backward=1.0, weight=1.0)
+    two_way = simulate(build_schedule("dualpipe", num_ranks=4, num_microbatches=8), costs=costs)
+    v_shape = simulate(build_schedule("1f1b", num_ranks=4, num_microbatches=8), costs=costs)
+    assert two_way.mean_bubble < v_shape.mean_bubble

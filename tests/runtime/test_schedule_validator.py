@@ -19,6 +19,7 @@ BASES = [
     ("zb_h2", 3, 5, None),
     ("zb_v", 2, 3, None),
     ("dualpipev", 2, 4, None),
+    ("dualpipe", 4, 8, None),
     ("naive", 3, 2, None),
     ("chimera", 4, 4, None),
     ("pipedream", 3, 4, None),
