@@ -70,7 +70,9 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     degrees = {axis: mesh.size(names.index(axis)) if axis in names else 1 for axis in MESH_AXES}
     coordinate = mesh.get_coordinate()
     coords = {axis: coordinate[names.index(axis)] if axis in names else 0 for axis in MESH_AXES}
-    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords, device=device)
     grid = mesh.mesh
     for axis in MESH_AXES:
         if axis not in names:

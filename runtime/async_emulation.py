@@ -185,7 +185,7 @@ def emulate(model: nn.Module, *, rule: StalenessRule, layout: StageLayout, batch
             if rule.closes_update(i):
                 emulator.update(rule.update_of(i))
             i += 1
-        losses.append(float(torch.tensor(batch_losses).mean()))
+        losses.append(float(torch.tensor(batch_losses, device="cpu").mean()))
     final = {n: p.detach() for names, live in zip(emulator.owned, emulator.live) for n, p in zip(names, live)}
     state = {}
     for name, value in model.state_dict().items():

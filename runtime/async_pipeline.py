@@ -305,7 +305,7 @@ class AsyncProgram(ProgramSurface):
 
     def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The batch's mean loss from the last stage, averaged over dp, on every rank."""
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.info.device)
         if self.plan.mesh.dp > 1:
             self.comm_guard.run("all_reduce", dist.all_reduce, loss, group=self.info.groups["dp"],
                                 purpose="the batch's loss (mean over dp)")

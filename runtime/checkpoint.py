@@ -244,7 +244,7 @@ def _request(program: ProgramState, manifest: dict, held: list[Held]) -> tuple[d
     def want(base: str, entry: dict, keys) -> None:
         layout = Layout.from_json(entry["layout"])
         for key in keys:
-            request[key] = torch.empty(layout.piece_shape(), dtype=_dtype(entry["dtype"]))
+            request[key] = torch.empty(layout.piece_shape(), dtype=_dtype(entry["dtype"]), device="cpu")  # host staging
 
     params = {}
     for h in held:

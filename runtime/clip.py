@@ -41,7 +41,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
 def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
                      stage_to_pp: list[int], owned: set[str] | None, group=None, guard=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
-    squares = torch.zeros((), dtype=torch.float64)
+    squares = torch.zeros((), dtype=torch.float64, device=named[0][1].device if named else None)
     for name, p in named:
         if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
                                                owned=owned):

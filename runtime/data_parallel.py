@@ -104,7 +104,7 @@ class DataParallelProgram(ProgramSurface):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         gathered = [self._gather(t.detach(), "output_gather") for t in tensors]
         start = time.perf_counter()
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.info.device)
         grads = [None] * len(tensors)
         if self.is_root:
             full = [g.requires_grad_() for g in gathered]
@@ -135,7 +135,7 @@ class DataParallelProgram(ProgramSurface):
             if isinstance(x, torch.Tensor):
                 whole = self._gather(x, "output_gather")
                 if whole is None:
-                    whole = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype)
+                    whole = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
                 comm.broadcast(whole, src=self.root, purpose="output_broadcast", **self._c())
                 x = whole
             result.append(x)

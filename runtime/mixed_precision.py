@@ -67,7 +67,7 @@ def zero3_block(tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
     """ZeRO-3's layout of ``tensor`` on dp rank ``rank``: flattened, zero-padded to a multiple of size, block rank."""
     flat = tensor.reshape(-1)
     per = -(-flat.numel() // size)
-    padded = torch.zeros(per * size, dtype=tensor.dtype)
+    padded = torch.zeros(per * size, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()] = flat
     return padded[rank * per: (rank + 1) * per].clone()
 
@@ -84,10 +84,11 @@ class MasterWeights:
         self.pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self.slots: set[str] = set()
         self._handles = []
-        no_values = torch.full((), float("nan"))  # what every gradient slot "holds": 4 bytes in all
+        no_values: dict[torch.device, torch.Tensor] = {}  # what every gradient slot "holds": 4 bytes a device
         for name, compute in named_compute:
             if stepped is not None and compute.requires_grad and name not in stepped:
-                master = nn.Parameter(no_values.expand(compute.shape), requires_grad=True)
+                empty = no_values.setdefault(compute.device, torch.full((), float("nan"), device=compute.device))
+                master = nn.Parameter(empty.expand(compute.shape), requires_grad=True)
                 self.slots.add(name)
             else:
                 source = masters.get(name)
@@ -95,7 +96,7 @@ class MasterWeights:
                     log.warning("no fp32 original of the same size for %s: its master starts from the bf16 value",
                                 name)
                     source = compute.detach().float()
-                master = nn.Parameter(source.reshape(compute.shape).to(torch.float32).clone(),
+                master = nn.Parameter(source.reshape(compute.shape).to(device=compute.device, dtype=torch.float32).clone(),
                                       requires_grad=compute.requires_grad)
             self.pairs.append((name, compute, master))
             if compute.requires_grad:

@@ -82,7 +82,8 @@ def check_finite(program: ProgramState, results: dict, *, index_problem: str | N
     found = local_nonfinite(program, results)
     step = program.step_count + 1
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0])
+        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0],
+                            device=program.info.device)
         program.comm_guard.run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None,
                                purpose="the non-finite and index checks (runtime/numerics.py)")
         if flag.sum().item() == 0:

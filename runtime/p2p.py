@@ -35,8 +35,9 @@ class P2PChannel:
     """One rank's pipeline transfers: stage->rank map, pending sends, local hand-overs."""
 
     def __init__(self, *, rank: int, stage_to_rank: dict[int, int], group=None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu"):
         self.rank = rank
+        self.device = torch.device(device)  # where received activations and gradients land
         self.stage_to_rank = dict(stage_to_rank)
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -62,7 +63,7 @@ class P2PChannel:
         src = self.stage_to_rank[stage]
         key = (src, _tag(edge, microbatch, is_grad))
         if src != self.rank and key not in self._posted:
-            buffer = torch.empty(shape, dtype=dtype)
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
             self._posted[key] = (dist.irecv(buffer, src, group=self.group, tag=key[1]), buffer)
 
     def expect_gradient(self, shape, dtype, *, stage: int, edge: int, microbatch: int, my_stage: int) -> None:
@@ -202,12 +203,12 @@ class RecvActivation(P2PNode):
         if self.requires_grad and torch.is_grad_enabled():
             if self.grad_by_executor:
                 return self.receive().requires_grad_()
-            anchor = torch.zeros((), requires_grad=True)
+            anchor = torch.zeros((), requires_grad=True, device=self._require_channel().device)
             return _RecvFn.apply(anchor, self)
         return self.receive()
 
     def meta_forward(self):
-        return torch.empty(self.shape, dtype=self.dtype)
+        return torch.empty(self.shape, dtype=self.dtype, device="cpu")  # shape propagation runs on fake CPU tensors
 
 
 def forward_receives(gm) -> list[RecvActivation]:

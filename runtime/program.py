@@ -86,9 +86,9 @@ class RankProgram(ProgramSurface):
             loss = torch.stack([results[i][0] if isinstance(results[i], (tuple, list)) else results[i]
                                 for i in sorted(results)]).float().mean()  # fp32 on every rank (bf16 graphs)
         else:
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=self.info.device)
         if len(self.loss_ranks) > 1:  # Chimera: each replica's last stage holds its microbatches' losses
-            total = loss * len(results) if results else torch.zeros(())
+            total = loss * len(results) if results else torch.zeros((), device=self.info.device)
             self.comm_guard.run("all_reduce", dist.all_reduce, total, group=self.info.groups["pp"],
                                 purpose="the loss of both Chimera replicas")
             loss = total / self.plan.pipeline.num_microbatches

@@ -1,7 +1,7 @@
 """What one rank knows of its place in the job, handed to every part of its program as one value.
 
-- :class:`MeshInfo`: this rank's mesh coordinates, the process group of each axis and the global
-  ranks along it (:func:`autopar.mesh.mesh_info` reads it off a DeviceMesh; the runtime never reads
+- :class:`MeshInfo`: this rank's mesh coordinates, the process group of each axis, the global
+  ranks along it and the device it computes on (every buffer the runtime makes is put there) (:func:`autopar.mesh.mesh_info` reads it off a DeviceMesh; the runtime never reads
   the mesh itself, so a program can also be built over a hand-made ``MeshInfo``).
 - :class:`AxisGroup`: one mesh axis from this rank: its group, the ranks along it, this rank's index.
 - :class:`RankContext`: the mesh info, the deadline of every collective with the error naming a
@@ -49,6 +49,7 @@ class MeshInfo:
     coords: dict[str, int]
     groups: dict[str, object] = field(default_factory=dict)
     axis_ranks: dict[str, list[int]] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
 
     def peer(self, axis: str, index: int) -> int:
         """Global rank of the rank at ``index`` along ``axis`` sharing my other coordinates."""

@@ -135,7 +135,7 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     stages = {s.stage: s for s in mine}
     stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
     channel = P2PChannel(rank=info.rank, stage_to_rank=stage_ranks, group=info.groups["pp"],
-                         timeout_s=ctx.guard.timeout_s)
+                         timeout_s=ctx.guard.timeout_s, device=info.device)
     zero3 = _bind(mine, ctx=ctx, channel=channel)
     named = _named_parameters(stages)
     uses = _uses(mine, named)  # by the compute parameters, before masters replace them
@@ -154,6 +154,6 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
         plan=plan, ctx=ctx, schedule=schedule, captured=lowered.captured, state_keys=state_keys, stages=stages,
         stage_ranks=stage_ranks, channel=channel, named_params=named, mixed=mixed, optimizer=optimizer,
         # token ids and positions range-checked each step before the stages read them (runtime/index_guard.py)
-        index_guard=IndexGuard(stages, active=graph_has_bounds(lowered.captured.gm)), aliases=aliases,
+        index_guard=IndexGuard(stages, active=graph_has_bounds(lowered.captured.gm), device=info.device), aliases=aliases,
         uses=uses, zero3=zero3, loss_ranks=sorted({stage_ranks[s.stage] for s in lowered.stages if s.is_last}),
         tp_partial_grads=tuple(lowered.tp_partial_grads))
