@@ -35,6 +35,7 @@ from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, sa
 from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
+from autopar.runtime.item_count import add_item_counts
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
 
 __all__ = ["RankProgram"]
@@ -172,6 +173,15 @@ class RankProgram:
             inputs = tuple(inputs) + (target,)
         return tuple(inputs)
 
+    def _count_items(self, batches: list[dict], per_update: int | None = None) -> list[dict]:
+        """The model's own loss divides by the step's label tokens: each microbatch gets its share
+        (runtime/item_count.py; one all-reduce over dp). ``per_update``: microbatches per update (all)."""
+        spec = self.captured.item_count
+        if spec is not None:
+            add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
+                            dp_group=self.info.groups["dp"], guard=self.comm_guard)
+        return batches
+
     def shard_batch(self, tensor):
         """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch)."""
         if isinstance(tensor, dict):
@@ -207,7 +217,7 @@ class RankProgram:
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
-        batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
         self.events = []
@@ -256,8 +266,8 @@ class RankProgram:
     @torch.no_grad()
     def __call__(self, *inputs):
         """Forward only (no activations kept): the model's output for this rank's batch, on every rank."""
-        batches = self._microbatches(self._batch(inputs, None, "program(...)") if self.captured.keywords
-                                     else tuple(inputs))
+        batches = self._count_items(self._microbatches(self._batch(inputs, None, "program(...)")
+                                                       if self.captured.keywords else tuple(inputs)))
         self.phase = "index range check"
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step="a forward-only call")

@@ -70,19 +70,16 @@ def meta_train(case, mesh) -> dict:
 def padded_batches(case):
     """Dict batches as a data collator makes them: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding).
 
-    Right padding of 0..3 tokens; every two consecutive rows pad 3 tokens together, so each microbatch
-    of an even number of rows carries the same number of label tokens (see docs/api.md: the model's own
-    loss is a mean over each microbatch's label tokens).
+    Right padding of a different length on every row (a random order of 0, 1, 2, ... tokens):
+    microbatches and dp slices carry different numbers of label tokens, which the model's own loss
+    must count over the whole step (``num_items_in_batch``, docs/hf.md).
     """
     g = torch.Generator().manual_seed(99)
-    pads = [0, 3, 1, 2, 2, 1, 3, 0] * (case.batch // 8 + 1)
     out = []
     for _ in range(case.steps):
         ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=g)
-        mask = torch.ones(case.batch, case.seq, dtype=torch.long)
-        for row in range(case.batch):
-            if pads[row]:
-                mask[row, case.seq - pads[row]:] = 0
+        pads = torch.randperm(case.batch, generator=g) % (case.seq - 1)
+        mask = (torch.arange(case.seq) < (case.seq - pads).unsqueeze(1)).long()
         ids = ids.masked_fill(mask == 0, 0)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out

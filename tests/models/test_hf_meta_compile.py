@@ -22,7 +22,7 @@ from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
 from autopar.runtime.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
-from hf_runners import cpu_reference, hf_loop_reference, logits_loss  # noqa: E402
+from hf_runners import cpu_reference, hf_loop_reference, logits_loss, padded_batches  # noqa: E402
 
 # families whose construction draws only through reset_parameters and post_init (GPT-2's Conv1D
 # draws in __init__ itself: its meta build gets the library's distribution, not the CPU build's draws)
@@ -95,10 +95,14 @@ _CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:meta_train", over
 
 
 # HF models as users hold them: library defaults (use_cache=True) with a logits loss, and dict batches
-# with labels and padding on the model's own loss (built on meta), against HF's own single-device loop
+# with labels and padding on the model's own loss (built on meta), against HF's own single-device loop;
+# the padding differs between microbatches and dp slices (num_items_in_batch counts the whole step)
+_DICT = (("dict", True),)
 _HF_CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train"),
-             Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=(("dict", True), ("meta", True))),
-             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=(("dict", True),))]
+             Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=_DICT + (("meta", True),)),
+             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=_DICT),
+             Case(model="llama", mesh=(2, 2, 1), kind="hf_runners:hf_train", extra=_DICT,
+                  options=(("schedule", "1f1b"),))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,5 +135,20 @@ def test_hf_model_as_users_hold_it_trains_equal_to_hf_single_device_loop(case):
     result = _results()[case]
     assert_equivalent(case, result, hf_loop_reference(case))
     assert result["use_cache"] is True  # the user's config is left as it was
+    if case.mesh[2] == 1:
+        return
     projections = [n for n in result["sharded"] if n.endswith(("q_proj.weight", "o_proj.weight", "down_proj.weight"))]
     assert len(projections) == 3 * 2, result["sharded"]  # every attention and MLP projection, both layers
+    assert "lm_head.weight" in result["sharded"]  # on vocabulary shards, the loss's sum too (num_items_in_batch)
+
+
+def test_padding_differs_between_microbatches_and_dp_slices():
+    """The dict cases' data: each microbatch of each dp slice holds its own number of label tokens."""
+    for case in _HF_CASES[1:]:
+        dp, pp, _ = case.mesh
+        rows = case.batch // (dp * 2 * pp)  # the default microbatch count: 2 x pp
+        for batch in padded_batches(case):
+            counts = [int((batch["labels"][r:r + rows, 1:] != -100).sum()) for r in range(0, case.batch, rows)]
+            per_mb = len(counts) // dp
+            per_slice = [sum(counts[k * per_mb:(k + 1) * per_mb]) for k in range(dp)]
+            assert len(set(counts)) > 1 and len(set(per_slice)) == dp, (counts, per_slice)
