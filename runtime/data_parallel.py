@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,11 +37,17 @@ __all__ = ["DataParallelProgram", "compile_data_parallel"]
 log = logging.getLogger(__name__)
 
 
-def _check(info, opts, loss_fn) -> None:
+def _check(info, opts, loss_fn, example_inputs) -> None:
     if info.shape.pp > 1:
         raise PlanError(f"data_parallel='dataparallel' runs one pipeline stage, but the mesh has pp={info.shape.pp}",
                         where="compile(data_parallel='dataparallel')",
                         fix="use pp=1, or data_parallel='ddp' (the default), which composes with pp")
+    if loss_fn is None and isinstance(example_inputs, Mapping) and "labels" in example_inputs:
+        raise PlanError("data_parallel='dataparallel' computes the loss on rank 0 from the gathered outputs: "
+                        "it cannot train on the loss the model computes from `labels`",
+                        where="compile(data_parallel='dataparallel', example_inputs={..., 'labels': ...})",
+                        fix="use data_parallel='ddp' (the default) for the model's own loss, or pass loss_fn= and "
+                            "example_target= (the labels) with a batch without 'labels'")
     if loss_fn is None:
         raise PlanError("data_parallel='dataparallel' is a training baseline and needs a loss",
                         where="compile(data_parallel='dataparallel')", fix="pass loss_fn= and example_target=")
@@ -56,7 +63,7 @@ def _check(info, opts, loss_fn) -> None:
 def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
                           plan=None) -> "DataParallelProgram":
     """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
-    _check(info, opts, loss_fn)
+    _check(info, opts, loss_fn, example_inputs)
     opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     loss_fn=None, options=opts, plan=plan)
@@ -77,8 +84,8 @@ class DataParallelProgram(RankProgram):
         self.is_root = self.info.coords["dp"] == 0
         (self.stage,) = self.stages.values()
 
-    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole batch: DataParallel's rank 0 scatters it itself."""
+    def shard_batch(self, tensor):
+        """The whole batch (a tensor or a dict batch): DataParallel's rank 0 scatters it itself."""
         return tensor
 
     # -- the collectives, each one counted --------------------------------------------------
@@ -123,8 +130,10 @@ class DataParallelProgram(RankProgram):
         named = dict(zip(self.captured.input_names, local))
         return self.stage.gm(*[named[n] for n in self.stage.input_names])
 
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch (read on dp rank 0); returns the mean loss, every rank."""
+    def train_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch (tensors or a dict batch, read on dp rank 0); returns the
+        mean loss, every rank."""
+        inputs = self._batch(inputs, None, "train_step")  # a dict batch: its tensors in the graph's order
         self.events, t0 = [], time.perf_counter()
         self.comm_log.reset()
         self.optimizer.zero_grad()
@@ -159,8 +168,9 @@ class DataParallelProgram(RankProgram):
         return loss
 
     @torch.no_grad()
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs):
         """Forward only on the global batch (read on dp rank 0); every rank returns the whole output."""
+        inputs = self._batch(inputs, None, "program(...)")
         self._replicate()
         flat = pytree.tree_flatten(self._local_forward(inputs))[0]
         result = []

@@ -7,6 +7,7 @@ steps and gathers every rank's events for the measured-versus-simulated bubble.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,13 @@ ASYNC_CASES = [
 TRACE_CASE = Case(model="gpt_tiny", mesh=(1, 2, 1), kind="schedule_runners:trace_run", steps=6, batch=16, seq=64,
                   optimizer="adam", options=(("schedule", "1f1b"), ("num_microbatches", 4)),
                   overrides=(("hidden", 128), ("num_layers", 4)))
-ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES  # TRACE_CASE runs alone, in the timing test that reads it
+#: a transformers model's dict batches on its own loss under PipeDream (an update per microbatch: the label
+#: tokens are counted per update), against positional inputs with the same loss written as a loss_fn
+ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_loss_against_loss_fn", steps=3,
+                         options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
+if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
+    ASYNC_DICT_CASES = []
+ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
 
 
 @functools.lru_cache(maxsize=None)

@@ -164,3 +164,14 @@ def test_dict_batch_with_a_non_tensor_entry_is_refused():
         autopar.plan(model, {"tp": 1}, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long),
                                                         "return_dict": True})
     assert "return_dict" in info.value.where
+
+
+def test_dataparallel_baseline_refuses_the_models_own_loss(one_rank_mesh):
+    """The rank-0 baseline computes the loss from gathered outputs: a labels batch without loss_fn is refused."""
+    from autopar.errors import PlanError
+    model = build_hf_raw("llama")
+    ids = torch.randint(1, 128, (4, 8))
+    with pytest.raises(PlanError, match="cannot train on the loss the model computes") as info:
+        autopar.compile(model, one_rank_mesh, example_inputs={"input_ids": ids, "labels": ids},
+                        data_parallel="dataparallel")
+    assert "data_parallel='ddp'" in info.value.fix

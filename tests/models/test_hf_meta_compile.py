@@ -102,7 +102,10 @@ _HF_CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train"),
              Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=_DICT + (("meta", True),)),
              Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=_DICT),
              Case(model="llama", mesh=(2, 2, 1), kind="hf_runners:hf_train", extra=_DICT,
-                  options=(("schedule", "1f1b"),))]
+                  options=(("schedule", "1f1b"),)),
+             # the DataParallel baseline on a dict batch, its loss_fn computed on rank 0 over the whole batch
+             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=(("dict_loss_fn", True),),
+                  options=(("data_parallel", "dataparallel"),))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +147,7 @@ def test_hf_model_as_users_hold_it_trains_equal_to_hf_single_device_loop(case):
 
 def test_padding_differs_between_microbatches_and_dp_slices():
     """The dict cases' data: each microbatch of each dp slice holds its own number of label tokens."""
-    for case in _HF_CASES[1:]:
+    for case in _HF_CASES[1:4]:
         dp, pp, _ = case.mesh
         rows = case.batch // (dp * 2 * pp)  # the default microbatch count: 2 x pp
         for batch in padded_batches(case):
