@@ -175,3 +175,20 @@ def test_dataparallel_baseline_refuses_the_models_own_loss(one_rank_mesh):
         autopar.compile(model, one_rank_mesh, example_inputs={"input_ids": ids, "labels": ids},
                         data_parallel="dataparallel")
     assert "data_parallel='ddp'" in info.value.fix
+
+
+def test_plan_auto_on_a_dict_batch_and_the_models_own_loss(one_rank_mesh):
+    """The planner profiles the model's own loss on a dict batch (no loss_fn), for a planned world and
+    for compile, whose step's loss is HF's own on the whole padded batch."""
+    import copy
+    ids = torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(8) < torch.tensor([[8], [5], [7], [2]])).long()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    planned = autopar.plan(build_hf_raw("llama", device="meta"), 4, example_inputs=batch, plan="auto")
+    assert planned.plan.mesh.world_size == 4 and planned.captured.captured.item_count is not None
+    torch.manual_seed(0)
+    model = build_hf_raw("llama")
+    reference = copy.deepcopy(model)(**batch).loss
+    program = autopar.compile(model, one_rank_mesh, example_inputs=batch, plan="auto", num_microbatches=2,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    torch.testing.assert_close(program.train_step(batch), reference, rtol=1e-5, atol=0)
