@@ -155,3 +155,23 @@ def test_padding_differs_between_microbatches_and_dp_slices():
             per_mb = len(counts) // dp
             per_slice = [sum(counts[k * per_mb:(k + 1) * per_mb]) for k in range(dp)]
             assert len(set(counts)) > 1 and len(set(per_slice)) == dp, (counts, per_slice)
+
+
+def test_meta_built_model_trains_in_bf16_as_the_cpu_build(one_rank_mesh):
+    """precision='bf16': a meta-built model's fp32 masters are its materialised pieces, so it steps
+    exactly as the same family built on CPU under the same seed (same masters, same bf16 copies)."""
+    batch = padded_batches(Case(steps=2, batch=4, seq=8))
+
+    def run(device):
+        torch.manual_seed(0)
+        model = build_hf_raw("llama", device=device)
+        program = autopar.compile(model, one_rank_mesh, example_inputs=batch[0], precision="bf16",
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+        assert program.mixed is not None
+        return [program.train_step(b).item() for b in batch], program.full_state_dict()
+
+    (meta_losses, meta_state), (cpu_losses, cpu_state) = run("meta"), run(None)
+    assert meta_losses == cpu_losses
+    assert meta_state.keys() == cpu_state.keys()
+    for name, value in cpu_state.items():
+        assert value.dtype == meta_state[name].dtype and torch.equal(meta_state[name], value), name
