@@ -1,7 +1,7 @@
 """Every synchronous strategy of the spine trains like one device (the shared harness judges).
 
 Meshes (dp, pp, tp) over both reference models and both schedules; one spawned process group per
-world size runs all of that size's cases.
+world size runs all of that size's cases, shared with the other spawned tests (tests/shared_groups.py).
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import functools
 
 import pytest
 
-from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run, run_cases
+import shared_groups
+from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run
 
 pytestmark = pytest.mark.dist
 
@@ -27,10 +28,11 @@ EXTRA = [
 INFER = [Case(model=m, mesh=mesh, kind="infer") for m in MODELS for mesh in [(1, 2, 1), (1, 1, 2), (2, 2, 2)]]
 
 
-@functools.lru_cache(maxsize=None)
+shared_groups.register(CASES + EXTRA + INFER)
+
+
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + EXTRA + INFER if c.world_size == world]
-    return dict(zip(cases, run_cases(cases)))
+    return shared_groups.results(world)
 
 
 @functools.lru_cache(maxsize=None)
