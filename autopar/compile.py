@@ -46,16 +46,14 @@ def _shared_seed() -> int:
     return int(seed[0])
 
 
-def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights):
-    """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers."""
+def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights, masters):
+    """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers;
+    ``masters`` (bf16): receives each parameter's fp32 piece."""
     if not _is_meta(model) and weights is None:
         return None
-    if lowered.plan.precision == "bf16":
-        raise PlanError("a meta-built model cannot be compiled with precision='bf16' yet",
-                        where=f"compile(model={type(model).__name__}, precision='bf16')",
-                        fix="compile in fp32 (precision='fp32'), or build the model on a real device")
     fill = weights if weights is not None else init_filler(model, seed=_shared_seed())
-    return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh))
+    return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh),
+                   masters=masters)
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
@@ -107,8 +105,9 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                               num_virtual=p.num_virtual)
     validate(schedule)
     state_keys = tuple(model.state_dict().keys())
-    masters = (masters_for_rank(model, lowered, schedule=schedule, info=info)
-               if lowered.plan.precision == "bf16" and not _is_meta(model) else None)  # fp32 masters of the bf16 graphs
+    masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
+    if lowered.plan.precision == "bf16":
+        masters = {} if _is_meta(model) else masters_for_rank(model, lowered, schedule=schedule, info=info)
     program_class, extra = RankProgram, {}
     if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
         from autopar.runtime.async_pipeline import AsyncProgram
@@ -116,7 +115,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     program = program_class(lowered=lowered, info=info, schedule=schedule,
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
-                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights), **extra)
+                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights,
+                                                      masters=masters), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

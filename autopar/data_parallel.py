@@ -6,6 +6,8 @@ stage, and this rank's :class:`autopar.runtime.data_parallel.DataParallelProgram
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from autopar.errors import PlanError
 from autopar.lowering import lower
 from autopar.runtime.data_parallel import DataParallelProgram
@@ -14,11 +16,17 @@ from autopar.runtime.schedules.registry import build_schedule
 __all__ = ["compile_data_parallel"]
 
 
-def _check(info, opts, loss_fn) -> None:
+def _check(info, opts, loss_fn, example_inputs) -> None:
     if info.shape.pp > 1:
         raise PlanError(f"data_parallel='dataparallel' runs one pipeline stage, but the mesh has pp={info.shape.pp}",
                         where="compile(data_parallel='dataparallel')",
                         fix="use pp=1, or data_parallel='ddp' (the default), which composes with pp")
+    if loss_fn is None and isinstance(example_inputs, Mapping) and "labels" in example_inputs:
+        raise PlanError("data_parallel='dataparallel' computes the loss on rank 0 from the gathered outputs: "
+                        "it cannot train on the loss the model computes from `labels`",
+                        where="compile(data_parallel='dataparallel', example_inputs={..., 'labels': ...})",
+                        fix="use data_parallel='ddp' (the default) for the model's own loss, or pass loss_fn= and "
+                            "example_target= (the labels) with a batch without 'labels'")
     if loss_fn is None:
         raise PlanError("data_parallel='dataparallel' is a training baseline and needs a loss",
                         where="compile(data_parallel='dataparallel')", fix="pass loss_fn= and example_target=")
@@ -34,7 +42,7 @@ def _check(info, opts, loss_fn) -> None:
 def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
                           plan=None) -> "DataParallelProgram":
     """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
-    _check(info, opts, loss_fn)
+    _check(info, opts, loss_fn, example_inputs)
     opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     loss_fn=None, options=opts, plan=plan)

@@ -266,9 +266,10 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     # batch statistics (BatchNorm in training) are exact only when each forward sees the whole batch
     check_batch_statistics(captured.gm, dp=mesh.dp, num_microbatches=m)
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
-    all_args = args + ((target,) if loss_fn is not None else ())
+    extra = captured.extra_args  # inputs capture added (the model's own loss: its label-token count)
+    all_args = args + extra + ((target,) if loss_fn is not None else ())
     annotate(captured.gm, example_inputs=all_args, model=traced)
-    check_captured(captured, inputs=example_inputs + ((example_target,) if loss_fn is not None else ()))
+    check_captured(captured, inputs=example_inputs + extra + ((example_target,) if loss_fn is not None else ()))
     return Captured(model_name=type(model).__name__, num_parameters=sum(p.numel() for p in model.parameters()),
                     mesh=mesh, options=options, plan=plan, batch=batch, num_microbatches=m, example_args=all_args,
                     captured=captured, precision=precision, has_loss=captured.has_loss, template=template)

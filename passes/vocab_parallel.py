@@ -14,7 +14,7 @@ matrix (``ShardSpec(dim=0)``):
   for both uses; on two pipeline stages both copies hold the same rows, and the runtime's
   shared-gradient sum adds the shards element-wise.
 
-A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean reduction, no
+A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean or sum reduction, no
 class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
 classes as a token embedding has rows. Anything else stays replicated with a warning naming why;
 an embedding tied to a replicated head stays replicated too. A vocabulary that does not divide
@@ -54,6 +54,7 @@ __all__ = ["VocabParallel", "find_vocab_parallel", "shard_vocab_parallel", "modu
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
+_REDUCTIONS = {1: "mean", 2: "sum"}  # at::Reduction: a sum is what a loss dividing by num_items_in_batch takes
 
 
 @dataclass
@@ -128,8 +129,8 @@ def _loss_reason(node: fx.Node) -> str | None:
     """Why ``cross_entropy_loss`` cannot run on vocabulary shards, or None when it can."""
     if _arg(node, 2, "weight", None) is not None:
         return "cross_entropy_loss has class weights"
-    if _arg(node, 3, "reduction", _MEAN) != _MEAN:
-        return "cross_entropy_loss reduction is not 'mean'"
+    if _arg(node, 3, "reduction", _MEAN) not in _REDUCTIONS:
+        return "cross_entropy_loss reduction is neither 'mean' nor 'sum'"
     if _arg(node, 5, "label_smoothing", 0.0) != 0.0:
         return f"cross_entropy_loss uses label_smoothing={_arg(node, 5, 'label_smoothing', 0.0)}"
     if len(shape_of(node.args[0])) != 2:
@@ -312,7 +313,8 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         name = f"vocab_cross_entropy_{i}" if i else "vocab_cross_entropy"
         ignore = _arg(loss, 4, "ignore_index", -100)
         gm.add_submodule(name, VocabParallelCrossEntropy(axis="tp", size=tp_size, vocab_start=start, vocab_end=end,
-                                                         ignore_index=ignore))
+                                                         ignore_index=ignore,
+                                                         reduction=_REDUCTIONS[_arg(loss, 3, "reduction", _MEAN)]))
         with g.inserting_before(loss):
             new = g.call_module(name, (loss.args[0], loss.args[1]))
         _copy_meta(new, loss)

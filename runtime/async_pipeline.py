@@ -162,12 +162,14 @@ class AsyncProgram(ProgramSurface):
         return self._forward_only(inputs)
 
     # -- the stream ------------------------------------------------------------------------
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Feed one batch into the running pipeline; returns its global mean loss (every rank)."""
+    def train_step(self, *inputs, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one batch (tensors, or the dict batch compiled on) into the running pipeline; returns its
+        global mean loss (every rank). The model's own loss counts label tokens per update (docs/hf.md)."""
         if not self.captured.has_loss:
-            raise PlanError("this program was compiled without a loss_fn", where="train_step",
-                            fix="pass loss_fn= (and example_target=) to autopar.compile")
-        batches = self._microbatches(tuple(inputs) + (target,))
+            raise PlanError("this program was compiled without a loss", where="train_step",
+                            fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
         first = self._fed

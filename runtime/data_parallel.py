@@ -44,8 +44,8 @@ class DataParallelProgram(ProgramSurface):
         self.size, self.dp_group, self.root, self.is_root = dp.size, dp.group, dp.ranks[0], dp.index == 0
         (self.stage,) = self.stages.values()
 
-    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole batch: DataParallel's rank 0 scatters it itself."""
+    def shard_batch(self, tensor):
+        """The whole batch (a tensor or a dict batch): DataParallel's rank 0 scatters it itself."""
         return tensor
 
     # -- the collectives, each one counted --------------------------------------------------
@@ -90,8 +90,10 @@ class DataParallelProgram(ProgramSurface):
         named = dict(zip(self.captured.input_names, local))
         return self.stage.gm(*[named[n] for n in self.stage.input_names])
 
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch (read on dp rank 0); returns the mean loss, every rank."""
+    def train_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch (tensors or a dict batch, read on dp rank 0); returns the
+        mean loss, every rank."""
+        inputs = self._batch(inputs, None, "train_step")  # a dict batch: its tensors in the graph's order
         self.events, t0 = [], time.perf_counter()
         self.comm_log.reset()
         self.optimizer.zero_grad()
@@ -126,8 +128,9 @@ class DataParallelProgram(ProgramSurface):
         return loss
 
     @torch.no_grad()
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs):
         """Forward only on the global batch (read on dp rank 0); every rank returns the whole output."""
+        inputs = self._batch(inputs, None, "program(...)")
         self._replicate()
         flat = pytree.tree_flatten(self._local_forward(inputs))[0]
         result = []

@@ -121,8 +121,11 @@ def _check_piece(slot: Slot, value, where: str) -> torch.Tensor:
 
 
 def materialize_rank(gms: list[fx.GraphModule], *, plan, coords: dict[str, int], fill: Filler,
-                     device: torch.device | str = "cpu") -> list[Slot]:
-    """Replace every meta tensor of ``gms`` by the real piece ``fill`` gives for it, on ``device``."""
+                     device: torch.device | str = "cpu", masters: dict | None = None) -> list[Slot]:
+    """Replace every meta tensor of ``gms`` by the real piece ``fill`` gives for it, on ``device``.
+
+    ``masters``: filled with each parameter's piece in fp32 before it is cast to the graph's dtype
+    (bf16 graphs: the fp32 masters the runtime steps, :class:`~autopar.runtime.mixed_precision.MasterWeights`)."""
     slots = rank_slots(gms, plan=plan, coords=coords)
     if not slots:
         return slots
@@ -130,7 +133,10 @@ def materialize_rank(gms: list[fx.GraphModule], *, plan, coords: dict[str, int],
     pieces = fill(slots)
     real: dict[str, torch.Tensor] = {}
     for slot in slots:
-        value = _check_piece(slot, pieces.get(slot.name), where).to(device=device, dtype=slot.dtype)
+        piece = _check_piece(slot, pieces.get(slot.name), where)
+        if masters is not None and slot.kind == "param" and piece.is_floating_point():
+            masters[slot.name] = piece.to(device=device, dtype=torch.float32)
+        value = piece.to(device=device, dtype=slot.dtype)
         real[slot.name] = nn.Parameter(value, requires_grad=slot.requires_grad) if slot.kind == "param" else value
     by_id: dict[int, torch.Tensor] = {}
     for gm in gms:

@@ -28,6 +28,7 @@ from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.zero3_ops import full_parameters
+from autopar.runtime.item_count import add_item_counts
 
 __all__ = ["ProgramSurface"]
 
@@ -94,6 +95,15 @@ class ProgramSurface:
             inputs = tuple(inputs) + (target,)
         return tuple(inputs)
 
+    def _count_items(self, batches: list[dict], per_update: int | None = None) -> list[dict]:
+        """The model's own loss divides by the step's label tokens: each microbatch gets its share
+        (runtime/item_count.py; one all-reduce over dp). ``per_update``: microbatches per update (all)."""
+        spec = self.captured.item_count
+        if spec is not None:
+            add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
+                            dp_group=self.info.groups["dp"], guard=self.comm_guard)
+        return batches
+
     def shard_batch(self, tensor):
         """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch)."""
         if isinstance(tensor, dict):
@@ -131,8 +141,8 @@ class ProgramSurface:
 
     def _forward_only(self, inputs: tuple):
         """The model's output for this rank's batch, on every rank (call under ``torch.no_grad``)."""
-        batches = self._microbatches(self._batch(inputs, None, "program(...)") if self.captured.keywords
-                                     else tuple(inputs))
+        batches = self._count_items(self._microbatches(self._batch(inputs, None, "program(...)")
+                                                       if self.captured.keywords else tuple(inputs)))
         self.phase = "index range check"
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step="a forward-only call")

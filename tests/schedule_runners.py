@@ -6,12 +6,13 @@ steps and gathers every rank's events for the measured-versus-simulated bubble.
 """
 from __future__ import annotations
 
-import functools
+import importlib.util
 
 import torch
 import torch.distributed as dist
 
-from equivalence import Case, build, make_optimizer, replica_record, run_cases
+import shared_groups
+from equivalence import Case, build, make_optimizer, replica_record
 
 __all__ = ["text_batches", "async_run", "trace_run", "layout_of", "SYNC_CASES", "INFER_CASES", "ASYNC_CASES",
            "TRACE_CASE", "results"]
@@ -114,11 +115,19 @@ ASYNC_CASES = [
 TRACE_CASE = Case(model="gpt_tiny", mesh=(1, 2, 1), kind="schedule_runners:trace_run", steps=6, batch=16, seq=64,
                   optimizer="adam", options=(("schedule", "1f1b"), ("num_microbatches", 4)),
                   overrides=(("hidden", 128), ("num_layers", 4)))
-ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES  # TRACE_CASE runs alone, in the timing test that reads it
+#: a transformers model's dict batches on its own loss under PipeDream (an update per microbatch: the label
+#: tokens are counted per update), against positional inputs with the same loss written as a loss_fn
+ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_loss_against_loss_fn", steps=3,
+                         options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
+if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
+    ASYNC_DICT_CASES = []
+ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
 
 
-@functools.lru_cache(maxsize=None)
+shared_groups.register(ALL_CASES)  # at import: pytest imports every module before the first test runs
+
+
 def results(world: int) -> dict:
-    """Every case of ``world`` ranks, run once per pytest session in one spawned group."""
-    cases = [c for c in ALL_CASES if c.world_size == world]
-    return dict(zip(cases, run_cases(cases)))
+    """Every case of ``world`` ranks, run once per pytest session in the spawned group the suite
+    shares (tests/shared_groups.py)."""
+    return shared_groups.results(world)

@@ -9,6 +9,7 @@ table, the rejected candidates with reasons, and why the first choice won.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -135,9 +136,10 @@ def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_targ
     """Profile ``model``, search the plans for ``cluster`` and return the report of the fastest that fits."""
     if mode != "auto":
         raise PlanError(f"unknown plan mode {mode!r}", where="plan=", fix="pass plan='auto' or a Plan")
-    if loss_fn is None or example_target is None:
+    own_loss = loss_fn is None and isinstance(example_inputs, Mapping) and "labels" in example_inputs
+    if not own_loss and (loss_fn is None or example_target is None):
         raise PlanError("plan='auto' plans training and needs the loss", where="plan='auto'",
-                        fix="pass loss_fn= and example_target=")
+                        fix="pass loss_fn= and example_target=, or a dict batch with labels (the model's own loss)")
     options = dict(options or {})
     world, pinned = _pinned_degrees(mesh_shape, cluster)
     base = get_cluster(cluster) if cluster is not None else local_cluster()

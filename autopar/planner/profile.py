@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -172,7 +173,7 @@ def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:
 
 def _capture(model, *, example_inputs, loss_fn, example_target, options: CompileOptions):
     """Capture at one sample per microbatch (all samples when batch statistics forbid splitting)."""
-    batch = example_inputs[0].shape[0]
+    batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
                                       "recompute": "none", "zero_stage": 0})
     try:
@@ -198,7 +199,8 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
                   options: CompileOptions | None = None) -> ModelProfile:
     """Chunk costs of ``model`` for each tp degree (those that cannot shard go to ``tp_errors``)."""
     options = options or CompileOptions()
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not isinstance(example_inputs, Mapping):  # a dict batch stays one (keyword inputs)
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cap, b0, stats = _capture(model, example_inputs=example_inputs, loss_fn=loss_fn,
                               example_target=example_target, options=options)
     profile = ModelProfile(model_name=cap.model_name, num_parameters=cap.num_parameters,

@@ -23,7 +23,8 @@ import tempfile
 import pytest
 import torch
 
-from equivalence import RTOL, Case, assert_equivalent, batches, build, make_optimizer, run_cases
+import shared_groups
+from equivalence import RTOL, Case, assert_equivalent, batches, build, make_optimizer
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None,
@@ -110,10 +111,16 @@ def _folder_state(case: Case) -> dict:
     return _library_model(case, dict(case.extra)["folder"]).state_dict()
 
 
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
+def _write_pretrained_once() -> None:
+    """The pretrained folders the cases read, written before the 4-rank group starts."""
     _write_pretrained()
-    return dict(zip(CASES, run_cases(CASES)))
+
+
+shared_groups.register(CASES, setup=_write_pretrained_once)  # the suite's shared 4-rank group
+
+
+def _results() -> dict:
+    return shared_groups.results(4)
 
 
 def _result(case: Case) -> dict:

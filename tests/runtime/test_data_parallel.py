@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from equivalence import RTOL, Case, assert_equivalent, reference_run, run_cases
+import shared_groups
+from equivalence import RTOL, Case, assert_equivalent, reference_run
 
 pytestmark = pytest.mark.dist
 
@@ -47,10 +48,11 @@ OVERLAP = [AUDIT[(2, 0, "sgd")], DDP_PP]
 DP_INFER = Case(model="gpt_tiny", mesh=(2, 1, 1), kind="dp_probe:dataparallel_infer_run")
 
 
-@functools.lru_cache(maxsize=None)
+shared_groups.register(EQUIVALENCE + list(AUDIT.values()) + [DP_INFER])  # one group per world size, shared
+
+
 def _results(world: int) -> dict:
-    cases = list(dict.fromkeys(c for c in EQUIVALENCE + list(AUDIT.values()) + [DP_INFER] if c.world_size == world))
-    return dict(zip(cases, run_cases(cases)))
+    return shared_groups.results(world)
 
 
 def _result(case: Case) -> dict:
