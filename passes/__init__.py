@@ -20,6 +20,7 @@ Analyses and checks (node.meta, nothing rewritten)::
     index_bounds.py       which inputs index a table, and how far (the runtime's index guard reads it)
     batch_stats.py        refuse batch statistics over part of the batch (BatchNorm, dp > 1)
     static_shapes.py      refuse data-dependent output shapes
+    item_count.py         where the model's own loss counts its label tokens (num_items_in_batch)
 
 Tensor parallelism (before the split, so a region's linears share a stage)::
 
