@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 
-__all__ = ["NoRule", "RULES", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
+__all__ = ["NoRule", "RULES", "ASSERTIONS", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
 REPLICATE = Placement("R")
 
@@ -150,6 +150,12 @@ def permute(node: fx.Node, placed: dict):
     return Placement("S", dims.index(p.dim), p.chunks), {src: p}
 
 
+def reverse_dims(node: fx.Node, placed: dict):
+    """``x.T`` (``numpy_T``): every dim reversed."""
+    src, p = _anchor(node, placed)
+    return Placement("S", len(shape_of(src)) - 1 - p.dim, p.chunks), {src: p}
+
+
 def split(node: fx.Node, placed: dict):
     src, p = _anchor(node, placed)
     rank = len(shape_of(src))
@@ -211,6 +217,40 @@ def _broadcast_batch(node, placed, out_dim, chunks, inputs):
             raise NoRule(f"{node.name}: {x.name} is {placed[x]}, needs {want}")
         need[x] = want
     return None, need
+
+
+def baddbmm(node: fx.Node, placed: dict):
+    """``input + b1 @ b2`` (ALiBi attention): the shard must be a batch dim of the product."""
+    inp, b1, b2 = node.args[:3]
+    src, p = _anchor(node, placed)
+    if src is not inp and p.dim != 0:
+        raise NoRule(f"{node.name} contracts or keeps a sharded matrix dim")
+    if src is inp and p.dim != 0:
+        raise NoRule(f"{node.name}: its added input is sharded on a matrix dim")
+    _, need = _broadcast_batch(node, placed, 0, p.chunks, [b1, b2])
+    _, extra = _broadcast(node, placed, 0, p.chunks, [inp])
+    return Placement("S", 0, p.chunks), {**need, **extra}
+
+
+def stack(node: fx.Node, placed: dict):
+    src, p = _anchor(node, placed)
+    d = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape_of(node)))
+    need = {}
+    for t in node.args[0]:
+        if t in placed and placed[t] != p:
+            raise NoRule(f"{node.name}: {t.name} is {placed[t]}, needs {p}")
+        need[t] = p
+    return Placement("S", p.dim + (1 if p.dim >= d else 0), p.chunks), need
+
+
+def assertion(node: fx.Node, placed: dict):
+    """Export's no-op checks (``_assert_tensor_metadata``): no output; the transform drops them."""
+    src, _ = _anchor(node, placed)
+    return REPLICATE, {src: placed[src]}
+
+
+ASSERTIONS = ("_assert_tensor_metadata", "_assert_async", "_functional_assert_async", "_assert_scalar",
+              "_functional_assert_scalar")
 
 
 def softmax(node: fx.Node, placed: dict):
@@ -275,11 +315,12 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     **{name: elementwise for name in _ELEMENTWISE_NAMES},
     "view": view, "reshape": view, "_unsafe_view": view, "flatten": view, "unflatten": view,
     "expand": expand, "unsqueeze": unsqueeze, "transpose": transpose, "t": transpose,
-    "permute": permute, "split": split, "split_with_sizes": split, "chunk": split,
+    "permute": permute, "numpy_T": reverse_dims, "split": split, "split_with_sizes": split, "chunk": split,
     "getitem": getitem, "scaled_dot_product_attention": sdpa, "matmul": matmul, "bmm": matmul,
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,
     "mean": reduce_dims, "sum": reduce_dims, "amax": reduce_dims, "slice": slice_,
-    "select": select, "cat": cat,
+    "select": select, "cat": cat, "baddbmm": baddbmm, "stack": stack,
+    **{name: assertion for name in ASSERTIONS},
 })
 
 

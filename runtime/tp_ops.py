@@ -26,9 +26,36 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
+from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
+                                         reduce_scatter_dim)
 
-__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear"]
+__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
+           "local_shard"]
+
+
+def local_shard(x: torch.Tensor, *, dim: int, chunks: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``x`` on ``dim`` (``chunks`` equal blocks, each cut in ``size``), a new tensor.
+
+    In a graph it cuts a value without a gradient (a mask, ALiBi slopes) that a region reads sharded.
+    """
+    blocks = x.chunk(chunks, dim=dim) if chunks > 1 else (x,)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+class TpGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over tp.
+
+    Sits on a replicated value read inside a tensor-parallel region other than through a column
+    (a q/k norm's weight read on this rank's heads): each rank's gradient of it is partial.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def forward(self, x):
+        return _CopyToRegion.apply(x, self._require_group(), self.guard, f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("backward", "all_reduce", in_bytes)]
 
 
 class _VocabParallelCE(torch.autograd.Function):
