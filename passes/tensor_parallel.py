@@ -30,10 +30,10 @@ import torch.nn as nn
 
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.tp_regions import TpRegion, find_tp_regions, projection_of
+from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, op_name, shape_of
 from autopar.runtime.collectives import TpCopy, TpReduce
-from autopar.runtime.tp_ops import TpGradSum, local_shard
+from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
 __all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where"]
 
@@ -43,15 +43,21 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own."""
+    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own.
+
+    ``parts`` > 0: each block cut in only that many pieces, rank r holding piece ``r * parts // tp``
+    (a kv head replicated over tp / parts ranks).
+    """
 
     dim: int
     chunks: int = 1
+    parts: int = 0
 
 
 def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of ``tensor`` (contiguous, a copy)."""
-    return local_shard(tensor, dim=spec.dim, chunks=spec.chunks, rank=rank, size=size).contiguous()
+    ways = spec.parts or size
+    return local_shard(tensor, dim=spec.dim, chunks=spec.chunks, rank=rank * ways // size, size=ways).contiguous()
 
 
 def set_param(gm: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -74,13 +80,10 @@ def node_where(node: fx.Node) -> str:
 
 def _check_divisible(region: TpRegion, tp_size: int) -> None:
     for node, p in list(region.placements.items()) + list(region.local_slices.items()):
-        if p.kind != "S":
-            continue
-        size = shape_of(node)[p.dim]
-        if size % (p.chunks * tp_size) != 0:
+        why = fits(node, p, tp_size)
+        if why is not None:
             raise ShardingError(
-                f"dim {p.dim} of {op_name(node)} output {tuple(shape_of(node))} has size {size}, "
-                f"not divisible by tp={tp_size}" + (f" x {p.chunks} blocks" if p.chunks > 1 else ""),
+                why,
                 where=node_where(node),
                 fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
                     f"(mesh dim 'tp'), or set tp=1")
@@ -92,7 +95,9 @@ def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     if name in ("view", "reshape", "_unsafe_view", "expand"):
         sizes = list(node.args[1])
         if sizes[p.dim] != -1:
-            sizes[p.dim] = sizes[p.dim] // tp_size
+            sizes[p.dim] = sizes[p.dim] // (p.parts or tp_size)
+        if p.inner is not None and sizes[p.inner] != -1:
+            sizes[p.inner] = sizes[p.inner] // (tp_size // p.parts)
         node.args = (node.args[0], sizes, *node.args[2:])
 
 
@@ -103,7 +108,8 @@ def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
     if dim % len(shape_of(node.args[0])) != src_p.dim:
         return
     arg = node.args[1]
-    new = [a // tp_size for a in arg] if isinstance(arg, (list, tuple)) else arg // tp_size
+    ways = src_p.parts or tp_size
+    new = [a // ways for a in arg] if isinstance(arg, (list, tuple)) else arg // ways
     node.args = (node.args[0], new, *node.args[2:])
 
 
@@ -185,9 +191,28 @@ def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) 
 
 
 def _param_specs(region: TpRegion) -> dict[str, ShardSpec]:
-    """Every parameter the region holds a shard of (weights, biases, per-head parameters)."""
-    return {node.target: ShardSpec(p.dim, p.chunks) for node, p in region.placements.items()
-            if node.op == "get_attr" and p.kind == "S"}
+    """Every parameter the region holds a shard of (weights, biases, per-head parameters).
+
+    A parameter cut in one part (a single kv head every rank needs) is held whole: no spec.
+    """
+    return {node.target: ShardSpec(p.dim, p.chunks, p.parts) for node, p in region.placements.items()
+            if node.op == "get_attr" and p.kind == "S" and p.parts != 1}
+
+
+def _insert_group_sums(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int, counter: list) -> None:
+    """A parameter piece held by several ranks (a replicated kv head) sums its gradient over them."""
+    for node, p in list(region.placements.items()):
+        if node.op != "get_attr" or p.kind != "S" or not p.parts or p.parts == tp_size:
+            continue
+        name = f"tp_group_grad_sum_{counter[0]}"
+        counter[0] += 1
+        gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, parts=p.parts, rank=tp_rank))
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            summed = gm.graph.call_module(name, (node,))
+        summed.meta.update({k: v for k, v in users[0].meta.items() if k in ("nn_module_stack", MODULE)})
+        for user in users:
+            user.replace_input_with(node, summed)
 
 
 def _drop_assertions(gm: fx.GraphModule, region: TpRegion) -> None:
@@ -201,7 +226,7 @@ def _drop_assertions(gm: fx.GraphModule, region: TpRegion) -> None:
 def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
                           regions: list[TpRegion] | None = None):
     """Shard every region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    regions = find_tp_regions(gm) if regions is None else regions
+    regions = find_tp_regions(gm, tp_size=tp_size) if regions is None else regions
     specs: dict[str, ShardSpec] = {}
     counter = [0, 0]
     for region in regions:
@@ -217,6 +242,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
         _drop_assertions(gm, region)
         _insert_local_slices(gm, region, tp_rank, tp_size)
         _insert_copies(gm, region, tp_size, copies)
+        _insert_group_sums(gm, region, tp_rank, tp_size, copies)
         for row in region.rows:
             _rewrite_row(gm, row, tp_size, reduces)
         counter = [copies[0], reduces[0]]

@@ -11,14 +11,16 @@ with a warning that names the node and the reason.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
-from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
+from autopar.errors import ShardingError
+from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, NoRule, op_name, rule_for, shape_of, view_dim_map
 
 __all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
 
@@ -152,6 +154,11 @@ def grad_carriers(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+def _where(node: fx.Node) -> str:
+    info = get_meta(node, MODULE)
+    return f"node {node.name} (module {info.path or '<root>'})" if info else f"node {node.name}"
+
+
 class _Defer(Exception):
     """A rule needs an input that propagation has not reached yet: retry the node later."""
 
@@ -160,13 +167,84 @@ _SHAPE_OPS = ("view", "reshape", "_unsafe_view", "transpose", "getitem", "split"
               "permute", "clone", "contiguous", "split_with_sizes", "chunk", "t")
 
 
+class NotDivisible(NoRule):
+    """A shard that does not divide evenly over tp (kept apart: it becomes a ShardingError)."""
+
+    def __init__(self, node: fx.Node, message: str):
+        super().__init__(message)
+        self.node = node
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n - 1, 0, -1) if n % d == 0]
+
+
+def fits(node: fx.Node, p: Placement, tp_size: int | None) -> str | None:
+    """Why ``p`` does not cut ``node`` evenly over ``tp_size`` ranks, or None when it does."""
+    if tp_size is None or p.kind != "S" or node.op == "call_function" and op_name(node) in ASSERTIONS:
+        return None
+    shape = shape_of(node)
+    ways = p.parts or tp_size
+    if shape[p.dim] % (p.chunks * ways):
+        return (f"dim {p.dim} of {op_name(node) if node.op == 'call_function' else node.op} output {tuple(shape)} "
+                f"has size {shape[p.dim]}, not divisible by tp={tp_size}"
+                + (f" x {p.chunks} blocks" if p.chunks > 1 else "") + (f" (cut {ways} ways)" if p.parts else ""))
+    if p.inner is not None and shape[p.inner] % (tp_size // p.parts):
+        return f"dim {p.inner} of {node.name} has size {shape[p.inner]}, not divisible by {tp_size // p.parts}"
+    return None
+
+
+def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
+    """The number of heads per block the feature dim ``dim`` of ``node`` is viewed into, if any."""
+    if depth > 6:
+        return None
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        name = op_name(user)
+        if name in ("view", "reshape", "_unsafe_view", "unflatten") and user.args[0] is node:
+            try:
+                out_dim, out_chunks = view_dim_map(shape_of(node), shape_of(user), dim, chunks)
+            except NoRule:
+                continue
+            in_shape, out_shape = shape_of(node), shape_of(user)
+            if len(out_shape) > len(in_shape):
+                if out_dim > 0 and out_shape[out_dim - 1] == 1 and \
+                        math.prod(in_shape[:dim]) == math.prod(out_shape[:out_dim - 1]):
+                    return 1  # a single head (multi-query): (..., features) -> (..., 1, head_dim)
+                return out_shape[out_dim] // out_chunks
+        elif name in ("split", "split_with_sizes", "chunk") and chunks > 1:
+            for piece in user.users:
+                found = _heads(piece, dim, 1, depth + 1)
+                if found is not None:
+                    return found
+    return None
+
+
+def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
+    """``parts`` for a column: 0 (cut tp ways), or the number of heads when fewer than tp (each
+    replicated over tp / heads ranks, as Megatron-LM and vLLM replicate kv heads)."""
+    if tp_size is None:
+        return 0
+    heads = _heads(seed, len(shape_of(seed)) - 1, chunks)
+    if heads is None or heads % tp_size == 0 or tp_size % heads != 0:
+        return 0
+    return heads
+
+
 class _Solver:
-    def __init__(self, taken: set, carriers: set):
+    def __init__(self, taken: set, carriers: set, tp_size: int | None):
         self.region = TpRegion()
         self.queue: deque[fx.Node] = deque()
         self.taken = taken
         self.carriers = carriers
+        self.tp_size = tp_size
         self.deferring = True
+
+    def check(self, node: fx.Node, p: Placement) -> None:
+        why = fits(node, p, self.tp_size)
+        if why is not None:
+            raise NotDivisible(node, why)
 
     def add_column(self, linear: fx.Node, placement: Placement) -> None:
         proj = projection_of(linear)
@@ -176,17 +254,18 @@ class _Solver:
             raise NoRule(f"{linear.name} has a sharded input")
         if placement.dim != len(shape_of(linear)) - 1:
             raise NoRule(f"{linear.name} would be sharded on a non-feature dim")
+        self.check(linear, placement)
         self.region.columns.append(linear)
         self.region.placements[linear] = placement
-        self._place_weight(proj, Placement("S", proj.out_dim, placement.chunks))
+        self._place_weight(proj, replace(placement, dim=proj.out_dim))
         if proj.bias is not None:
-            self.region.placements[proj.bias] = Placement("S", 0, placement.chunks)
+            self.region.placements[proj.bias] = replace(placement, dim=0)
         self.queue.append(linear)
 
     def _place_weight(self, proj: Projection, weight: Placement) -> None:
         self.region.placements[proj.weight] = weight
         if proj.via is not None:
-            self.region.placements[proj.via] = Placement("S", 1 - weight.dim, weight.chunks)
+            self.region.placements[proj.via] = replace(weight, dim=1 - weight.dim)
 
     def add_row(self, user: fx.Node, proj: Projection) -> None:
         self.region.rows.append(user)
@@ -199,6 +278,7 @@ class _Solver:
             if have != placement:
                 raise NoRule(f"{node.name} is {have}, needed {placement}")
             return
+        self.check(node, placement)
         if placement == REPLICATE:
             if node in self.carriers:
                 self.region.replicated_inputs.add(node)
@@ -228,6 +308,8 @@ class _Solver:
         for candidate in self._candidates(src, node):
             trial = dict(self.region.placements)
             trial[src] = candidate
+            if fits(src, candidate, self.tp_size) is not None:
+                continue
             try:
                 out, _ = rule_for(node)(node, trial)
             except NoRule:
@@ -245,7 +327,9 @@ class _Solver:
         if op_name(node) == "getitem":
             return []
         rank = len(shape_of(src)) if not isinstance(get_meta(src, "autopar.tensor"), type(None)) else 0
-        return [Placement("S", d, c) for d in range(rank) for c in (1, 2, 3, 4)]
+        ways = [0] + (_divisors(self.tp_size) if self.tp_size else [])
+        plain = [Placement("S", d, c, w) for w in ways for d in range(rank) for c in (1, 2, 3, 4)]
+        return plain + [Placement("S", d, 1, w, d + 1) for w in ways[1:] for d in range(rank - 1)]
 
     def visit_user(self, user: fx.Node, src: fx.Node) -> None:
         if user.op == "output":
@@ -255,10 +339,14 @@ class _Solver:
         proj = projection_of(user)
         if proj is not None and proj.x is src and proj.weight is not src:
             p = self.region.placements[src]
-            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and user not in self.taken:
+            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and not p.parts and user not in self.taken:
                 return self.add_row(user, proj)
             raise NoRule(f"{user.name} consumes {src.name} ({p}) but cannot be row-parallel")
+        if op_name(user) not in ("view", "reshape", "_unsafe_view") and any(
+                self.region.placements.get(a, REPLICATE).inner is not None for a in user.all_input_nodes):
+            raise NoRule(f"{user.name} reads a kv-head broadcast before it is merged with the query heads")
         out, need = rule_for(user)(user, self.region.placements)
+        self.check(user, out)
         if self.deferring and any(
                 p != REPLICATE and n not in self.region.placements and not is_param_linear(n)
                 and n in self.carriers and n.op != "get_attr" for n, p in need.items()):
@@ -294,10 +382,11 @@ class _Solver:
             deferred.append((user, src))
 
 
-def _solve_from(seeds: list[fx.Node], taken: set, carriers: set) -> TpRegion:
-    solver = _Solver(taken, carriers)
+def _solve_from(seeds: list[fx.Node], taken: set, carriers: set, tp_size: int | None) -> TpRegion:
+    solver = _Solver(taken, carriers, tp_size)
     for seed in seeds:
-        solver.add_column(seed, Placement("S", len(shape_of(seed)) - 1, _seed_chunks(seed)))
+        chunks = _seed_chunks(seed)
+        solver.add_column(seed, Placement("S", len(shape_of(seed)) - 1, chunks, seed_ways(seed, chunks, tp_size)))
     region = solver.solve()
     if not region.rows:
         raise NoRule("the shard never meets a row-parallel linear")
@@ -305,10 +394,12 @@ def _solve_from(seeds: list[fx.Node], taken: set, carriers: set) -> TpRegion:
     return region
 
 
-def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
+def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None) -> list[TpRegion]:
     """Every region that shards cleanly, in graph order; failed candidates are logged and skipped.
 
     Linears in ``skip`` (an LM head the vocabulary pass shards) are neither columns nor rows.
+    ``tp_size``: choose shards that divide evenly over that many ranks (fewer kv heads than tp
+    replicated over tp / kv ranks); a region no choice divides raises :class:`ShardingError`.
     """
     regions: list[TpRegion] = []
     taken: set[fx.Node] = set(skip)
@@ -322,11 +413,15 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
         region = None
         for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
             try:
-                region = _solve_from(seeds, taken, carriers)
+                region = _solve_from(seeds, taken, carriers, tp_size)
                 break
             except NoRule as why:
                 path = get_meta(node, MODULE).path if get_meta(node, MODULE) else node.name
                 reason = why
+        if region is None and isinstance(reason, NotDivisible):
+            raise ShardingError(str(reason), where=_where(reason.node),
+                                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                                    "(mesh dim 'tp'), or set tp=1")
         if region is None:
             log.warning("tensor parallel: %s (node %s) stays replicated: %s", path, node.name, reason)
             continue

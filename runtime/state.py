@@ -7,8 +7,10 @@ import torch.distributed as dist
 __all__ = ["gather_full_state_dict", "unshard"]
 
 
-def unshard(pieces: list[torch.Tensor], *, dim: int, chunks: int) -> torch.Tensor:
+def unshard(pieces: list[torch.Tensor], *, dim: int, chunks: int, parts: int = 0) -> torch.Tensor:
     """Inverse of :func:`autopar.passes.tensor_parallel.shard_tensor`: pieces in tp-rank order."""
+    if parts:  # each piece held by len(pieces) / parts ranks: keep one of each
+        pieces = pieces[::len(pieces) // parts]
     blocks = [p.chunk(chunks, dim=dim) for p in pieces]
     return torch.cat([torch.cat([b[c] for b in blocks], dim=dim) for c in range(chunks)], dim=dim)
 
@@ -28,7 +30,8 @@ def gather_full_state_dict(named_params, *, plan, info, aliases: dict, keys: tup
     for name, per_rank in by_name.items():
         shard = plan.param_shards.get(name)
         tensor = per_rank[0] if shard is None else unshard([per_rank[r] for r in sorted(per_rank)],
-                                                          dim=shard.dim, chunks=shard.chunks)
+                                                          dim=shard.dim, chunks=shard.chunks,
+                                                          parts=shard.parts)
         for alias in aliases.get(name, (name,)):
             full[alias] = tensor
     return {k: full[k] for k in keys if k in full}

@@ -30,7 +30,7 @@ from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, a
                                          reduce_scatter_dim)
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
-           "local_shard"]
+           "TpGroupGradSum", "local_shard"]
 
 
 def local_shard(x: torch.Tensor, *, dim: int, chunks: int, rank: int, size: int) -> torch.Tensor:
@@ -56,6 +56,46 @@ class TpGradSum(GraphCollective):
 
     def comm(self, in_bytes, out_bytes):
         return [Comm("backward", "all_reduce", in_bytes)]
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parts, slot, group, guard, purpose):
+        ctx.parts, ctx.slot, ctx.group, ctx.guard, ctx.purpose = parts, slot, group, guard, purpose
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots = grad.new_zeros((ctx.parts, *grad.shape))
+        slots[ctx.slot] = grad
+        issue("all_reduce", dist.all_reduce, slots, group=ctx.group, guard=ctx.guard, purpose=ctx.purpose)
+        return slots[ctx.slot], None, None, None, None, None
+
+
+class TpGroupGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over the ranks holding the same piece.
+
+    A parameter cut in ``parts`` < tp pieces (a kv head replicated over tp / parts ranks, rank r
+    holding piece ``r * parts // tp``) gets a partial gradient on each rank (its query heads only).
+    One all-reduce over tp of ``parts`` slots, each rank writing its own, sums every group at once.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def __init__(self, *, axis: str, size: int, parts: int, rank: int):
+        super().__init__(axis=axis, size=size)
+        self.parts = parts
+        self.slot = rank * parts // size
+
+    def forward(self, x):
+        return _GroupSum.apply(x, self.parts, self.slot, self._require_group(), self.guard,
+                               f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("backward", "all_reduce", in_bytes * self.parts)]
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, size={self.size}, parts={self.parts}, slot={self.slot}"
 
 
 class _VocabParallelCE(torch.autograd.Function):
