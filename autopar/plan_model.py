@@ -145,6 +145,7 @@ class ParamShard(_Frozen):
     dim: int = Field(ge=0)
     chunks: int = Field(1, ge=1)
     parts: int = Field(0, ge=0)
+    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
 
 
 class Plan(_Frozen):

@@ -108,6 +108,8 @@ class Placement:
     pieces (a divisor of tp), rank r holding piece ``r * parts // tp``: fewer kv heads than tp,
     each replicated over ``tp / parts`` ranks. ``inner`` names a second dim cut in the other
     ``tp / parts`` ways (minor): a kv head broadcast to its query heads (GQA's ``expand``).
+    ``blocks``: the dim holds unequal blocks ``(size, parts)``, each cut on its own (a fused
+    ``[q | k | v]`` whose q and kv blocks differ in size).
     """
 
     kind: str
@@ -115,12 +117,15 @@ class Placement:
     chunks: int = 1
     parts: int = 0
     inner: int | None = None
+    # unequal blocks of the sharded dim, each (size, parts): a fused [q | k | v] with fewer kv heads
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         if self.kind == "S":
             extra = "".join([f",chunks={self.chunks}" if self.chunks != 1 else "",
                              f",parts={self.parts}" if self.parts else "",
-                             f",inner={self.inner}" if self.inner is not None else ""])
+                             f",inner={self.inner}" if self.inner is not None else "",
+                             f",blocks={list(self.blocks)}" if self.blocks else ""])
             return f"S({self.dim}{extra})"
         return self.kind
 

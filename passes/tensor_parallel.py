@@ -31,7 +31,7 @@ import torch.nn as nn
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
-from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, op_name, shape_of
+from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
@@ -52,10 +52,16 @@ class ShardSpec:
     dim: int
     chunks: int = 1
     parts: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused [q | k | v]
 
 
 def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of ``tensor`` (contiguous, a copy)."""
+    if spec.blocks:
+        pieces = tensor.split([b for b, _ in spec.blocks], dim=spec.dim)
+        return torch.cat([local_shard(piece, dim=spec.dim, chunks=1, rank=rank * (parts or size) // size,
+                                      size=parts or size) for piece, (_, parts) in zip(pieces, spec.blocks)],
+                         dim=spec.dim).contiguous()
     ways = spec.parts or size
     return local_shard(tensor, dim=spec.dim, chunks=spec.chunks, rank=rank * ways // size, size=ways).contiguous()
 
@@ -92,13 +98,28 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     """Rewrite sizes baked into view/expand/split args to this rank's shard."""
     name = op_name(node)
-    if name in ("view", "reshape", "_unsafe_view", "expand"):
+    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
         sizes = list(node.args[1])
         if sizes[p.dim] != -1:
-            sizes[p.dim] = sizes[p.dim] // (p.parts or tp_size)
+            sizes[p.dim] = local_size(p, sizes[p.dim], tp_size)
         if p.inner is not None and sizes[p.inner] != -1:
             sizes[p.inner] = sizes[p.inner] // (tp_size // p.parts)
         node.args = (node.args[0], sizes, *node.args[2:])
+
+
+def _rewrite_slice(node: fx.Node, src_p: Placement, tp_size: int) -> None:
+    """A slice along whole blocks of a fused projection: its bounds in this rank's blocks."""
+    dim, start, stop = slice_bounds(node)
+    if not src_p.blocks or dim != src_p.dim:
+        return
+    offset = local = 0
+    bounds = {}
+    for size, parts in src_p.blocks:
+        bounds.setdefault(offset, local)
+        offset += size
+        local += size // (parts or tp_size)
+        bounds[offset] = local
+    node.args = (node.args[0], dim, bounds[start], bounds[stop], *node.args[4:])
 
 
 def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
@@ -195,18 +216,20 @@ def _param_specs(region: TpRegion) -> dict[str, ShardSpec]:
 
     A parameter cut in one part (a single kv head every rank needs) is held whole: no spec.
     """
-    return {node.target: ShardSpec(p.dim, p.chunks, p.parts) for node, p in region.placements.items()
-            if node.op == "get_attr" and p.kind == "S" and p.parts != 1}
+    return {node.target: ShardSpec(p.dim, p.chunks, p.parts, p.blocks) for node, p in region.placements.items()
+            if node.op == "get_attr" and p.kind == "S" and (p.parts != 1 or p.blocks)}
 
 
 def _insert_group_sums(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int, counter: list) -> None:
     """A parameter piece held by several ranks (a replicated kv head) sums its gradient over them."""
     for node, p in list(region.placements.items()):
-        if node.op != "get_attr" or p.kind != "S" or not p.parts or p.parts == tp_size:
+        blocks = p.blocks or ((shape_of(node)[p.dim] if p.kind == "S" else 0, p.parts),)
+        if node.op != "get_attr" or p.kind != "S" or all(parts in (0, tp_size) for _, parts in blocks):
             continue
         name = f"tp_group_grad_sum_{counter[0]}"
         counter[0] += 1
-        gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, parts=p.parts, rank=tp_rank))
+        local = [(size // (parts or tp_size), parts if parts != tp_size else 0) for size, parts in blocks]
+        gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, dim=p.dim, blocks=local, rank=tp_rank))
         users = list(node.users)
         with gm.graph.inserting_after(node):
             summed = gm.graph.call_module(name, (node,))
@@ -236,6 +259,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
             set_meta(node, TP_PLACEMENT, p)
             if p.kind == "S":
                 localize_sizes(node, p, tp_size)
+                if op_name(node) == "slice":
+                    _rewrite_slice(node, region.placements.get(node.args[0], REPLICATE), tp_size)
                 if op_name(node) in ("split", "split_with_sizes"):
                     _rewrite_split(node, region.placements.get(node.args[0], REPLICATE), tp_size)
         copies, reduces = [counter[0]], [counter[1]]

@@ -20,7 +20,8 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
-from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, NoRule, op_name, rule_for, shape_of, view_dim_map
+from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, op_name, rule_for, shape_of,
+                                     slice_bounds, view_dim_map)
 
 __all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
 
@@ -185,7 +186,11 @@ def fits(node: fx.Node, p: Placement, tp_size: int | None) -> str | None:
         return None
     shape = shape_of(node)
     ways = p.parts or tp_size
-    if shape[p.dim] % (p.chunks * ways):
+    bad = [size for size, parts in p.blocks if size % (parts or tp_size)]
+    if bad:
+        return (f"a block of size {bad[0]} of dim {p.dim} of {node.name} {tuple(shape)} is not divisible "
+                f"by tp={tp_size}")
+    if not p.blocks and shape[p.dim] % (p.chunks * ways):
         return (f"dim {p.dim} of {op_name(node) if node.op == 'call_function' else node.op} output {tuple(shape)} "
                 f"has size {shape[p.dim]}, not divisible by tp={tp_size}"
                 + (f" x {p.chunks} blocks" if p.chunks > 1 else "") + (f" (cut {ways} ways)" if p.parts else ""))
@@ -226,10 +231,11 @@ def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
     replicated over tp / heads ranks, as Megatron-LM and vLLM replicate kv heads)."""
     if tp_size is None:
         return 0
-    heads = _heads(seed, len(shape_of(seed)) - 1, chunks)
-    if heads is None or heads % tp_size == 0 or tp_size % heads != 0:
-        return 0
-    return heads
+    return _ways_of(_heads(seed, len(shape_of(seed)) - 1, chunks), tp_size)
+
+
+_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "slice", "transpose", "permute", "unsqueeze", "t", "numpy_T",
+              *ELEMENTWISE)
 
 
 class _Solver:
@@ -339,12 +345,16 @@ class _Solver:
         proj = projection_of(user)
         if proj is not None and proj.x is src and proj.weight is not src:
             p = self.region.placements[src]
-            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and not p.parts and user not in self.taken:
+            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and not p.parts and not p.blocks \
+                    and user not in self.taken:
                 return self.add_row(user, proj)
             raise NoRule(f"{user.name} consumes {src.name} ({p}) but cannot be row-parallel")
         if op_name(user) not in ("view", "reshape", "_unsafe_view") and any(
                 self.region.placements.get(a, REPLICATE).inner is not None for a in user.all_input_nodes):
             raise NoRule(f"{user.name} reads a kv-head broadcast before it is merged with the query heads")
+        if op_name(user) not in _BLOCK_OPS and any(
+                self.region.placements.get(a, REPLICATE).blocks for a in user.all_input_nodes):
+            raise NoRule(f"{user.name} ({op_name(user)}) reads the unequal blocks of a fused projection")
         out, need = rule_for(user)(user, self.region.placements)
         self.check(user, out)
         if self.deferring and any(
@@ -382,16 +392,58 @@ class _Solver:
             deferred.append((user, src))
 
 
+def _ways_of(heads: int | None, tp_size: int | None) -> int:
+    if tp_size is None or heads is None or heads % tp_size == 0 or tp_size % heads != 0:
+        return 0
+    return heads
+
+
+def _seed_blocks(seed: fx.Node, tp_size: int | None) -> tuple[tuple[int, int], ...]:
+    """Unequal blocks of a fused projection read by slices of its feature dim (Phi-3's [q | k | v])."""
+    dim = len(shape_of(seed)) - 1
+    pieces = []
+    for user in seed.users:
+        if user.op == "call_function" and op_name(user) == "slice" and user.args[0] is seed:
+            d, start, stop = slice_bounds(user)
+            if d == dim and (len(user.args) < 5 or user.args[4] == 1):
+                pieces.append((start, stop, user))
+    pieces.sort(key=lambda t: t[:2])
+    if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape_of(seed)[dim] or any(
+            a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+        return ()
+    return tuple((stop - start, _ways_of(_heads(node, dim, 1), tp_size)) for start, stop, node in pieces)
+
+
+def seed_placement(seed: fx.Node, tp_size: int | None) -> Placement:
+    """A column's output placement: its feature dim, cut as its heads and blocks allow."""
+    dim = len(shape_of(seed)) - 1
+    blocks = _seed_blocks(seed, tp_size)
+    if blocks:
+        return Placement("S", dim, blocks=blocks)
+    chunks = _seed_chunks(seed)
+    return Placement("S", dim, chunks, seed_ways(seed, chunks, tp_size))
+
+
 def _solve_from(seeds: list[fx.Node], taken: set, carriers: set, tp_size: int | None) -> TpRegion:
     solver = _Solver(taken, carriers, tp_size)
     for seed in seeds:
-        chunks = _seed_chunks(seed)
-        solver.add_column(seed, Placement("S", len(shape_of(seed)) - 1, chunks, seed_ways(seed, chunks, tp_size)))
+        solver.add_column(seed, seed_placement(seed, tp_size))
     region = solver.solve()
     if not region.rows:
         raise NoRule("the shard never meets a row-parallel linear")
     region.replicated_inputs -= set(region.placements)
     return region
+
+
+def _solves_undivided(node: fx.Node, siblings: list, taken: set, carriers: set) -> bool:
+    """Whether the region would shard but for tp not dividing it (then that is the user's error to fix)."""
+    for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
+        try:
+            _solve_from(seeds, taken, carriers, None)
+            return True
+        except NoRule:
+            continue
+    return False
 
 
 def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None) -> list[TpRegion]:
@@ -418,7 +470,7 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None) 
             except NoRule as why:
                 path = get_meta(node, MODULE).path if get_meta(node, MODULE) else node.name
                 reason = why
-        if region is None and isinstance(reason, NotDivisible):
+        if region is None and isinstance(reason, NotDivisible) and _solves_undivided(node, siblings, taken, carriers):
             raise ShardingError(str(reason), where=_where(reason.node),
                                 fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
                                     "(mesh dim 'tp'), or set tp=1")

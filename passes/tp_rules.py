@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 
-__all__ = ["NoRule", "RULES", "ASSERTIONS", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
+__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
 REPLICATE = Placement("R")
 
@@ -78,6 +78,13 @@ def _broadcast(node: fx.Node, placed: dict, out_dim: int, like: Placement, input
     return _S(like, out_dim), need
 
 
+def local_size(p: Placement, size: int, tp_size: int) -> int:
+    """The size a rank holds of a dim of ``size`` placed ``p``."""
+    if p.blocks:
+        return sum(b // (parts or tp_size) for b, parts in p.blocks)
+    return size // (p.parts or tp_size)
+
+
 def elementwise(node: fx.Node, placed: dict):
     src, p = _anchor(node, placed)
     if p.kind != "S":
@@ -130,6 +137,10 @@ def view(node: fx.Node, placed: dict):
         return _merge_inner(node, src, p), {src: p}
     in_shape, out_shape = shape_of(src), shape_of(node)
     out_dim, chunks = view_dim_map(in_shape, out_shape, p.dim, p.chunks)
+    if p.blocks:
+        if in_shape[p.dim] % out_shape[out_dim] or math.prod(in_shape[:p.dim]) != math.prod(out_shape[:out_dim]):
+            raise NoRule(f"{node.name} merges the blocks of a fused projection")
+        return replace(p, dim=out_dim, blocks=_split_blocks(p, in_shape[p.dim] // out_shape[out_dim])), {src: p}
     while p.parts == 1 and out_dim > 0 and out_shape[out_dim - 1] == 1 and \
             math.prod(in_shape[:p.dim]) == math.prod(out_shape[:out_dim - 1]):
         out_dim -= 1  # one kv head every rank holds whole: the heads dim of size 1 carries it
@@ -322,12 +333,41 @@ def reduce_dims(node: fx.Node, placed: dict):
     return _S(p, new), {src: p}
 
 
+def slice_bounds(node: fx.Node) -> tuple[int, int, int]:
+    """(dim, start, stop) of ``aten.slice`` with python-style bounds resolved."""
+    size_in = shape_of(node.args[0])
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, len(size_in))
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    stop = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size_in[dim]
+    n = size_in[dim]
+    start, stop = (start + n if start < 0 else start), (stop + n if stop < 0 else stop)
+    return dim, max(0, min(start, n)), max(0, min(stop, n))
+
+
 def slice_(node: fx.Node, placed: dict):
+    """A slice of another dim; of the sharded dim only along whole blocks of a fused projection."""
     src, p = _anchor(node, placed)
-    dim = _norm(node.args[1] if len(node.args) > 1 else 0, len(shape_of(src)))
-    if dim == p.dim:
+    dim, start, stop = slice_bounds(node)
+    if dim != p.dim:
+        return p, {src: p}
+    if not p.blocks or (len(node.args) > 4 and node.args[4] != 1):
         raise NoRule(f"{node.name} slices the sharded dim")
-    return p, {src: p}
+    edges, offset = [], 0
+    for size, parts in p.blocks:
+        edges.append((offset, offset + size, size, parts))
+        offset += size
+    inside = [(size, parts) for lo, hi, size, parts in edges if start <= lo and hi <= stop]
+    if sum(size for size, _ in inside) != stop - start or not inside:
+        raise NoRule(f"{node.name} slices across the blocks of a fused projection")
+    if len(inside) == 1:
+        return replace(p, blocks=(), parts=inside[0][1], chunks=1), {src: p}
+    return replace(p, blocks=tuple(inside)), {src: p}
+
+
+def _split_blocks(p: Placement, factor: int) -> tuple[tuple[int, int], ...]:
+    if any(size % factor for size, _ in p.blocks):
+        raise NoRule("a view cuts inside a block of a fused projection")
+    return tuple((size // factor, parts) for size, parts in p.blocks)
 
 
 def select(node: fx.Node, placed: dict):
@@ -359,10 +399,12 @@ _ELEMENTWISE_NAMES = (
     "rsub", "maximum", "minimum", "clamp", "leaky_relu", "hardtanh", "softplus", "mish",
 )
 
+ELEMENTWISE = _ELEMENTWISE_NAMES
+
 RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     **{name: elementwise for name in _ELEMENTWISE_NAMES},
     "view": view, "reshape": view, "_unsafe_view": view, "flatten": view, "unflatten": view,
-    "expand": expand, "unsqueeze": unsqueeze, "transpose": transpose, "t": transpose,
+    "expand": expand, "broadcast_to": expand, "unsqueeze": unsqueeze, "transpose": transpose, "t": transpose,
     "permute": permute, "numpy_T": reverse_dims, "split": split, "split_with_sizes": split, "chunk": split,
     "getitem": getitem, "scaled_dot_product_attention": sdpa, "matmul": matmul, "bmm": matmul,
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,

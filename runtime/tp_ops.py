@@ -60,42 +60,55 @@ class TpGradSum(GraphCollective):
 
 class _GroupSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, parts, slot, group, guard, purpose):
-        ctx.parts, ctx.slot, ctx.group, ctx.guard, ctx.purpose = parts, slot, group, guard, purpose
+    def forward(ctx, x, dim, blocks, rank, size, group, guard, purpose):
+        ctx.args = (dim, blocks, rank, size, group, guard, purpose)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        slots = grad.new_zeros((ctx.parts, *grad.shape))
-        slots[ctx.slot] = grad
-        issue("all_reduce", dist.all_reduce, slots, group=ctx.group, guard=ctx.guard, purpose=ctx.purpose)
-        return slots[ctx.slot], None, None, None, None, None
+        dim, blocks, rank, size, group, guard, purpose = ctx.args
+        grad = grad.contiguous().clone()
+        offset = 0
+        for local, parts in blocks:
+            if parts:
+                piece = grad.narrow(dim, offset, local)
+                slots = grad.new_zeros((parts, *piece.shape))
+                slots[rank * parts // size] = piece
+                issue("all_reduce", dist.all_reduce, slots, group=group, guard=guard, purpose=purpose)
+                piece.copy_(slots[rank * parts // size])
+            offset += local
+        return grad, None, None, None, None, None, None, None
 
 
 class TpGroupGradSum(GraphCollective):
     """Identity forward; backward sums the gradient over the ranks holding the same piece.
 
-    A parameter cut in ``parts`` < tp pieces (a kv head replicated over tp / parts ranks, rank r
-    holding piece ``r * parts // tp``) gets a partial gradient on each rank (its query heads only).
-    One all-reduce over tp of ``parts`` slots, each rank writing its own, sums every group at once.
+    A parameter block cut in ``parts`` < tp pieces (a kv head replicated over tp / parts ranks, rank
+    r holding piece ``r * parts // tp``) gets a partial gradient on each rank (its query heads
+    only). ``blocks``: (local size, parts) along ``dim``, parts 0 for a block cut tp ways (no sum).
+    One all-reduce over tp of ``parts`` slots per such block, each rank writing its own, sums every
+    group at once.
     """
 
     kind = "all_reduce(backward)"
 
-    def __init__(self, *, axis: str, size: int, parts: int, rank: int):
+    def __init__(self, *, axis: str, size: int, dim: int, blocks, rank: int):
         super().__init__(axis=axis, size=size)
-        self.parts = parts
-        self.slot = rank * parts // size
+        self.dim = dim
+        self.blocks = tuple(tuple(b) for b in blocks)
+        self.rank = rank
 
     def forward(self, x):
-        return _GroupSum.apply(x, self.parts, self.slot, self._require_group(), self.guard,
+        return _GroupSum.apply(x, self.dim, self.blocks, self.rank, self.size, self._require_group(), self.guard,
                                f"the backward of {self.purpose}")
 
     def comm(self, in_bytes, out_bytes):
-        return [Comm("backward", "all_reduce", in_bytes * self.parts)]
+        total = sum(local for local, _ in self.blocks) or 1
+        return [Comm("backward", "all_reduce", in_bytes * local * parts // total)
+                for local, parts in self.blocks if parts]
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, size={self.size}, parts={self.parts}, slot={self.slot}"
+        return f"axis={self.axis!r}, size={self.size}, dim={self.dim}, blocks={list(self.blocks)}"
 
 
 class _VocabParallelCE(torch.autograd.Function):
