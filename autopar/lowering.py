@@ -155,7 +155,7 @@ def _select_regions(gm: fx.GraphModule, *, mesh: MeshShape, options: CompileOpti
                     skip=()):
     if mesh.tp == 1 or not options.tensor_parallel:
         return []
-    regions = find_tp_regions(gm, skip=skip)
+    regions = find_tp_regions(gm, skip=skip, tp_size=mesh.tp)
     if plan is None:
         return regions
     wanted = {r.columns for r in plan.tp_regions}
@@ -338,7 +338,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         pipeline=PipelinePlan(schedule=options.schedule, num_microbatches=m, num_virtual=options.num_virtual,
                               stage_starts=tuple(user_name(s) for s in found["starts"])),
         tp_regions=region_plans,
-        param_shards={user_name(k): ParamShard(dim=v.dim, chunks=v.chunks) for k, v in found["specs"].items()},
+        param_shards={user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts, blocks=v.blocks) for k, v in found["specs"].items()},
         vocab_parallel=tuple(user_name(p) for p in vocab.paths()),
         sequence_parallel=options.sequence_parallel and mesh.tp > 1 and options.tensor_parallel,
         shared_params={k: v for k, v in shared.items() if len(v) > 1},

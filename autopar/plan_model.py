@@ -137,10 +137,15 @@ class TpRegionPlan(_Frozen):
 
 
 class ParamShard(_Frozen):
-    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded."""
+    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded.
+
+    ``parts`` > 0: each block cut in that many pieces only, rank r holding piece ``r * parts // tp``.
+    """
 
     dim: int = Field(ge=0)
     chunks: int = Field(1, ge=1)
+    parts: int = Field(0, ge=0)
+    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
 
 
 class Plan(_Frozen):

@@ -104,16 +104,29 @@ class Placement:
     """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded on dim, 'P' partial sum.
 
     ``chunks`` > 1 means the sharded dim holds that many equal blocks, each sharded on its own
-    (a fused qkv projection's output).
+    (a fused qkv projection's output). ``parts`` > 0 means each block is cut in only that many
+    pieces (a divisor of tp), rank r holding piece ``r * parts // tp``: fewer kv heads than tp,
+    each replicated over ``tp / parts`` ranks. ``inner`` names a second dim cut in the other
+    ``tp / parts`` ways (minor): a kv head broadcast to its query heads (GQA's ``expand``).
+    ``blocks``: the dim holds unequal blocks ``(size, parts)``, each cut on its own (a fused
+    ``[q | k | v]`` whose q and kv blocks differ in size).
     """
 
     kind: str
     dim: int | None = None
     chunks: int = 1
+    parts: int = 0
+    inner: int | None = None
+    # unequal blocks of the sharded dim, each (size, parts): a fused [q | k | v] with fewer kv heads
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         if self.kind == "S":
-            return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim},chunks={self.chunks})"
+            extra = "".join([f",chunks={self.chunks}" if self.chunks != 1 else "",
+                             f",parts={self.parts}" if self.parts else "",
+                             f",inner={self.inner}" if self.inner is not None else "",
+                             f",blocks={list(self.blocks)}" if self.blocks else ""])
+            return f"S({self.dim}{extra})"
         return self.kind
 
 

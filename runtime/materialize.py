@@ -98,12 +98,13 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
             name = _user_name(target)
             spec = plan.param_shards.get(name) if is_param else None
             shape = list(z3.get(target, tuple(tensor.shape)))
+            ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
             if spec is not None:
-                shape[spec.dim] *= plan.mesh.tp
-            layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
+                shape[spec.dim] *= ways
+            layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
                             z3=plan.mesh.dp if target in z3 else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
-                              tp_index=coords["tp"], z_index=coords["dp"], dtype=tensor.dtype,
+                              tp_index=coords["tp"] * ways // plan.mesh.tp, z_index=coords["dp"], dtype=tensor.dtype,
                               kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad))
     return slots
 

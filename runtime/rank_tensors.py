@@ -71,12 +71,13 @@ def held_tensors(program: ProgramState) -> list[Held]:
         spec = plan.param_shards.get(name)
         local = z3.get(name, tuple(p.shape))
         shape = list(local)
+        ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
         if spec is not None:
-            shape[spec.dim] *= plan.mesh.tp
+            shape[spec.dim] *= ways
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
-        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
+        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
                         z3=plan.mesh.dp if name in z3 else None)
-        held.append(Held(aliases[0], aliases, p, layout, coords["tp"], coords["dp"], "param"))
+        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, coords["dp"], "param"))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
     return held

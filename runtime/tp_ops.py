@@ -27,9 +27,89 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
+from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
+                                         reduce_scatter_dim)
 
-__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear"]
+__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
+           "TpGroupGradSum", "local_shard"]
+
+
+def local_shard(x: torch.Tensor, *, dim: int, chunks: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``x`` on ``dim`` (``chunks`` equal blocks, each cut in ``size``), a new tensor.
+
+    In a graph it cuts a value without a gradient (a mask, ALiBi slopes) that a region reads sharded.
+    """
+    blocks = x.chunk(chunks, dim=dim) if chunks > 1 else (x,)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+class TpGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over tp.
+
+    Sits on a replicated value read inside a tensor-parallel region other than through a column
+    (a q/k norm's weight read on this rank's heads): each rank's gradient of it is partial.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def forward(self, x):
+        return _CopyToRegion.apply(x, self._require_group(), self.guard, f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("backward", "all_reduce", in_bytes)]
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, rank, size, group, guard, purpose):
+        ctx.args = (dim, blocks, rank, size, group, guard, purpose)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, blocks, rank, size, group, guard, purpose = ctx.args
+        grad = grad.contiguous().clone()
+        offset = 0
+        for local, parts in blocks:
+            if parts:
+                piece = grad.narrow(dim, offset, local)
+                slots = grad.new_zeros((parts, *piece.shape))
+                slots[rank * parts // size] = piece
+                issue("all_reduce", dist.all_reduce, slots, group=group, guard=guard, purpose=purpose)
+                piece.copy_(slots[rank * parts // size])
+            offset += local
+        return grad, None, None, None, None, None, None, None
+
+
+class TpGroupGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over the ranks holding the same piece.
+
+    A parameter block cut in ``parts`` < tp pieces (a kv head replicated over tp / parts ranks, rank
+    r holding piece ``r * parts // tp``) gets a partial gradient on each rank (its query heads
+    only). ``blocks``: (local size, parts) along ``dim``, parts 0 for a block cut tp ways (no sum).
+    One all-reduce over tp of ``parts`` slots per such block, each rank writing its own, sums every
+    group at once.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def __init__(self, *, axis: str, size: int, dim: int, blocks, rank: int):
+        super().__init__(axis=axis, size=size)
+        self.dim = dim
+        self.blocks = tuple(tuple(b) for b in blocks)
+        self.rank = rank
+
+    def forward(self, x):
+        return _GroupSum.apply(x, self.dim, self.blocks, self.rank, self.size, self._require_group(), self.guard,
+                               f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        total = sum(local for local, _ in self.blocks) or 1
+        return [Comm("backward", "all_reduce", in_bytes * local * parts // total)
+                for local, parts in self.blocks if parts]
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, size={self.size}, dim={self.dim}, blocks={list(self.blocks)}"
 
 
 class _VocabParallelCE(torch.autograd.Function):
