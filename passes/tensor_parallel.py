@@ -151,9 +151,10 @@ def _insert_copies(gm: fx.GraphModule, region: TpRegion, tp_size: int, counter: 
         name = f"tp_copy_{counter[0]}" if kind is TpCopy else f"tp_grad_sum_{counter[0]}"
         counter[0] += 1
         gm.add_submodule(name, kind(axis="tp", size=tp_size))
-        with gm.graph.inserting_before(min(users, key=_order(gm))):
+        first = min(users, key=_order(gm))
+        with gm.graph.inserting_before(first):
             copy = gm.graph.call_module(name, (src,))
-        copy.meta.update({k: v for k, v in users[0].meta.items() if k in ("nn_module_stack", MODULE)})
+        copy.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
         if TENSOR in src.meta:
             copy.meta[TENSOR] = src.meta[TENSOR]
         for user in users:
@@ -164,10 +165,11 @@ def _insert_local_slices(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_
     """Each rank cuts its own shard of a value without a gradient that the region reads sharded."""
     for src, p in region.local_slices.items():
         users = [u for u in src.users if u in region.placements]
-        with gm.graph.inserting_before(min(users, key=_order(gm))):
+        first = min(users, key=_order(gm))
+        with gm.graph.inserting_before(first):
             cut = gm.graph.call_function(local_shard, (src,), dict(dim=p.dim, chunks=p.chunks, rank=tp_rank,
                                                                    size=tp_size))
-        cut.meta.update({k: v for k, v in users[0].meta.items() if k in ("nn_module_stack", MODULE)})
+        cut.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
         set_meta(cut, TP_PLACEMENT, p)
         for user in users:
             user.replace_input_with(src, cut)
@@ -230,10 +232,11 @@ def _insert_group_sums(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_si
         counter[0] += 1
         local = [(size // (parts or tp_size), parts if parts != tp_size else 0) for size, parts in blocks]
         gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, dim=p.dim, blocks=local, rank=tp_rank))
+        first = min(node.users, key=_order(gm))  # where the weight is read: the sum sits in its module
         users = list(node.users)
-        with gm.graph.inserting_after(node):
+        with gm.graph.inserting_before(first):
             summed = gm.graph.call_module(name, (node,))
-        summed.meta.update({k: v for k, v in users[0].meta.items() if k in ("nn_module_stack", MODULE)})
+        summed.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
         for user in users:
             user.replace_input_with(node, summed)
 
