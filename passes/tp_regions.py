@@ -184,10 +184,11 @@ def _solve_from(seeds: list[fx.Node], taken: set) -> TpRegion:
     return region
 
 
-def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
+def find_tp_regions(gm: fx.GraphModule, *, skip=(), rejected: dict | None = None) -> list[TpRegion]:
     """Every region that shards cleanly, in graph order; failed candidates are logged and skipped.
 
     Linears in ``skip`` (an LM head the vocabulary pass shards) are neither columns nor rows.
+    ``rejected``: a dict that receives {candidate node: why it stays replicated} (autopar.coverage).
     """
     regions: list[TpRegion] = []
     taken: set[fx.Node] = set(skip)
@@ -206,6 +207,8 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
                 reason = why
         if region is None:
             log.warning("tensor parallel: %s (node %s) stays replicated: %s", path, node.name, reason)
+            if rejected is not None:
+                rejected[node] = str(reason)
             continue
         regions.append(region)
         taken.update(region.columns)

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.passes.tp_expert_rules import EXPERT_RULES
 
 __all__ = ["NoRule", "RULES", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
@@ -280,6 +281,7 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,
     "mean": reduce_dims, "sum": reduce_dims, "amax": reduce_dims, "slice": slice_,
     "select": select, "cat": cat,
+    **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)
 })
 
 
