@@ -8,7 +8,7 @@
 rewritten graphs in a plain process.
 """
 from autopar.compile import compile, default_optimizer
-from autopar.coverage_report import CoverageReport, WeightCoverage, coverage
+from autopar.coverage_report import CoverageReport, WeightCoverage, coverage, coverage_by_tp
 from autopar.errors import (
     AutoparError, CaptureError, CheckpointError, IndexRangeError, InputError, NumericsError, PassError, PlanError, RuntimeCommError,
     ScheduleError, ShardingError,
@@ -19,7 +19,7 @@ from autopar.plan_model import MeshShape, Plan
 from autopar.planning import PlanResult, plan
 
 __all__ = [
-    "compile", "plan", "coverage", "CoverageReport", "WeightCoverage", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
+    "compile", "plan", "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
     "RuntimeCommError", "NumericsError", "IndexRangeError", "InputError", "CheckpointError", "PassError",
 ]

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 import torch.nn as nn
@@ -38,7 +38,7 @@ from autopar.passes.tp_rules import op_name
 from autopar.passes.vocab_parallel import find_vocab_parallel
 from autopar.passes.capture import MODEL_PREFIX
 
-__all__ = ["coverage", "CoverageReport", "WeightCoverage"]
+__all__ = ["coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage"]
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +173,15 @@ def _kinds(plan) -> dict[str, str]:
     return kinds
 
 
-def _how(name: str, shape, spec, kinds: dict[str, str], experts: dict[str, str]) -> str:
-    if name in experts:
-        return experts[name]
-    module = name.rpartition(".")[0]
-    return kinds.get(module, "sharded")
+def _how(names: list[str], kinds: dict[str, str], experts: dict[str, str]) -> str:
+    """The kind of a sharded parameter read under ``names`` (a tied one under each of its modules')."""
+    for name in names:
+        if name in experts:
+            return experts[name]
+        module = name.rpartition(".")[0]
+        if module in kinds:
+            return kinds[module]
+    return "sharded"
 
 
 def coverage(model: nn.Module, example_inputs, *, tp: int = 2, loss_fn=None, example_target=None,
@@ -188,20 +192,40 @@ def coverage(model: nn.Module, example_inputs, *, tp: int = 2, loss_fn=None, exa
     A plan refused with :class:`ShardingError` (a size tp does not divide) gives a report with
     ``refused`` set and every weight replicated for that reason.
     """
+    return coverage_by_tp(model, example_inputs, tps=(tp,), loss_fn=loss_fn, example_target=example_target,
+                          **options)[tp]
+
+
+def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None, example_target=None,
+                   **options) -> dict[int, CoverageReport]:
+    """{tp: :func:`coverage` at tp} for each degree of ``tps``, capturing the model once."""
     import autopar
+    from autopar.lowering import lower_captured
 
     names = {id(p): n for n, p in model.named_parameters()}
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     params = dict(model.named_parameters())
-    try:
-        result = autopar.plan(model, {"tp": tp}, example_inputs=example_inputs, loss_fn=loss_fn,
-                              example_target=example_target, ranks=[0], **options)
-    except ShardingError as exc:
-        weights = tuple(WeightCoverage(n, tuple(p.shape), "replicated", reason=f"the plan at tp={tp} was refused")
-                        for n, p in params.items())
-        return CoverageReport(type(model).__name__, tp, weights, refused=str(exc))
-    plan = result.plan
-    gm = result.captured.captured.gm  # the captured graph, before any rank's transforms
+    captured, out = None, {}
+    for tp in tps:
+        try:
+            if captured is None:
+                result = autopar.plan(model, {"tp": tp}, example_inputs=example_inputs, loss_fn=loss_fn,
+                                      example_target=example_target, ranks=[0], **options)
+                captured, plan = result.captured, result.plan
+            else:  # the capture does not depend on tp: lower the same graph at another degree
+                mesh = captured.mesh.model_copy(update={"tp": tp})
+                plan = lower_captured(replace(captured, mesh=mesh), tp_rank=0).plan
+        except ShardingError as exc:
+            weights = tuple(WeightCoverage(n, tuple(p.shape), "replicated", reason=f"the plan at tp={tp} was refused")
+                            for n, p in params.items())
+            out[tp] = CoverageReport(type(model).__name__, tp, weights, refused=str(exc))
+            continue
+        out[tp] = _report(type(model).__name__, plan, captured.captured.gm, tp=tp, params=params, aliases=aliases)
+    return out
+
+
+def _report(model_name: str, plan, gm: fx.GraphModule, *, tp: int, params: dict, aliases: dict) -> CoverageReport:
+    """The report of one Plan, with the reasons read off ``gm`` (the captured graph, before any transform)."""
     reasons = {aliases.get(k, k): v for k, v in _reasons(gm, tp=tp).items()}
     experts = {aliases.get(k, k): v for k, v in _expert_kinds(gm).items()}
     shards = {aliases.get(k, k): v for k, v in plan.param_shards.items()}
@@ -210,12 +234,13 @@ def coverage(model: nn.Module, example_inputs, *, tp: int = 2, loss_fn=None, exa
     for name, p in params.items():
         spec = shards.get(name)
         if spec is not None:
-            weights.append(WeightCoverage(name, tuple(p.shape), _how(name, p.shape, spec, kinds, experts),
+            tied = [name] + [a for a, n in aliases.items() if n == name and a != name]
+            weights.append(WeightCoverage(name, tuple(p.shape), _how(tied, kinds, experts),
                                           dim=spec.dim, chunks=spec.chunks))
             continue
         op, why = reasons.get(name, ("", "not read by the captured graph (a repeated block, or unused)"))
         weights.append(WeightCoverage(name, tuple(p.shape), "replicated", op=op, reason=why))
-    return CoverageReport(type(model).__name__, tp, tuple(weights))
+    return CoverageReport(model_name, tp, tuple(weights))
 
 
 def _expert_kinds(gm: fx.GraphModule) -> dict[str, str]:

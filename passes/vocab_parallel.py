@@ -137,11 +137,10 @@ def _position_reason(node: fx.Node) -> str | None:
     """Why ``node`` is a position table (its indices are not token ids), or None for a token embedding."""
     indices = node.args[1]
     if not _reads_input(indices):
-        return "a position table (its indices are constants, not token ids): replicated, as Megatron-LM keeps it"
+        return "a position or type table (constant indices, not token ids): replicated, as in Megatron-LM"
     op = _computed_by(indices)
     if op is not None:
-        return (f"a position table (its indices are computed from the inputs by aten.{op}, not token ids): "
-                "replicated, as Megatron-LM keeps position embeddings")
+        return f"a position or type table (indices computed by aten.{op}, not token ids): replicated, as in Megatron-LM"
     return None
 
 
@@ -285,7 +284,7 @@ def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None, stric
     head_weight = vp.head.args[1] if vp.head is not None else None
     for emb in embeddings:
         weight = emb.args[0]
-        others = [u for u in weight.users if u is not emb]
+        others = [u for u in weight.users if u is not emb and u not in embeddings]  # (T5: encoder and decoder)
         if any(u is not vp.head or u.args[1] is not weight for u in others):
             _reject(rejected, emb, f"embedding: its weight {weight.target} is also read by "
                                    f"{[module_path(u) for u in others]}, which is not a vocabulary-parallel head")
