@@ -18,7 +18,9 @@ _NO_DROPOUT = (("hidden_dropout_prob", 0.0), ("attention_probs_dropout_prob", 0.
 _OVERRIDES = {"bert": _NO_DROPOUT, "roberta": _NO_DROPOUT, "mixtral": (("use_cache", False),),
               "qwen2_moe": (("use_cache", False),)}
 _TP2 = [Case(model=name, mesh=(1, 1, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES[name])
-        for name in ("bert", "roberta", "mixtral", "qwen2_moe")]
+        for name in ("bert", "roberta", "mixtral", "qwen2_moe")] + [
+    Case(model="mixtral", mesh=(1, 1, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES["mixtral"],
+         options=(("sequence_parallel", True),))]  # the experts' f and g become the sequence-parallel ones
 _PP2_TP2 = [Case(model=name, mesh=(1, 2, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES[name])
             for name in ("bert", "mixtral")]
 # what each family must have sharded (beyond its attention and MLP linears)
