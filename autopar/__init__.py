@@ -19,7 +19,8 @@ from autopar.plan_model import MeshShape, Plan
 from autopar.planning import PlanResult, plan
 
 __all__ = [
-    "compile", "plan", "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
+    "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
+    "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
     "RuntimeCommError", "NumericsError", "IndexRangeError", "InputError", "CheckpointError", "PassError",
 ]

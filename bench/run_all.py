@@ -25,7 +25,8 @@ __all__ = ["BENCHMARKS", "main", "header", "kept_sections"]
 
 #: (section name, module) of every benchmark, in document order.
 BENCHMARKS = (("pipeline", bench_pipeline), ("tensor_parallel", bench_tensor_parallel),
-              ("tp_gpt2", bench_tp_gpt2), ("sequence_parallel", bench_sequence_parallel), ("schedules", bench_schedules),
+              ("tp_gpt2", bench_tp_gpt2), ("sequence_parallel", bench_sequence_parallel),
+              ("schedules", bench_schedules),
               ("data_parallel", bench_data_parallel))
 
 
