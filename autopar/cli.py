@@ -24,6 +24,7 @@ examples:
   autopar inspect autopar.models.examples:llama2_70b_meta --mesh dp=1,pp=4,tp=1 --json
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=2 --html report.html
   autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
+  autopar coverage autopar.models.examples:gpt_tiny --tp 2
   autopar train --mesh dp=1,pp=2,tp=2 --steps 100
 
 run 'autopar COMMAND --help' for the options of one command."""
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     from autopar.planner.cli import add_plan_command
     add_plan_command(sub)  # autopar plan: the planner's ranked table and reasons (autopar/planner/cli.py)
+    from autopar.coverage_cli import add_coverage_command
+    add_coverage_command(sub)  # autopar coverage: how each weight is sharded over tp (autopar/coverage_cli.py)
     train = sub.add_parser("train", help="train a small GPT on a dp x pp x tp mesh of CPU processes (demo)",
                            description=demo.DESCRIPTION, epilog=demo.EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

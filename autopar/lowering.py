@@ -33,6 +33,7 @@ from autopar.passes.tensor_parallel import ShardSpec, shard_tensor_parallel
 from autopar.passes.tp_random import fork_sharded_random, is_random
 from autopar.passes.static_shapes import check_static_shapes
 from autopar.passes.tp_coverage import warn_unsharded_matmuls
+from autopar.passes.tp_expert import find_expert_regions, shard_expert_parallel
 from autopar.passes.tp_regions import TpRegion, find_tp_regions
 from autopar.passes.vocab_parallel import VocabParallel, find_vocab_parallel, shard_vocab_parallel
 from autopar.passes.weight_grad_split import check_split_backward_recompute, expose_weight_uses
@@ -79,8 +80,13 @@ def choose_microbatches(*, batch: int, dp: int, pp: int, requested: int | None) 
 
 
 def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regions, stage_starts, found,
-                vocab: VocabParallel | None = None, assign: bool = True, random_ops: bool = True):
+                vocab: VocabParallel | None = None, assign: bool = True, random_ops: bool = True, experts=()):
     """The pipeline of transforms after capture and analysis, in order."""
+
+    def shard_experts(gm: fx.GraphModule) -> fx.GraphModule:
+        gm, specs = shard_expert_parallel(gm, list(experts), tp_size=mesh.tp, tp_rank=tp_rank)
+        found["specs"].update(specs)
+        return gm
 
     def shard_vocab(gm: fx.GraphModule) -> fx.GraphModule:
         gm, specs = shard_vocab_parallel(gm, vocab, tp_size=mesh.tp, tp_rank=tp_rank)
@@ -112,6 +118,8 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
         if vocab:
             steps.append(PassStep("shard_vocab_parallel", shard_vocab,
                                   "embedding, LM head and loss on vocabulary shards; the head's f joins the others"))
+        if experts:
+            steps.append(PassStep("shard_expert_parallel", shard_experts, "each expert's MLP column/row over tp"))
         if options.sequence_parallel:
             steps.append(PassStep("shard_sequence_parallel", shard_sequence,
                                   "needs every f and g in place: they become all-gathers and reduce-scatters"))
@@ -160,6 +168,16 @@ def _select_regions(gm: fx.GraphModule, *, mesh: MeshShape, options: CompileOpti
         return regions
     wanted = {r.columns for r in plan.tp_regions}
     return [r for r in regions if _region_plan(r).columns in wanted]
+
+
+def _select_experts(gm: fx.GraphModule, cap) -> list:
+    """Expert MLPs sharded over tp (passes/tp_expert.py); with a Plan, those whose weights it shards."""
+    if cap.mesh.tp == 1 or not cap.options.tensor_parallel:
+        return []
+    regions = find_expert_regions(gm)
+    if cap.plan is None:
+        return regions
+    return [r for r in regions if all(user_name(t) in cap.plan.param_shards for t in r.specs)]
 
 
 def _plan_starts(plan: Plan | None) -> list[str] | None:
@@ -290,7 +308,7 @@ def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True):
     found: dict = {"specs": {}, "starts": [], "partial_grads": ()}
     steps = _pass_steps(mesh=mesh, tp_rank=tp_rank, options=options, regions=regions,
                         stage_starts=_plan_starts(plan), found=found, vocab=vocab, assign=cap.template is None,
-                        random_ops=any(is_random(n) for n in gm.graph.nodes))
+                        random_ops=any(is_random(n) for n in gm.graph.nodes), experts=_select_experts(gm, cap))
     gm = run_passes(gm, steps, example_inputs=cap.example_args)
     return gm, found, tuple(_region_plan(r) for r in regions), vocab
 

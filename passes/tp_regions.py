@@ -446,12 +446,14 @@ def _solves_undivided(node: fx.Node, siblings: list, taken: set, carriers: set) 
     return False
 
 
-def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None) -> list[TpRegion]:
+def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None,
+                    rejected: dict | None = None) -> list[TpRegion]:
     """Every region that shards cleanly, in graph order; failed candidates are logged and skipped.
 
     Linears in ``skip`` (an LM head the vocabulary pass shards) are neither columns nor rows.
     ``tp_size``: choose shards that divide evenly over that many ranks (fewer kv heads than tp
     replicated over tp / kv ranks); a region no choice divides raises :class:`ShardingError`.
+    ``rejected``: a dict that receives {candidate node: why it stays replicated} (autopar.coverage).
     """
     regions: list[TpRegion] = []
     taken: set[fx.Node] = set(skip)
@@ -476,6 +478,8 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None) 
                                     "(mesh dim 'tp'), or set tp=1")
         if region is None:
             log.warning("tensor parallel: %s (node %s) stays replicated: %s", path, node.name, reason)
+            if rejected is not None:
+                rejected[node] = str(reason)
             continue
         regions.append(region)
         taken.update(region.columns)

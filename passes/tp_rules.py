@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.passes.tp_expert_rules import EXPERT_RULES
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
@@ -411,6 +412,7 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "mean": reduce_dims, "sum": reduce_dims, "amax": reduce_dims, "slice": slice_,
     "select": select, "cat": cat, "index": index, "baddbmm": baddbmm, "stack": stack,
     **{name: assertion for name in ASSERTIONS},
+    **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)
 })
 
 
