@@ -32,10 +32,10 @@ examples:
 
 def _run_coverage(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.cli import _unpack, load_target
+    from autopar.cli_args import load_target, unpack_target
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    kwargs = _unpack(load_target(args.target), args)
+    kwargs = unpack_target(load_target(args.target), args)
     report = autopar.coverage(kwargs.pop("model"), kwargs.pop("example_inputs"), tp=args.tp, **kwargs)
     if args.json:
         out = dataclasses.asdict(report)
@@ -48,7 +48,7 @@ def _run_coverage(args: argparse.Namespace) -> int:
 
 def add_coverage_command(sub) -> None:
     """The ``coverage`` subcommand of the ``autopar`` parser."""
-    from autopar.cli import _DTYPES, positive_int
+    from autopar.cli_args import DTYPES, positive_int
 
     p = sub.add_parser("coverage", help="how each weight is sharded at tp=N, or why it stays replicated",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +60,7 @@ def add_coverage_command(sub) -> None:
                    help="logging level of autopar's messages on stderr (default ERROR: the report says it all)")
     bare = p.add_argument_group("example inputs for a target that returns a bare model")
     bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
-    bare.add_argument("--input-dtype", default="long", choices=sorted(_DTYPES), help="its dtype (default long)")
+    bare.add_argument("--input-dtype", default="long", choices=sorted(DTYPES), help="its dtype (default long)")
     bare.add_argument("--vocab", type=int, default=None, metavar="N",
                       help="integer inputs are drawn from [0, N) (default: model.cfg.vocab_size)")
     bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")

@@ -199,8 +199,8 @@ def coverage(model: nn.Module, example_inputs, *, tp: int = 2, loss_fn=None, exa
 def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None, example_target=None,
                    **options) -> dict[int, CoverageReport]:
     """{tp: :func:`coverage` at tp} for each degree of ``tps``, capturing the model once."""
-    import autopar
     from autopar.lowering import lower_captured
+    from autopar.planning import plan as plan_model
 
     names = {id(p): n for n, p in model.named_parameters()}
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
@@ -209,7 +209,7 @@ def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None
     for tp in tps:
         try:
             if captured is None:
-                result = autopar.plan(model, {"tp": tp}, example_inputs=example_inputs, loss_fn=loss_fn,
+                result = plan_model(model, {"tp": tp}, example_inputs=example_inputs, loss_fn=loss_fn,
                                       example_target=example_target, ranks=[0], **options)
                 captured, plan = result.captured, result.plan
             else:  # the capture does not depend on tp: lower the same graph at another degree

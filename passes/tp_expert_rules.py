@@ -16,6 +16,7 @@ from types import MappingProxyType
 import torch.fx as fx
 
 from autopar.passes.meta_keys import Placement
+from autopar.passes.tp_errors import NoRule
 
 __all__ = ["EXPERT_RULES", "EXPERT_PRODUCTS", "grouped_mm"]
 
@@ -23,7 +24,6 @@ EXPERT_PRODUCTS = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")
 
 
 def _no_rule(message: str):
-    from autopar.passes.tp_rules import NoRule  # tp_rules imports this module for its table
     return NoRule(message)
 
 

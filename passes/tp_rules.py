@@ -19,15 +19,12 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
 REPLICATE = Placement("R")
-
-
-class NoRule(Exception):
-    """The op cannot run on sharded inputs without communication (reason in the message)."""
 
 
 def shape_of(node) -> tuple[int, ...]:
