@@ -54,6 +54,10 @@ class ShardSpec:
     parts: int = 0
     blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused [q | k | v]
 
+    def __repr__(self) -> str:
+        extra = (f", parts={self.parts}" if self.parts else "") + (f", blocks={self.blocks}" if self.blocks else "")
+        return f"ShardSpec(dim={self.dim}, chunks={self.chunks}{extra})"
+
 
 def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of ``tensor`` (contiguous, a copy)."""
