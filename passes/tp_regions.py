@@ -234,7 +234,7 @@ def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
     return _ways_of(_heads(seed, len(shape_of(seed)) - 1, chunks), tp_size)
 
 
-_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "slice", "transpose", "permute", "unsqueeze", "t", "numpy_T",
+_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "slice", "transpose", "permute", "unsqueeze", "t", "numpy_T",
               *ELEMENTWISE)
 
 
@@ -349,7 +349,7 @@ class _Solver:
                     and user not in self.taken:
                 return self.add_row(user, proj)
             raise NoRule(f"{user.name} consumes {src.name} ({p}) but cannot be row-parallel")
-        if op_name(user) not in ("view", "reshape", "_unsafe_view") and any(
+        if op_name(user) not in ("view", "reshape", "_unsafe_view", "flatten", "unflatten") and any(
                 self.region.placements.get(a, REPLICATE).inner is not None for a in user.all_input_nodes):
             raise NoRule(f"{user.name} reads a kv-head broadcast before it is merged with the query heads")
         if op_name(user) not in _BLOCK_OPS and any(

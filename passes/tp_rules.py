@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 
-__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
+__all__ = ["NoRule", "RULES", "refines", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
 
 REPLICATE = Placement("R")
 
@@ -135,6 +135,8 @@ def view(node: fx.Node, placed: dict):
     src, p = _anchor(node, placed)
     if p.inner is not None:
         return _merge_inner(node, src, p), {src: p}
+    if refines(src, node, p):
+        return replace(p, parts=0), {src: p}
     in_shape, out_shape = shape_of(src), shape_of(node)
     out_dim, chunks = view_dim_map(in_shape, out_shape, p.dim, p.chunks)
     if p.blocks:
@@ -145,6 +147,18 @@ def view(node: fx.Node, placed: dict):
             math.prod(in_shape[:p.dim]) == math.prod(out_shape[:out_dim - 1]):
         out_dim -= 1  # one kv head every rank holds whole: the heads dim of size 1 carries it
     return _S(p, out_dim, chunks), {src: p}
+
+
+def refines(src: fx.Node, node: fx.Node, p: Placement) -> bool:
+    """Whether view ``node`` merges a dim cut ``parts`` ways with the next one (Falcon's q heads per kv
+    group): each rank of a group then narrows the next dim to its own piece (the transform inserts the
+    cut), and the merged dim is cut tp ways."""
+    if not p.parts or p.inner is not None or p.chunks != 1 or p.blocks or p.parts == 1:
+        return False
+    in_shape, out_shape, d = shape_of(src), shape_of(node), p.dim
+    return (d + 1 < len(in_shape) and in_shape[d + 1] > 1 and tuple(out_shape[:d]) == tuple(in_shape[:d])
+            and len(out_shape) > d and out_shape[d] == in_shape[d] * in_shape[d + 1]
+            and tuple(out_shape[d + 1:]) == tuple(in_shape[d + 2:]))
 
 
 def _merge_inner(node: fx.Node, src: fx.Node, p: Placement) -> Placement:

@@ -35,6 +35,7 @@ PLANNED = [
     ("llama_kv2", 4, "model.layers"),  # 2 kv heads over 4 ranks
     ("llama_kv1", 2, "model.layers"),  # multi-query
     ("falcon_gqa", 2, "transformer.h"),  # grouped fused qkv per kv head, x @ W.T
+    ("falcon_gqa", 4, "transformer.h"),  # ... with 2 kv groups over 4 ranks: each narrows its query heads
 ]
 PARALLEL = {"gptj"}
 
@@ -123,7 +124,7 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
                                                        "llama_kv1")]
-TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3")]
+TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa")]
 
 
 @functools.lru_cache(maxsize=None)
