@@ -95,8 +95,8 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
             raise ShardingError(
                 why,
                 where=node_where(node),
-                fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
-                    f"(mesh dim 'tp'), or set tp=1")
+                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                    "(mesh dim 'tp'), or set tp=1")
 
 
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:

@@ -15,13 +15,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
-from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, _constant, op_name, rule_for,
-                                     shape_of, slice_bounds, view_dim_map)
+from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
+                                     rule_for, shape_of, slice_bounds, view_dim_map)
 
 __all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
 
@@ -410,7 +409,7 @@ def _pieces(node: fx.Node, dim: int) -> list[tuple[int, int, fx.Node]]:
                 pieces.append((start, stop, user))
         elif op_name(user) == "index" and len(user.args[1]) == dim + 1 and all(
                 t is None for t in user.args[1][:dim]):
-            value = _constant(user.args[1][dim]) if isinstance(user.args[1][dim], fx.Node) else None
+            value = constant_value(user.args[1][dim]) if isinstance(user.args[1][dim], fx.Node) else None
             if value is not None and value.numel() == 1:
                 at = int(value) % shape_of(node)[dim]
                 pieces.append((at, at + 1, user))

@@ -20,7 +20,8 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 
-__all__ = ["NoRule", "RULES", "refines", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
+__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
+           "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
 
 REPLICATE = Placement("R")
 
@@ -204,11 +205,11 @@ def index(node: fx.Node, placed: dict):
     if len(used) != 1 or not isinstance(indices[used[0]], fx.Node) or len(shape_of(indices[used[0]])) != 1:
         raise NoRule(f"{node.name}: only one 1-D index tensor is followed")
     if used[0] == p.dim:
-        return _index_block(node, p, _constant(indices[used[0]])), {src: p}
+        return _index_block(node, p, constant_value(indices[used[0]])), {src: p}
     return _S(p, p.dim), {src: p}
 
 
-def _constant(node: fx.Node):
+def constant_value(node: fx.Node):
     """The value of a constant index tensor (export lifts it: ``lift_fresh_copy(get_attr)``), or None."""
     if node.op == "call_function" and op_name(node) in ("lift_fresh_copy", "clone", "detach") and node.args:
         node = node.args[0]
