@@ -31,7 +31,7 @@ import torch.nn as nn
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
-from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, shape_of, slice_bounds
+from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
@@ -53,6 +53,10 @@ class ShardSpec:
     chunks: int = 1
     parts: int = 0
     blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused [q | k | v]
+
+    def __repr__(self) -> str:
+        extra = (f", parts={self.parts}" if self.parts else "") + (f", blocks={self.blocks}" if self.blocks else "")
+        return f"ShardSpec(dim={self.dim}, chunks={self.chunks}{extra})"
 
 
 def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
@@ -91,8 +95,8 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
             raise ShardingError(
                 why,
                 where=node_where(node),
-                fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
-                    f"(mesh dim 'tp'), or set tp=1")
+                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                    "(mesh dim 'tp'), or set tp=1")
 
 
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
@@ -159,6 +163,22 @@ def _insert_copies(gm: fx.GraphModule, region: TpRegion, tp_size: int, counter: 
             copy.meta[TENSOR] = src.meta[TENSOR]
         for user in users:
             user.replace_input_with(src, copy)
+
+
+def _insert_refinements(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int) -> None:
+    """Before a view that merges a dim cut ``parts`` ways with the next, each rank narrows the next dim
+    to its piece (its query heads among its kv group's); backward pads the rest with zeros."""
+    for node, p in list(region.placements.items()):
+        src = node.args[0] if node.op == "call_function" and node.args else None
+        have = region.placements.get(src) if isinstance(src, fx.Node) else None
+        if have is None or have.kind != "S" or not refines(src, node, have):
+            continue
+        ways = tp_size // have.parts
+        with gm.graph.inserting_before(node):
+            cut = gm.graph.call_function(local_shard, (src,), dict(dim=have.dim + 1, chunks=1, rank=tp_rank % ways,
+                                                                   size=ways))
+        cut.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
+        node.replace_input_with(src, cut)
 
 
 def _insert_local_slices(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int) -> None:
@@ -269,6 +289,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
         copies, reduces = [counter[0]], [counter[1]]
         _drop_assertions(gm, region)
         _insert_local_slices(gm, region, tp_rank, tp_size)
+        _insert_refinements(gm, region, tp_rank, tp_size)
         _insert_copies(gm, region, tp_size, copies)
         _insert_group_sums(gm, region, tp_rank, tp_size, copies)
         for row in region.rows:

@@ -15,13 +15,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-import torch
 import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
-from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, op_name, rule_for, shape_of,
-                                     slice_bounds, view_dim_map)
+from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
+                                     rule_for, shape_of, slice_bounds, view_dim_map)
 
 __all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
 
@@ -234,7 +233,7 @@ def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
     return _ways_of(_heads(seed, len(shape_of(seed)) - 1, chunks), tp_size)
 
 
-_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "slice", "transpose", "permute", "unsqueeze", "t", "numpy_T",
+_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "slice", "index", "transpose", "permute", "unsqueeze", "t", "numpy_T",
               *ELEMENTWISE)
 
 
@@ -349,7 +348,7 @@ class _Solver:
                     and user not in self.taken:
                 return self.add_row(user, proj)
             raise NoRule(f"{user.name} consumes {src.name} ({p}) but cannot be row-parallel")
-        if op_name(user) not in ("view", "reshape", "_unsafe_view") and any(
+        if op_name(user) not in ("view", "reshape", "_unsafe_view", "flatten", "unflatten") and any(
                 self.region.placements.get(a, REPLICATE).inner is not None for a in user.all_input_nodes):
             raise NoRule(f"{user.name} reads a kv-head broadcast before it is merged with the query heads")
         if op_name(user) not in _BLOCK_OPS and any(
@@ -398,20 +397,44 @@ def _ways_of(heads: int | None, tp_size: int | None) -> int:
     return heads
 
 
-def _seed_blocks(seed: fx.Node, tp_size: int | None) -> tuple[tuple[int, int], ...]:
-    """Unequal blocks of a fused projection read by slices of its feature dim (Phi-3's [q | k | v])."""
-    dim = len(shape_of(seed)) - 1
+def _pieces(node: fx.Node, dim: int) -> list[tuple[int, int, fx.Node]]:
+    """(start, stop, reader) of the slices (and constant single-index reads) of ``node`` along ``dim``."""
     pieces = []
-    for user in seed.users:
-        if user.op == "call_function" and op_name(user) == "slice" and user.args[0] is seed:
+    for user in node.users:
+        if user.op != "call_function" or user.args[0] is not node:
+            continue
+        if op_name(user) == "slice":
             d, start, stop = slice_bounds(user)
             if d == dim and (len(user.args) < 5 or user.args[4] == 1):
                 pieces.append((start, stop, user))
-    pieces.sort(key=lambda t: t[:2])
-    if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape_of(seed)[dim] or any(
-            a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
-        return ()
-    return tuple((stop - start, _ways_of(_heads(node, dim, 1), tp_size)) for start, stop, node in pieces)
+        elif op_name(user) == "index" and len(user.args[1]) == dim + 1 and all(
+                t is None for t in user.args[1][:dim]):
+            value = constant_value(user.args[1][dim]) if isinstance(user.args[1][dim], fx.Node) else None
+            if value is not None and value.numel() == 1:
+                at = int(value) % shape_of(node)[dim]
+                pieces.append((at, at + 1, user))
+    return sorted(pieces, key=lambda t: t[:2])
+
+
+def _seed_blocks(seed: fx.Node, tp_size: int | None) -> tuple[tuple[int, int], ...]:
+    """Unequal blocks of a fused projection, read by slices of its feature dim (Phi-3's [q | k | v]) or of
+    the heads dim it is viewed into (Falcon's multi-query [q heads | k | v])."""
+    dim = len(shape_of(seed)) - 1
+    size = shape_of(seed)[dim]
+    candidates = [(seed, dim, 1, None)]
+    for user in seed.users:
+        if user.op == "call_function" and op_name(user) in ("view", "reshape", "_unsafe_view"):
+            out = shape_of(user)
+            if len(out) == len(shape_of(seed)) + 1 and out[dim] * out[dim + 1] == size:
+                candidates.append((user, dim, out[dim + 1], 1))
+    for node, d, unit, heads_per in candidates:
+        pieces = _pieces(node, d)
+        if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape_of(node)[d] or any(
+                a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+            continue
+        return tuple(((stop - start) * unit, _ways_of((stop - start) if heads_per else _heads(n, d, 1), tp_size))
+                     for start, stop, n in pieces)
+    return ()
 
 
 def seed_placement(seed: fx.Node, tp_size: int | None) -> Placement:

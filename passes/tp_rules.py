@@ -22,7 +22,8 @@ from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
 
-__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "slice_bounds", "local_size", "rule_for", "shape_of", "view_dim_map", "REPLICATE"]
+__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
+           "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
 
 REPLICATE = Placement("R")
 
@@ -133,7 +134,15 @@ def view(node: fx.Node, placed: dict):
     src, p = _anchor(node, placed)
     if p.inner is not None:
         return _merge_inner(node, src, p), {src: p}
+    if refines(src, node, p):
+        return replace(p, parts=0), {src: p}
     in_shape, out_shape = shape_of(src), shape_of(node)
+    if p.parts == 1 and in_shape[p.dim] == 1:  # one kv head every rank holds whole: follow its size-1 dim
+        lead = math.prod(in_shape[:p.dim])
+        for o, size in enumerate(out_shape):
+            if size == 1 and math.prod(out_shape[:o]) == lead:
+                return _S(p, o), {src: p}
+        raise NoRule(f"{node.name} drops the heads dim of a single kv head")
     out_dim, chunks = view_dim_map(in_shape, out_shape, p.dim, p.chunks)
     if p.blocks:
         if in_shape[p.dim] % out_shape[out_dim] or math.prod(in_shape[:p.dim]) != math.prod(out_shape[:out_dim]):
@@ -143,6 +152,18 @@ def view(node: fx.Node, placed: dict):
             math.prod(in_shape[:p.dim]) == math.prod(out_shape[:out_dim - 1]):
         out_dim -= 1  # one kv head every rank holds whole: the heads dim of size 1 carries it
     return _S(p, out_dim, chunks), {src: p}
+
+
+def refines(src: fx.Node, node: fx.Node, p: Placement) -> bool:
+    """Whether view ``node`` merges a dim cut ``parts`` ways with the next one (Falcon's q heads per kv
+    group): each rank of a group then narrows the next dim to its own piece (the transform inserts the
+    cut), and the merged dim is cut tp ways."""
+    if not p.parts or p.inner is not None or p.chunks != 1 or p.blocks or p.parts == 1:
+        return False
+    in_shape, out_shape, d = shape_of(src), shape_of(node), p.dim
+    return (d + 1 < len(in_shape) and in_shape[d + 1] > 1 and tuple(out_shape[:d]) == tuple(in_shape[:d])
+            and len(out_shape) > d and out_shape[d] == in_shape[d] * in_shape[d + 1]
+            and tuple(out_shape[d + 1:]) == tuple(in_shape[d + 2:]))
 
 
 def _merge_inner(node: fx.Node, src: fx.Node, p: Placement) -> Placement:
@@ -182,8 +203,36 @@ def index(node: fx.Node, placed: dict):
     if len(used) != 1 or not isinstance(indices[used[0]], fx.Node) or len(shape_of(indices[used[0]])) != 1:
         raise NoRule(f"{node.name}: only one 1-D index tensor is followed")
     if used[0] == p.dim:
-        raise NoRule(f"{node.name} indexes the sharded dim")
+        return _index_block(node, p, constant_value(indices[used[0]])), {src: p}
     return _S(p, p.dim), {src: p}
+
+
+def constant_value(node: fx.Node):
+    """The value of a constant index tensor (export lifts it: ``lift_fresh_copy(get_attr)``), or None."""
+    if node.op == "call_function" and op_name(node) in ("lift_fresh_copy", "clone", "detach") and node.args:
+        node = node.args[0]
+    if node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = node.graph.owning_module
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+def _index_block(node: fx.Node, p: Placement, value) -> Placement:
+    """``x[..., [i]]`` picking one head of a whole block every rank holds (multi-query's k and v in a fused
+    ``[q | k | v]``), by a negative index that every rank's blocks resolve alike."""
+    if not p.blocks or value is None or value.numel() != 1 or int(value) >= 0:
+        raise NoRule(f"{node.name} indexes the sharded dim")
+    at = sum(size for size, _ in p.blocks) + int(value)
+    offset = 0
+    for i, (size, parts) in enumerate(p.blocks):
+        if offset <= at < offset + size:
+            if parts != 1 or any(w != 1 for _, w in p.blocks[i:]):
+                raise NoRule(f"{node.name} indexes a block cut over the ranks")
+            return replace(p, blocks=(), parts=1, chunks=1)
+        offset += size
+    raise NoRule(f"{node.name} indexes outside the blocks")
 
 
 def unsqueeze(node: fx.Node, placed: dict):
@@ -243,6 +292,9 @@ def sdpa(node: fx.Node, placed: dict):
     heads = q_placed if q_placed is not None and q_placed.kind == "S" else Placement("S", 1, 1)
     need = {}
     for a in (q, k, v):
+        if a is not q and a in placed and placed[a].parts == 1 and shape_of(a)[1] == 1 and not heads.parts:
+            need[a] = placed[a]  # one kv head every rank holds whole, broadcast over the query heads
+            continue
         if a in placed and placed[a] != heads:
             raise NoRule(f"{node.name}: {a.name} is {placed[a]}, attention needs heads sharded")
         need[a] = heads

@@ -35,8 +35,10 @@ PLANNED = [
     ("llama_kv2", 4, "model.layers"),  # 2 kv heads over 4 ranks
     ("llama_kv1", 2, "model.layers"),  # multi-query
     ("falcon_gqa", 2, "transformer.h"),  # grouped fused qkv per kv head, x @ W.T
+    ("falcon_gqa", 4, "transformer.h"),  # ... with 2 kv groups over 4 ranks: each narrows its query heads
+    ("falcon_mq", 2, "transformer.h"), ("falcon_mq", 4, "transformer.h"),  # multi-query: [q heads | k | v]
 ]
-PARALLEL = {"gptj"}
+PARALLEL = {"gptj", "falcon_mq"}  # attention and MLP read one norm's output
 
 
 def _embedding_weights(model) -> set[str]:
@@ -113,17 +115,28 @@ def test_fused_unequal_blocks_are_cut_block_by_block():
     assert qkv.blocks == ((32, 0), (16, 2), (16, 2))  # q over 4 ranks; k and v: 2 kv heads over 4
 
 
+def test_multi_query_kv_rows_are_held_by_every_rank():
+    _, result = _planned("falcon_mq", 4)
+    qkv = result.plan.param_shards["transformer.h.0.self_attention.query_key_value.weight"]
+    assert qkv.blocks == ((32, 0), (8, 1), (8, 1))  # 4 q heads over 4 ranks; the one k and v head whole
+    gm = result.graph(0)
+    sums = [gm.get_submodule(n.target) for n in collective_nodes(gm, TpGroupGradSum)]
+    assert all(s.blocks == ((8, 0), (8, 1), (8, 1)) for s in sums) and len(sums) == 2
+
+
 def test_alibi_slopes_are_cut_per_rank_without_communication():
     _, result = _planned("bloom", 2)
     code = result.graph(0).code
     assert "local_shard" in code  # each rank its heads' ALiBi biases
 
 
-# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated and a fused layout
+# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated and fused layouts;
+# pp=2 x tp=2 for four of them (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
-                                                       "llama_kv1")]
-TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3")]
+                                                       "llama_kv1", "falcon_mq")]
+TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa")] + [
+    Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")]  # pp=2 x tp=2
 
 
 @functools.lru_cache(maxsize=None)
