@@ -18,8 +18,6 @@ from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
-from autopar.runtime.schedules.registry import build_schedule
-from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
@@ -102,10 +100,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
-    p = lowered.plan.pipeline
-    schedule = build_schedule(p.schedule, num_ranks=info.shape.pp, num_microbatches=p.num_microbatches,
-                              num_virtual=p.num_virtual)
-    validate(schedule)
+    schedule = lowered.schedule
     state_keys = tuple(model.state_dict().keys())
     masters = (masters_for_rank(model, lowered, schedule=schedule, info=info)
                if lowered.plan.precision == "bf16" and not _is_meta(model) else None)  # fp32 masters of the bf16 graphs

@@ -39,7 +39,9 @@ from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.runtime.mixed_precision import low_precision_copy
 from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan, TpRegionPlan
 from autopar.runtime.chimera import replicate_stages
-from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, splits_backward
+from autopar.runtime.schedules.action import Schedule
+from autopar.runtime.schedules.registry import build_schedule, default_stages_per_rank, family, splits_backward
+from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_captured
 
 __all__ = ["Lowered", "Captured", "lower", "capture_and_annotate", "shard_captured", "lower_captured", "choose_microbatches",
@@ -56,6 +58,7 @@ class Lowered:
     captured: CapturedGraph
     stages: list[StageGraph]
     param_shards: dict[str, ShardSpec]
+    schedule: Schedule  # the Plan's schedule, validated (built once, in capture_and_annotate)
     tp_partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
 
 
@@ -94,7 +97,7 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
 
     def shard_sequence(gm: fx.GraphModule) -> fx.GraphModule:
         gm, found["partial_grads"] = shard_sequence_parallel(
-            gm, tp_size=mesh.tp, regather=not _splits_backward(options.schedule))
+            gm, tp_size=mesh.tp, regather=not splits_backward(options.schedule))
         return gm
 
     def fork_random(gm: fx.GraphModule) -> fx.GraphModule:
@@ -127,15 +130,6 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
     if assign:  # (a block template assigns stages after repeating its blocks: lower_captured)
         steps.append(PassStep("assign_stages", stages, "cost-balanced stage cuts at block boundaries"))
     return tuple(steps)
-
-
-def stages_per_rank(schedule: str, requested: int | None) -> int:
-    """Virtual stages per pp rank: as requested, else the schedule family's (runtime/schedules/registry.py)."""
-    return default_stages_per_rank(schedule, requested)
-
-
-def _splits_backward(schedule: str) -> bool:
-    return splits_backward(schedule)
 
 
 def _slice_batch(tensors: tuple, size: int) -> tuple:
@@ -223,6 +217,7 @@ class Captured:
     captured: CapturedGraph
     precision: str
     has_loss: bool
+    schedule: Schedule  # built and validated once, for every rank
     template: BlockTemplate | None = None  # identical blocks: only the first few were captured
 
 
@@ -248,13 +243,14 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                                              "zero_stage": plan.zero_stage, "capture": plan.capture,
                                              "data_parallel": plan.data_parallel, "bucket_mb": plan.bucket_mb,
                                              "sequence_parallel": plan.sequence_parallel})
-    options = options.model_copy(update={"num_virtual": stages_per_rank(options.schedule, options.num_virtual)})
+    options = options.model_copy(update={"num_virtual": default_stages_per_rank(options.schedule, options.num_virtual)})
     keywords, example_inputs = batch_inputs(example_inputs)
     own_loss = loss_fn is None and keywords is not None and LABELS in keywords  # the model's own loss
     batch = example_inputs[0].shape[0]
     m = choose_microbatches(batch=batch, dp=mesh.dp, pp=mesh.pp, requested=options.num_microbatches)
-    # a schedule that cannot run these sizes fails here, before the (slow) capture
-    build_schedule(options.schedule, num_ranks=mesh.pp, num_microbatches=m, num_virtual=options.num_virtual)
+    # the schedule, built once: one that cannot run these sizes fails here, before the (slow) capture
+    schedule = build_schedule(options.schedule, num_ranks=mesh.pp, num_microbatches=m, num_virtual=options.num_virtual)
+    validate(schedule)
     mb = batch // (mesh.dp * m)
     args = _slice_batch(example_inputs, mb)
     target = _slice_batch((example_target,), mb)[0] if example_target is not None else None
@@ -276,7 +272,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     check_captured(captured, inputs=example_inputs + ((example_target,) if loss_fn is not None else ()))
     return Captured(model_name=type(model).__name__, num_parameters=sum(p.numel() for p in model.parameters()),
                     mesh=mesh, options=options, plan=plan, batch=batch, num_microbatches=m, example_args=all_args,
-                    captured=captured, precision=precision, has_loss=captured.has_loss, template=template)
+                    captured=captured, precision=precision, has_loss=captured.has_loss, schedule=schedule,
+                    template=template)
 
 
 def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True):
@@ -314,18 +311,19 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
             cap.template.repeated_names(found["partial_grads"]))
         region_plans = cap.template.extend_regions(region_plans)
         gm, found["starts"] = assign_stages(gm, num_stages=num_stages, stage_starts=_plan_starts(plan))
-    only = None if stages is None or options.schedule == "chimera" else sorted(set(stages))
+    replicas = family(options.schedule).replicas
+    only = None if stages is None or replicas > 1 else sorted(set(stages))
     shared = _param_stages(gm) if only is not None else None  # from the graph: not every stage is built
     stages = split_pipeline(gm, num_stages=num_stages, only=only)
-    if cap.has_loss and _splits_backward(options.schedule):
+    if cap.has_loss and splits_backward(options.schedule):
         # zero-bubble schedules run B and W apart: every weight use gets its own alias and output
         stages = [expose_weight_uses(s) for s in stages]
-    if options.schedule == "chimera":
+    if replicas > 1:
         # Chimera's second pipeline runs a second replica of every stage, in the other direction
-        stages = replicate_stages(stages, num_replicas=2)
+        stages = replicate_stages(stages, num_replicas=replicas)
     modes = recompute_modes(plan.recompute if plan is not None else (), options.recompute,
                             len(stages) if only is None else num_stages)
-    if cap.has_loss and _splits_backward(options.schedule):
+    if cap.has_loss and splits_backward(options.schedule):
         check_split_backward_recompute(modes, schedule=options.schedule)
     # after the split (send/recv stay outside every region), before ZeRO-3 gathers around whole regions
     stages = [recompute_stage(s, mode=modes[i if only is None else s.stage]) for i, s in enumerate(stages)]
@@ -350,5 +348,5 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         num_parameters=cap.num_parameters,
         recompute=modes if any(mode != "none" for mode in modes) else (), precision=cap.precision,
     )
-    return Lowered(plan=new_plan, captured=cap.captured, stages=stages, param_shards=found["specs"],
+    return Lowered(plan=new_plan, captured=cap.captured, stages=stages, param_shards=found["specs"], schedule=cap.schedule,
                    tp_partial_grads=tuple(found["partial_grads"]))

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from autopar.plan_model import SCHEDULE_NAMES, UserModel
+from autopar.plan_model import UserModel, known_schedule
 
 __all__ = ["CompileOptions"]
 
@@ -45,9 +45,4 @@ class CompileOptions(UserModel):
         "`pipemare` only: decay of the average weight change per update that corrects the backward's "
         "weights toward the forward's ([schedules.md](schedules.md))"))
 
-    @field_validator("schedule")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(SCHEDULE_NAMES)}")
-        return value
+    _known = field_validator("schedule")(known_schedule)

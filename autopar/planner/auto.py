@@ -21,13 +21,11 @@ from autopar.planner.cost_model import Estimate
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
 from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.runtime.schedules.registry import default_stages_per_rank
 
 __all__ = ["PlannerReport", "choose_plan", "plan_for_compile", "optimizer_kind", "plan_from_estimate", "search_space"]
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_VIRTUAL = {"interleaved_1f1b": 2, "looped_bfs": 2, "zb_v": 2}
-
 
 @dataclass
 class PlannerReport:
@@ -94,7 +92,7 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
     """The search space left once the explicitly given options and mesh degrees are pinned."""
     space = SearchSpace(**{axis: (pinned[axis],) for axis in MESH_AXES if axis in pinned})
     if "schedule" in options:
-        v = options.get("num_virtual") or _DEFAULT_VIRTUAL.get(options["schedule"], 1)
+        v = default_stages_per_rank(options["schedule"], options.get("num_virtual"))
         space = _replace(space, schedules=((options["schedule"], v),))
     elif options.get("num_virtual"):
         space = _replace(space, schedules=tuple((n, options["num_virtual"]) for n, v in space.schedules if v > 1))
@@ -143,10 +141,10 @@ def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_targ
     base = get_cluster(cluster) if cluster is not None else local_cluster()
     world = world or base.world_size
     sized = base.for_world(world)
+    opts = CompileOptions(**options)  # (an unknown option or schedule is refused before the search space)
     space = search_space(options, pinned)
     tps = [t for t in range(1, sized.devices_per_node + 1)
            if sized.devices_per_node % t == 0 and world % t == 0 and (space.tp is None or t in space.tp)]
-    opts = CompileOptions(**options)
     profile = profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target,
                             tp_degrees=tps, options=opts)
     result = search(profile, sized, world=world, space=space, optimizer=optimizer)
