@@ -11,8 +11,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
-from autopar.lowering import _is_meta, lower
+from autopar.lowering import _is_meta, batch_inputs, lower
 from autopar.mesh import mesh_info
+from autopar.options import resolve_plan
 from autopar.plan_model import Plan
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
@@ -89,11 +90,14 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
-    if opts.data_parallel == "dataparallel" and _is_meta(model):
+    # the program kind is the Plan's decision (a given Plan's, else the options' resolved): autopar/options.py
+    data_parallel = resolve_plan(opts, given=plan, mesh=info.shape, batch=batch_inputs(example_inputs)[1][0].shape[0],
+                                 model_name=type(model).__name__, num_parameters=0).data_parallel
+    if data_parallel == "dataparallel" and _is_meta(model):
         raise PlanError("the DataParallel baseline cannot compile a meta-built model",
                         where="compile(data_parallel='dataparallel')",
                         fix="use data_parallel='ddp' (the default), or build the model on a real device")
-    if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
+    if data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
         from autopar.runtime.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,

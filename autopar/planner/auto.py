@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.errors import PlanError
-from autopar.options import CompileOptions
-from autopar.plan_model import MESH_AXES, MeshShape, PipelinePlan, Plan
+from autopar.options import CompileOptions, resolve_plan
+from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
 from autopar.planner.cost_model import Estimate
 from autopar.planner.profile import ModelProfile, profile_model
@@ -113,19 +113,16 @@ def _replace(space: SearchSpace, **kw) -> SearchSpace:
 def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: CompileOptions) -> Plan:
     """The Plan the compiler lowers for the chosen candidate (it fills in shards and shared weights)."""
     c = best.candidate
-    chunks = profile.chunks[c.tp]
-    stages = c.pp * c.num_virtual
-    return Plan(model_name=profile.model_name, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
-                global_batch_size=profile.global_batch,
-                pipeline=PipelinePlan(schedule=c.schedule, num_microbatches=c.num_microbatches,
-                                      num_virtual=c.num_virtual, stage_starts=tuple(chunks[i].unit for i in c.cuts)),
-                tp_regions=profile.regions.get(c.tp, ()) if c.tp > 1 else (),
-                vocab_parallel=profile.vocab.get(c.tp, ()) if c.tp > 1 else (),
-                sequence_parallel=options.sequence_parallel and c.tp > 1,
-                zero_stage=c.zero_stage, data_parallel=options.data_parallel, bucket_mb=options.bucket_mb,
-                capture=options.capture, num_parameters=profile.num_parameters,
-                recompute=(c.recompute,) * stages if c.recompute != "none" else (),
-                precision=profile.precision)
+    chosen = options.model_copy(update={"schedule": c.schedule, "num_microbatches": c.num_microbatches,
+                                        "num_virtual": c.num_virtual, "zero_stage": c.zero_stage,
+                                        "recompute": c.recompute, "precision": profile.precision})
+    plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
+                        batch=profile.global_batch, model_name=profile.model_name,
+                        num_parameters=profile.num_parameters)
+    starts = tuple(profile.chunks[c.tp][i].unit for i in c.cuts)
+    return Plan(**{**dict(plan), "pipeline": plan.pipeline.model_copy(update={"stage_starts": starts}),
+                   "tp_regions": profile.regions.get(c.tp, ()) if c.tp > 1 else (),
+                   "vocab_parallel": profile.vocab.get(c.tp, ()) if c.tp > 1 else ()})
 
 
 def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_target, mode: str = "auto",

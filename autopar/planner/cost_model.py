@@ -36,7 +36,7 @@ import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autopar.errors import PlanError, ScheduleError
+from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
 from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
 from autopar.planner.cluster import Cluster, Device

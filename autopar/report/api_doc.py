@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 from autopar.options import CompileOptions
-from autopar.runtime.schedules.registry import schedule_names
+from autopar.runtime.schedules.registry import default_stages_per_rank, schedule_names
 
 __all__ = ["OPTION_HELP", "options_table", "option_type", "describe_option", "rewrite_table", "BEGIN", "END"]
 
@@ -27,8 +27,8 @@ OPTION_HELP = {
     "schedule": "pipeline schedule: " + ", ".join(f"`{s}`" for s in schedule_names())
                 + " ([schedules.md](schedules.md))",
     "num_microbatches": "microbatches per step; `None`: 2·pp when the batch allows it, else pp, else 1",
-    "num_virtual": "pipeline stages per pp rank; `None`: 2 for `interleaved_1f1b`, `looped_bfs` and `zb_v`, "
-                   "else 1",
+    "num_virtual": "pipeline stages per pp rank; `None`: the family's own (the schedule registry), 2 for "
+                   + ", ".join(f"`{s}`" for s in schedule_names() if default_stages_per_rank(s) > 1) + ", else 1",
     "zero_stage": "how much of the model state is sharded over dp: 0 none (DDP), 1 optimizer state, "
                   "2 and gradients, 3 and parameters ([data_parallel.md](data_parallel.md))",
     "data_parallel": "`ddp` (gradients averaged by all-reduce while backward runs) or `dataparallel` (the "
