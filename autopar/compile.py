@@ -57,6 +57,13 @@ def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights)
     return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh))
 
 
+def _data_parallel(model: nn.Module, opts, plan, info, example_inputs) -> str:
+    """The program kind, a Plan decision: a given Plan's, else the options' (resolved in autopar/options.py)."""
+    batch = batch_inputs(example_inputs)[1][0].shape[0]
+    return resolve_plan(opts, given=plan, mesh=info.shape, batch=batch, model_name=type(model).__name__,
+                        num_parameters=0).data_parallel
+
+
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
             optimizer=None, plan: Plan | str | None = None, cluster=None, weights=None,
             **options) -> RankProgram:
@@ -90,14 +97,11 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
-    # the program kind is the Plan's decision (a given Plan's, else the options' resolved): autopar/options.py
-    data_parallel = resolve_plan(opts, given=plan, mesh=info.shape, batch=batch_inputs(example_inputs)[1][0].shape[0],
-                                 model_name=type(model).__name__, num_parameters=0).data_parallel
-    if data_parallel == "dataparallel" and _is_meta(model):
-        raise PlanError("the DataParallel baseline cannot compile a meta-built model",
-                        where="compile(data_parallel='dataparallel')",
-                        fix="use data_parallel='ddp' (the default), or build the model on a real device")
-    if data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
+    if _data_parallel(model, opts, plan, info, example_inputs) == "dataparallel":  # the rank-0 baseline
+        if _is_meta(model):
+            raise PlanError("the DataParallel baseline cannot compile a meta-built model",
+                            where="compile(data_parallel='dataparallel')",
+                            fix="use data_parallel='ddp' (the default), or build the model on a real device")
         from autopar.runtime.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
