@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import PlanError
-from autopar.plan_model import MESH_AXES, SCHEDULE_NAMES, MeshShape
+from autopar.plan_model import MESH_AXES, MeshShape
+from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["DTYPES", "positive_int", "add_schedule_arguments", "parse_mesh", "load_target", "random_inputs",
            "unpack_target"]
@@ -42,8 +43,8 @@ def positive_int(text: str) -> int:
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """--schedule, --microbatches and --virtual, shared by inspect and train."""
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, metavar="NAME",
-                        help=f"pipeline schedule, one of {', '.join(SCHEDULE_NAMES)} (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", choices=schedule_names(), metavar="NAME",
+                        help=f"pipeline schedule, one of {', '.join(schedule_names())} (default 1f1b)")
     parser.add_argument("--microbatches", type=positive_int, default=None, metavar="N",
                         help="microbatches per step (default: chosen by autopar)")
     parser.add_argument("--virtual", type=positive_int, default=1, metavar="V",

@@ -11,15 +11,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
-from autopar.lowering import _is_meta, lower
+from autopar.lowering import _is_meta, batch_inputs, lower
 from autopar.mesh import mesh_info
+from autopar.options import resolve_plan
 from autopar.plan_model import Plan
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
-from autopar.runtime.schedules.registry import build_schedule
-from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
@@ -56,6 +55,13 @@ def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights,
                    masters=masters)
 
 
+def _data_parallel(model: nn.Module, opts, plan, info, example_inputs) -> str:
+    """The program kind, a Plan decision: a given Plan's, else the options' (resolved in autopar/options.py)."""
+    batch = batch_inputs(example_inputs)[1][0].shape[0]
+    return resolve_plan(opts, given=plan, mesh=info.shape, batch=batch, model_name=type(model).__name__,
+                        num_parameters=0).data_parallel
+
+
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
             optimizer=None, plan: Plan | str | None = None, cluster=None, weights=None,
             **options) -> RankProgram:
@@ -89,21 +95,18 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
-    if opts.data_parallel == "dataparallel" and _is_meta(model):
-        raise PlanError("the DataParallel baseline cannot compile a meta-built model",
-                        where="compile(data_parallel='dataparallel')",
-                        fix="use data_parallel='ddp' (the default), or build the model on a real device")
-    if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
+    if _data_parallel(model, opts, plan, info, example_inputs) == "dataparallel":  # the rank-0 baseline
+        if _is_meta(model):
+            raise PlanError("the DataParallel baseline cannot compile a meta-built model",
+                            where="compile(data_parallel='dataparallel')",
+                            fix="use data_parallel='ddp' (the default), or build the model on a real device")
         from autopar.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
-    p = lowered.plan.pipeline
-    schedule = build_schedule(p.schedule, num_ranks=info.shape.pp, num_microbatches=p.num_microbatches,
-                              num_virtual=p.num_virtual)
-    validate(schedule)
+    schedule = lowered.schedule
     state_keys = tuple(model.state_dict().keys())
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
     if lowered.plan.precision == "bf16":

@@ -15,10 +15,16 @@ from autopar.errors import PlanError
 from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
-           "SCHEDULE_NAMES", "UserModel", "plan_error_from"]
+           "UserModel", "plan_error_from", "known_schedule"]
 
 MESH_AXES = ("dp", "pp", "tp")
-SCHEDULE_NAMES = schedule_names()  # the registry's (runtime/schedules/registry.py)
+
+
+def known_schedule(value: str) -> str:
+    """A pydantic validator: ``value`` if the registry (runtime/schedules/registry.py) has it."""
+    if value not in schedule_names():
+        raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(schedule_names())}")
+    return value
 
 
 def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
@@ -121,12 +127,7 @@ class PipelinePlan(_Frozen):
     num_virtual: int = Field(1, ge=1)
     stage_starts: tuple[str, ...] = ()
 
-    @field_validator("schedule")
-    @classmethod
-    def _known_schedule(cls, value: str) -> str:
-        if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(SCHEDULE_NAMES)}")
-        return value
+    _known_schedule = field_validator("schedule")(known_schedule)
 
 
 class TpRegionPlan(_Frozen):

@@ -89,6 +89,7 @@ SYNC_CASES = [
     _case("gpt_tiny", (1, 2, 1), "zb_h2", 4),
     _case("llama_tiny", (1, 2, 1), "zb_v", 2),
     _case("gpt_tiny", (1, 2, 1), "chimera", 2),
+    _case("gpt_tiny", (1, 2, 1), "chimera", 2, recompute="full"),  # recompute on both replicas' stage graphs
     _case("gpt_tiny", (1, 4, 1), "interleaved_1f1b", 4, layers=6),
     _case("llama_tiny", (1, 4, 1), "zb_v", 4, layers=6),
     _case("llama_tiny", (1, 4, 1), "chimera", 4),
