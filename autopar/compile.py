@@ -101,7 +101,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
+                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
+                    ep_rank=info.coords["dp"] % opts.expert_parallel)
     p = lowered.plan.pipeline
     schedule = build_schedule(p.schedule, num_ranks=info.shape.pp, num_microbatches=p.num_microbatches,
                               num_virtual=p.num_virtual)

@@ -23,6 +23,9 @@ from autopar.passes.batch_stats import check_batch_statistics
 from autopar.passes.block_template import BlockTemplate, capture_blocks, find_block_template
 from autopar.passes.capture import MODEL_PREFIX, CapturedGraph, capture
 from autopar.passes.meta_keys import MODULE, PARAM, STAGE, get_meta
+from autopar.passes.moe_aux import sync_router_statistics
+from autopar.passes.moe_detect import find_moe_layers
+from autopar.passes.moe_expert_parallel import shard_experts
 from autopar.passes.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
 from autopar.passes.pipeline_split import StageGraph, split_pipeline
@@ -84,8 +87,16 @@ def choose_microbatches(*, batch: int, dp: int, pp: int, requested: int | None) 
 
 
 def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regions, stage_starts, found,
-                vocab: VocabParallel | None = None, assign: bool = True, random_ops: bool = True):
+                vocab: VocabParallel | None = None, assign: bool = True, random_ops: bool = True, ep_rank: int = 0,
+                moe: bool = False):
     """The pipeline of transforms after capture and analysis, in order."""
+
+    def router_statistics(gm: fx.GraphModule) -> fx.GraphModule:
+        return sync_router_statistics(gm, dp=mesh.dp)[0]
+
+    def experts(gm: fx.GraphModule) -> fx.GraphModule:
+        gm, found["experts"] = shard_experts(gm, ep=options.expert_parallel, ep_rank=ep_rank)
+        return gm
 
     def shard_vocab(gm: fx.GraphModule) -> fx.GraphModule:
         gm, specs = shard_vocab_parallel(gm, vocab, tp_size=mesh.tp, tp_rank=tp_rank)
@@ -111,6 +122,10 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
         return gm
 
     steps = []
+    if mesh.dp > 1 and moe:  # MoE routers' load-balancing statistics over the global batch
+        steps.append(PassStep("sync_router_statistics", router_statistics, "the aux loss as one device computes it"))
+    if options.expert_parallel > 1:  # first: the tp and pp passes then see the dispatch/combine nodes
+        steps.append(PassStep("shard_experts", experts, "MoE experts over ep ranks, all-to-all dispatch/combine"))
     if mesh.tp > 1:
         # shard before the split: a region's column and row linears then always share a stage
         steps.append(PassStep("shard_tensor_parallel", shard, "Megatron f/g around each region"))
@@ -227,11 +242,13 @@ class Captured:
 
 
 def lower(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_inputs: tuple,
-          example_target=None, loss_fn=None, options: CompileOptions, plan: Plan | None = None) -> Lowered:
-    """Capture, analyse and transform ``model`` into the stage graphs of tensor-parallel rank ``tp_rank``."""
+          example_target=None, loss_fn=None, options: CompileOptions, plan: Plan | None = None,
+          ep_rank: int = 0) -> Lowered:
+    """Capture, analyse and transform ``model`` into the stage graphs of tensor-parallel rank ``tp_rank``
+    (and expert-parallel rank ``ep_rank``)."""
     captured = capture_and_annotate(model, mesh=mesh, example_inputs=example_inputs, example_target=example_target,
                                     loss_fn=loss_fn, options=options, plan=plan)
-    return lower_captured(captured, tp_rank=tp_rank, copy=False)
+    return lower_captured(captured, tp_rank=tp_rank, copy=False, ep_rank=ep_rank)
 
 
 def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: tuple, example_target=None,
@@ -247,7 +264,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                                              "num_virtual": plan.pipeline.num_virtual,
                                              "zero_stage": plan.zero_stage, "capture": plan.capture,
                                              "data_parallel": plan.data_parallel, "bucket_mb": plan.bucket_mb,
-                                             "sequence_parallel": plan.sequence_parallel})
+                                             "sequence_parallel": plan.sequence_parallel,
+                                             "expert_parallel": plan.expert_parallel})
     options = options.model_copy(update={"num_virtual": stages_per_rank(options.schedule, options.num_virtual)})
     keywords, example_inputs = batch_inputs(example_inputs)
     own_loss = loss_fn is None and keywords is not None and LABELS in keywords  # the model's own loss
@@ -279,7 +297,7 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                     captured=captured, precision=precision, has_loss=captured.has_loss, template=template)
 
 
-def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True):
+def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True, ep_rank: int = 0):
     """The transforms before the pipeline split (tensor, vocabulary and sequence parallelism).
 
     Returns (graph, what the passes found, the tp region plans, the vocabulary-parallel choice);
@@ -291,22 +309,23 @@ def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True):
     regions = _select_regions(gm, mesh=mesh, options=options, plan=plan, skip=[vocab.head] if vocab.head else [])
     if mesh.tp > 1 and options.tensor_parallel:  # weight products no rule covers stay replicated: say so
         warn_unsharded_matmuls(gm)
-    found: dict = {"specs": {}, "starts": [], "partial_grads": ()}
+    found: dict = {"specs": {}, "starts": [], "partial_grads": (), "experts": ()}
     steps = _pass_steps(mesh=mesh, tp_rank=tp_rank, options=options, regions=regions,
                         stage_starts=_plan_starts(plan), found=found, vocab=vocab, assign=cap.template is None,
-                        random_ops=any(is_random(n) for n in gm.graph.nodes))
+                        random_ops=any(is_random(n) for n in gm.graph.nodes), ep_rank=ep_rank,
+                        moe=mesh.dp > 1 and bool(find_moe_layers(gm).layers))
     gm = run_passes(gm, steps, example_inputs=cap.example_args)
     return gm, found, tuple(_region_plan(r) for r in regions), vocab
 
 
-def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = True) -> Lowered:
+def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = True, ep_rank: int = 0) -> Lowered:
     """Transform a captured model into the stage graphs of tensor-parallel rank ``tp_rank``.
 
     ``copy``: transform a copy of the graph, so ``cap`` can be lowered again for another tp rank.
     ``stages``: build only these stage graphs (all when None); the Plan is the same either way.
     """
     mesh, options, plan, m = cap.mesh, cap.options, cap.plan, cap.num_microbatches
-    gm, found, region_plans, vocab = shard_captured(cap, tp_rank=tp_rank, copy=copy)
+    gm, found, region_plans, vocab = shard_captured(cap, tp_rank=tp_rank, copy=copy, ep_rank=ep_rank)
     num_stages = mesh.pp * options.num_virtual
     if cap.template is not None:  # the last captured block stands for the rest: repeat it, then cut
         gm = cap.template.repeat(gm, tp_rank=tp_rank, tp_size=mesh.tp, specs=found["specs"])
@@ -349,6 +368,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         bucket_mb=options.bucket_mb,
         num_parameters=cap.num_parameters,
         recompute=modes if any(mode != "none" for mode in modes) else (), precision=cap.precision,
+        expert_parallel=options.expert_parallel, expert_params=tuple(user_name(t) for t in found["experts"]),
     )
     return Lowered(plan=new_plan, captured=cap.captured, stages=stages, param_shards=found["specs"],
                    tp_partial_grads=tuple(found["partial_grads"]))

@@ -86,7 +86,8 @@ def _route(router: nn.Linear, flat: torch.Tensor, cfg: MoeConfig):
 
 def _balance_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch's load-balancing loss: E * sum_e (share of routed rows to e) * (mean probability of e)."""
-    share = F.one_hot(ids.reshape(-1), num_experts).float().mean(dim=0)
+    rows = ids.reshape(-1, 1) == torch.arange(num_experts, device=ids.device)  # [rows, E] one-hot
+    share = rows.float().mean(dim=0)
     mean_prob = (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0)
     return num_experts * (share * mean_prob).sum()
 

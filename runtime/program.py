@@ -36,6 +36,7 @@ from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
+from autopar.runtime.moe_groups import add_expert_groups, full_expert_parameters
 
 __all__ = ["RankProgram"]
 
@@ -81,6 +82,8 @@ class RankProgram:
         self.stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
         self.channel = P2PChannel(rank=info.rank, stage_to_rank=self.stage_ranks, group=info.groups["pp"],
                                   timeout_s=p2p_timeout_s)
+        if self.plan.expert_parallel > 1:  # MoE experts over ep ranks of dp (runtime/moe_groups.py)
+            add_expert_groups(info, ep=self.plan.expert_parallel)
         for stage in mine:
             bind_collectives(stage.gm, info.groups, self.comm_guard)
             for module in stage.gm.modules():
@@ -280,6 +283,9 @@ class RankProgram:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
         named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()],
                                 group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        if self.plan.expert_parallel > 1:  # every ep rank's experts (runtime/moe_groups.py)
+            named = full_expert_parameters(list(named), experts=self.plan.expert_params, group=self.info.groups["ep"],
+                                           guard=self.comm_guard)
         return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
                                       aliases=self.aliases, keys=self.state_keys)
 
