@@ -75,8 +75,30 @@ def _expert_record(program) -> dict:
             "graph_code": {s: gm.code for s, gm in program.graphs.items()}}
 
 
+class _CountExchanges:
+    """Counts the row all-to-alls the running program issues (forward, and the conjugates in backward)."""
+
+    def __init__(self):
+        import autopar.runtime.moe_ops as ops
+        self.ops, self.original = ops, ops.all_to_all_rows
+        self.forward = self.backward = 0
+
+    def __enter__(self):
+        def counted(rows, send, recv, group, guard, purpose):
+            if purpose.startswith("the backward of"):
+                self.backward += 1
+            else:
+                self.forward += 1
+            return self.original(rows, send, recv, group, guard, purpose)
+        self.ops.all_to_all_rows = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.all_to_all_rows = self.original
+
+
 def train(case: Case, mesh) -> dict:
-    """This rank's run of an MoE case under autopar."""
+    """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
     import autopar
     from autopar.models.moe import moe_loss
     model = build(case)
@@ -85,15 +107,19 @@ def train(case: Case, mesh) -> dict:
     if isinstance(first, dict):
         program = autopar.compile(model, mesh, example_inputs=first, optimizer=make_optimizer(case),
                                   p2p_timeout_s=120, **dict(case.options))
-        steps = [program.train_step(program.shard_batch(b)) for b in data]
+        step = lambda b: program.train_step(program.shard_batch(b))  # noqa: E731
     else:
         program = autopar.compile(model, mesh, example_inputs=(first[0],), loss_fn=moe_loss,
                                   example_target=first[1], optimizer=make_optimizer(case), p2p_timeout_s=120,
                                   **dict(case.options))
-        steps = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)) for x, y in data]
-    losses = [loss.item() for loss in steps]
+        step = lambda b: program.train_step(program.shard_batch(b[0]), target=program.shard_batch(b[1]))  # noqa: E731
+    losses = [step(b).item() for b in data[:-1]]
+    with _CountExchanges() as counted:
+        losses.append(step(data[-1]).item())
     record = replica_record(program)
     ep = program.plan.expert_parallel
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
-    return {"losses": losses, "state": program.full_state_dict(), **record, **_expert_record(program)}
+    return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+            **record, **_expert_record(program),
+            "all_to_all": (counted.forward, counted.backward)}
