@@ -37,8 +37,9 @@ class CompileOptions(UserModel):
     # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
     # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
     block_capture: Literal["auto", "once", "every"] = "auto"
-    # experts of each MoE layer split over this many ranks carved out of dp (passes/moe_expert_parallel.py)
-    expert_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1, description=(
+        "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
+        "by all-to-all ([moe.md](moe.md))"))
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
     pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
         "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "

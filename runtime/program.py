@@ -36,7 +36,7 @@ from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
-from autopar.runtime.moe_groups import add_expert_groups, full_expert_parameters
+from autopar.runtime.moe_groups import add_expert_groups, full_expert_parameters, refuse_expert_checkpoint
 
 __all__ = ["RankProgram"]
 
@@ -299,10 +299,12 @@ class RankProgram:
     # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
     def save_checkpoint(self, root: str) -> str:
         """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
+        refuse_expert_checkpoint(self.plan, "save_checkpoint")
         return save_checkpoint(self, root)
 
     def load_checkpoint(self, path: str) -> int:
         """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
+        refuse_expert_checkpoint(self.plan, "load_checkpoint")
         step = load_checkpoint(self, path)
         if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
             self.optimizer.publish_parameters()
@@ -310,6 +312,7 @@ class RankProgram:
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
+        refuse_expert_checkpoint(self.plan, "load_full_state_dict")
         load_full_state_dict(self, state_dict)
         if self.mixed is not None:
             self.optimizer.publish_parameters()

@@ -17,11 +17,14 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp):
-    return Case(model=model, mesh=(dp, 1, 1), kind="moe_runners:train", options=_EP)
+def _case(model, dp, pp=1):
+    # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
+    options = _EP + ((("schedule", "gpipe"),) if pp > 1 else ())
+    return Case(model=model, mesh=(dp, pp, 1), kind="moe_runners:train", options=options)
 
 
-CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4)]
+CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
+         _case("hf_mixtral", 2, pp=2)]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -54,18 +57,22 @@ def _expert_elements(case) -> int:
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
 def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
+    pp = case.mesh[1]  # each pipeline stage holds its layers' experts
     for rank in _results(case.world_size)[case]["rank_results"]:
-        assert rank["expert_elements"] == full // 2, "expert weights on this rank"
-        assert rank["expert_state_elements"] == full // 2, "SGD momentum of the experts on this rank"
+        assert rank["expert_elements"] == full // 2 // pp, "expert weights on this rank"
+        assert rank["expert_state_elements"] == full // 2 // pp, "SGD momentum of the experts on this rank"
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
 def test_all_to_all_per_layer(case):
     result = _results(case.world_size)[case]
+    pp = case.mesh[1]
     for rank in result["rank_results"]:
-        assert rank["exchanges"] == {0: ["MoeDispatch", "MoeCombine"] * LAYERS}  # graph order, per layer
-        assert rank["all_to_all"] == (2 * LAYERS, 2 * LAYERS)  # dispatch + combine forward; conjugates backward
-    assert result["graph_code"][0].count("moe_dispatch_") >= LAYERS  # visible when the graph is printed
+        stage = rank["coords"]["pp"]
+        assert rank["exchanges"] == {stage: ["MoeDispatch", "MoeCombine"] * (LAYERS // pp)}  # graph order, per layer
+        # per layer: dispatch + combine in the forward, their conjugates in the backward
+        assert rank["all_to_all"] == (2 * LAYERS // pp, 2 * LAYERS // pp)
+        assert "moe_dispatch_" in rank["graph_code"][stage]  # visible when the graph is printed
 
 
 def test_full_state_has_every_expert():
