@@ -111,3 +111,13 @@ def test_per_token_value_between_expert_matmuls_is_refused():
     gm = capture(_ScaledInside(), (torch.randn(6, 8),)).gm
     with pytest.raises(ShardingError, match="not dispatched with the rows"):
         shard_experts(gm, ep=2, ep_rank=0)
+
+
+def test_memory_calculator_counts_one_ep_th_of_the_experts():
+    from autopar.memory import estimate_memory
+    model = build_moe("switch")
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    split = estimate_memory(_plan(model, 2), optimizer="momentum").ranks[0]
+    whole = estimate_memory(_plan(model, 2, expert_parallel=1), optimizer="momentum").ranks[0]
+    assert whole.params - split.params == experts // 2
+    assert whole.optimizer - split.optimizer == experts // 2  # the momentum of the experts this rank holds
