@@ -95,7 +95,8 @@ def _pass_steps(*, mesh: MeshShape, tp_rank: int, options: CompileOptions, regio
         return sync_router_statistics(gm, dp=mesh.dp)[0]
 
     def experts(gm: fx.GraphModule) -> fx.GraphModule:
-        gm, found["experts"] = shard_experts(gm, ep=options.expert_parallel, ep_rank=ep_rank)
+        gm, found["experts"] = shard_experts(gm, ep=options.expert_parallel, ep_rank=ep_rank,
+                                             capacity_factor=options.moe_capacity_factor)
         return gm
 
     def shard_vocab(gm: fx.GraphModule) -> fx.GraphModule:
@@ -265,7 +266,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                                              "zero_stage": plan.zero_stage, "capture": plan.capture,
                                              "data_parallel": plan.data_parallel, "bucket_mb": plan.bucket_mb,
                                              "sequence_parallel": plan.sequence_parallel,
-                                             "expert_parallel": plan.expert_parallel})
+                                             "expert_parallel": plan.expert_parallel,
+                                             "moe_capacity_factor": plan.moe_capacity_factor})
     options = options.model_copy(update={"num_virtual": stages_per_rank(options.schedule, options.num_virtual)})
     keywords, example_inputs = batch_inputs(example_inputs)
     own_loss = loss_fn is None and keywords is not None and LABELS in keywords  # the model's own loss
@@ -369,6 +371,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         num_parameters=cap.num_parameters,
         recompute=modes if any(mode != "none" for mode in modes) else (), precision=cap.precision,
         expert_parallel=options.expert_parallel, expert_params=tuple(user_name(t) for t in found["experts"]),
+        moe_capacity_factor=options.moe_capacity_factor,
     )
     return Lowered(plan=new_plan, captured=cap.captured, stages=stages, param_shards=found["specs"],
                    tp_partial_grads=tuple(found["partial_grads"]))

@@ -40,6 +40,9 @@ class CompileOptions(UserModel):
     expert_parallel: int = Field(1, ge=1, description=(
         "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
         "by all-to-all ([moe.md](moe.md))"))
+    moe_capacity_factor: float | None = Field(None, gt=0, description=(
+        "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
+        "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
     pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
         "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "

@@ -164,6 +164,7 @@ class Plan(_Frozen):
     precision: Literal["fp32", "bf16"] = "fp32"
     expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
     expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
+    moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

@@ -203,12 +203,15 @@ def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str
     """(what is wrong, the fix) for an ``expert_parallel`` this mesh and these options cannot run (docs/moe.md)."""
     ep = opts.expert_parallel
     if ep == 1:
+        if opts.moe_capacity_factor is not None:
+            return ("moe_capacity_factor has no effect with expert_parallel=1: no tokens are dispatched",
+                    "drop moe_capacity_factor, or set expert_parallel")
         return None
     if mesh.dp % ep:
         return f"expert_parallel={ep} does not divide dp={mesh.dp}", f"use an expert_parallel that divides {mesh.dp}"
-    if opts.zero_stage != 0:
-        return (f"expert_parallel={ep} with zero_stage={opts.zero_stage}: ZeRO does not shard expert state over dp/ep "
-                "yet", "pass zero_stage=0")
+    if opts.zero_stage == 3:
+        return (f"expert_parallel={ep} with zero_stage=3: ZeRO-3 does not shard expert tensors over dp/ep yet",
+                "use zero_stage 0, 1 or 2")
     if opts.data_parallel != "ddp":
         return f"expert_parallel={ep} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
     if mesh.tp > 1:

@@ -6,7 +6,8 @@ router, its load-balancing loss) on the same token batches (global batch 32, seq
 ``moe_loss`` and AdamW(lr=1e-3), one forward/backward per step, ``zero_stage=0``:
 
 - ``autopar ep=2``: each rank holds 4 of the 8 experts of every layer; tokens move by all-to-all;
-- ``replicated experts``: autopar DDP (every rank holds every expert), the baseline ep=2 improves on.
+- ``replicated experts``: autopar DDP (every rank holds every expert), the baseline ep=2 improves on;
+- ``autopar ep=2, capacity 1.0``: ep=2 with ``moe_capacity_factor=1.0``; its dropped-row share is printed.
 
 Step times alternate in rounds (``bench/_timing.py``); memory is the model state each rank holds
 after a step (``autopar.runtime.model_state``), the larger of the two ranks.
@@ -48,7 +49,7 @@ def _build(model: dict):
     return MoeLM(MoeConfig(**model))
 
 
-def _contender(model, data, ep: int):
+def _contender(model, data, ep: int, capacity_factor: float | None = None):
     import autopar
     from autopar.models.moe import moe_loss
     from autopar.runtime.model_state import model_state_bytes
@@ -56,14 +57,16 @@ def _contender(model, data, ep: int):
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     program = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(data[0][0],), loss_fn=moe_loss,
                               example_target=data[0][1], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                              zero_stage=0, num_microbatches=1, expert_parallel=ep)
+                              zero_stage=0, num_microbatches=1, expert_parallel=ep,
+                              moe_capacity_factor=capacity_factor)
 
     def step(i: int) -> float:
         x, y = data[i % len(data)]
         return program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
 
     name = f"autopar ep={ep}" if ep > 1 else "replicated experts"
-    return Contender(name, step), lambda: model_state_bytes(program)
+    name += f", capacity {capacity_factor}" if capacity_factor is not None else ""
+    return Contender(name, step), lambda: model_state_bytes(program), program
 
 
 def _max_over_ranks(sizes: dict) -> dict:
@@ -76,14 +79,21 @@ def body(rank: int, world: int, model_cfg: dict, rounds: int, steps_per_round: i
     """Every rank: both contenders from the same weights, timed together, then their model state."""
     assert world == 2, "the MoE benchmark runs on 2 ranks"
     data, model = _data(model_cfg), _build(model_cfg)
-    contenders = [_contender(model, data, 2), _contender(model, data, 1)]
-    timings = {t.name: t for t in measure([c for c, _ in contenders], rounds=rounds,
+    from autopar.runtime.moe_ops import dropped_rows
+    contenders = [_contender(model, data, 2), _contender(model, data, 1), _contender(model, data, 2, 1.0)]
+    timings = {t.name: t for t in measure([c for c, *_ in contenders], rounds=rounds,
                                           steps_per_round=steps_per_round, warmup=warmup)}
-    memory = {c.name: _max_over_ranks(m()) for c, m in contenders}
+    memory = {c.name: _max_over_ranks(m()) for c, m, _ in contenders}
+    dropped, seen = dropped_rows(contenders[2][2].graphs.values())
+    totals = [None] * world
+    dist.all_gather_object(totals, (dropped, seen))
     row = dict(case=f"MoE {model_cfg['num_layers']}x{model_cfg['dim']}, {model_cfg['num_experts']} experts, dp=2",
                **row_cells(timings["autopar ep=2"], timings["replicated experts"]))
+    capped = dict(case=row["case"] + ", capacity factor 1.0",
+                  **row_cells(timings["autopar ep=2, capacity 1.0"], timings["replicated experts"]))
     row["memory"] = memory
-    return {"rows": [row]}
+    row["dropped_share"] = sum(d for d, _ in totals) / max(1, sum(s for _, s in totals))
+    return {"rows": [row, capped]}
 
 
 def run(*, model: dict = MODEL, rounds: int = DEFAULTS["rounds"], steps_per_round: int = DEFAULTS["steps_per_round"],
@@ -114,6 +124,8 @@ def section(rows: list[dict]) -> str:
         f"{MODEL['seq_len']}, AdamW, `zero_stage=0`, one microbatch. The peer column is autopar with every "
         "expert on every rank ([moe.md](moe.md)).", "",
         markdown_table(rows), "", "Model state per rank (the larger rank):", "", memory_table(rows[0]["memory"]),
+        "", f"With `moe_capacity_factor=1.0` the dispatch dropped {rows[0]['dropped_share']:.1%} of the routed rows "
+        "(their losses differ from the dropless runs from the first step).",
     ])
 
 
@@ -128,6 +140,7 @@ def main(argv=None) -> int:
         rows = run()
     print(console_table(rows))
     print(memory_table(rows[0]["memory"]))
+    print(f"capacity factor 1.0: {rows[0]['dropped_share']:.1%} of the routed rows dropped")
     if not args.smoke:
         update_section("moe", section(rows))
     return 0

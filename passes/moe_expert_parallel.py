@@ -97,13 +97,14 @@ def _slice_experts(gm: fx.GraphModule, layer: MoeLayer, *, ep: int, ep_rank: int
             set_meta(node, PARAM, dataclasses.replace(info, numel=info.numel // ep))
 
 
-def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int) -> None:
+def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, capacity_factor) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
     ops = [nodes[n] for n in layer.expert_ops]
     first, last = ops[0], ops[-1]
     row_ids = nodes[layer.row_ids]
     name = f"moe_dispatch_{index}"
-    gm.add_submodule(name, MoeDispatch(axis="ep", size=ep, num_experts=layer.num_experts))
+    gm.add_submodule(name, MoeDispatch(axis="ep", size=ep, num_experts=layer.num_experts,
+                                       capacity_factor=capacity_factor))
     gm.add_submodule(f"moe_combine_{index}", MoeCombine(axis="ep", size=ep))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     gathers = [n for n in gm.graph.nodes if str(n.target) == "aten.index.Tensor" and strip(n.args[0]).op == "get_attr"
@@ -131,14 +132,17 @@ def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int) 
     _region_check(layer, [rows, ids, offsets], last, {dispatch, rows, ids, offsets, routing} | weights)
 
 
-def shard_experts(gm: fx.GraphModule, *, ep: int, ep_rank: int) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """Split every MoE layer's experts over ``ep`` ranks; returns the graph and the expert tensors' targets."""
+def shard_experts(gm: fx.GraphModule, *, ep: int, ep_rank: int,
+                  capacity_factor: float | None = None) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """Split every MoE layer's experts over ``ep`` ranks; returns the graph and the expert tensors' targets.
+
+    ``capacity_factor``: None (dropless), or each expert takes ``ceil(factor * rows / E)`` rows per rank."""
     report = annotate_moe(gm)
     check_expert_parallel(report, ep=ep)
     experts: list[str] = []
     for index, layer in enumerate(report.layers):
         _slice_experts(gm, layer, ep=ep, ep_rank=ep_rank)
-        _rewrite_layer(gm, layer, index, ep=ep)
+        _rewrite_layer(gm, layer, index, ep=ep, capacity_factor=capacity_factor)
         experts.extend(layer.expert_weights)
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -104,7 +104,8 @@ class RankProgram:
                                           dp_group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"],
                                           dp_rank=info.coords["dp"], comm_log=self.comm_log,
                                           publish=self.mixed.publish if self.mixed is not None else None,
-                                          synced=self.mixed.compute if self.mixed is not None else None)
+                                          synced=self.mixed.compute if self.mixed is not None else None,
+                                          local=frozenset(self.plan.expert_params))  # experts: stepped where held
         uses: dict[int, int] = {}
         for stage in mine:
             for p in {id(stage.gm.get_parameter(t)) for t in stage.param_names}:

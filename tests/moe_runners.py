@@ -57,6 +57,11 @@ def reference(case: Case) -> dict:
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def _dropped(program) -> tuple[int, int]:
+    from autopar.runtime.moe_ops import dropped_rows
+    return dropped_rows(program.graphs.values())
+
+
 def _expert_record(program) -> dict:
     """Elements of expert weights and of their optimizer state on this rank, and the exchange nodes per graph."""
     from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
@@ -120,6 +125,12 @@ def train(case: Case, mesh) -> dict:
     ep = program.plan.expert_parallel
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
+    try:  # split experts are not checkpointed yet: refused before anything is written
+        program.save_checkpoint("/nonexistent/moe-checkpoint")
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the type is what the test reads
+        refused = f"{type(exc).__name__}: {exc}"
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+            "checkpoint_refused": refused, "dropped": _dropped(program),
             **record, **_expert_record(program),
             "all_to_all": (counted.forward, counted.backward)}

@@ -66,7 +66,7 @@ def test_plain_dp_averages_router_statistics_only():
 
 @pytest.mark.parametrize("options, match", [
     (dict(expert_parallel=3), "does not divide dp=2"),
-    (dict(zero_stage=1), "pass zero_stage=0"),
+    (dict(zero_stage=3), "use zero_stage 0, 1 or 2"),
     (dict(max_grad_norm=1.0), "drop max_grad_norm"),
 ])
 def test_option_refusals(options, match):
@@ -121,3 +121,23 @@ def test_memory_calculator_counts_one_ep_th_of_the_experts():
     whole = estimate_memory(_plan(model, 2, expert_parallel=1), optimizer="momentum").ranks[0]
     assert whole.params - split.params == experts // 2
     assert whole.optimizer - split.optimizer == experts // 2  # the momentum of the experts this rank holds
+
+
+def test_capacity_keeps_the_first_rows_of_each_expert():
+    from autopar.runtime.moe_ops import _keep
+    ids = torch.tensor([2, 0, 2, 2, 1, 0, 2])
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=4)
+    kept, sent = _keep(ids, order, counts, capacity=2)
+    assert kept.tolist() == [1, 5, 4, 0, 2]  # expert 2 keeps rows 0 and 2 and drops 3 and 6
+    assert sent.tolist() == [2, 1, 2, 0]
+    assert _keep(ids, order, counts, None)[0].tolist() == order.tolist()
+
+
+def test_capacity_factor_option():
+    result = _plan(build_moe("switch"), 2, moe_capacity_factor=1.25)
+    dispatch = next(m for m in result.ranks[0].stages[0].gm.modules() if isinstance(m, MoeDispatch))
+    assert dispatch.capacity_factor == 1.25 and dispatch.capacity(64) == 20  # ceil(1.25 * 64 rows / 4 experts)
+    assert result.plan.moe_capacity_factor == 1.25
+    with pytest.raises(PlanError, match="moe_capacity_factor has no effect with expert_parallel=1"):
+        _plan(build_moe("switch"), 2, expert_parallel=1, moe_capacity_factor=1.25)

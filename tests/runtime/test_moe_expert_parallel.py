@@ -7,6 +7,7 @@ import json
 import importlib.util
 
 import pytest
+import torch
 
 from equivalence import Case, assert_equivalent, run_cases
 import moe_runners
@@ -17,22 +18,25 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp, pp=1):
+def _case(model, dp, pp=1, zero=0):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
-    options = _EP + ((("schedule", "gpipe"),) if pp > 1 else ())
+    options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ())
     return Case(model=model, mesh=(dp, pp, 1), kind="moe_runners:train", options=options)
 
 
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
-         _case("hf_mixtral", 2, pp=2)]
+         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2)]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
+# a capacity factor: 4.0 takes every row (ceil(4 * rows / 4 experts)), 0.5 drops some and counts them
+CAPACITY = {cf: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
+                     options=_EP + (("moe_capacity_factor", cf),)) for cf in (4.0, 0.5)}
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES if c.world_size == world]
+    cases = [c for c in CASES + list(CAPACITY.values()) if c.world_size == world]
     return dict(zip(cases, run_cases(cases)))
 
 
@@ -81,3 +85,27 @@ def test_full_state_has_every_expert():
     model = moe_runners.build(case)
     for name, p in model.named_parameters():
         assert state[name].shape == p.shape
+
+
+def test_checkpoint_of_split_experts_is_refused():
+    refused = _results(CASES[0].world_size)[CASES[0]]["checkpoint_refused"]
+    assert refused.startswith("CheckpointError: save_checkpoint is not supported with expert_parallel=2")
+
+
+def test_capacity_factor_that_takes_every_row_is_dropless():
+    case = CAPACITY[4.0]
+    result = _results(2)[case]
+    assert_equivalent(case, result, _reference(case))
+    assert all(r["dropped"][0] == 0 and r["dropped"][1] > 0 for r in result["rank_results"])
+
+
+def test_capacity_factor_drops_and_counts():
+    result = _results(2)[CAPACITY[0.5]]
+    assert "error" not in result, result.get("traceback")
+    # 3 steps x 2 layers x 64 rows (4 sequences of 16 tokens, top-1) per rank; each of the 4 experts takes
+    # ceil(0.5 * 64 / 4) = 8 rows from each rank
+    for rank in result["rank_results"]:
+        dropped, seen = rank["dropped"]
+        assert seen == 3 * LAYERS * 64
+        assert seen - dropped <= 3 * LAYERS * 4 * 8 and dropped > 0
+    assert all(torch.isfinite(torch.tensor(result["losses"])))
