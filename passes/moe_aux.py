@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE
-from autopar.passes.moe_detect import _descendants, _op, _shape, annotate_moe, strip
+from autopar.passes.moe_detect import annotate_moe, descendants, op_name, strip, value_shape
 from autopar.runtime.moe_ops import DpMean
 
 __all__ = ["sync_router_statistics"]
@@ -39,10 +39,10 @@ _REDUCTIONS = ("mean.dim", "sum.dim_IntList", "mean.default", "sum.default", "hi
 def _reduces_rows(node: fx.Node, rows: set[int]) -> bool:
     """A reduction over dim 0 of a tensor whose dim 0 is the token or row count."""
     source = node.args[0]
-    shape = _shape(source)
+    shape = value_shape(source)
     if not shape or shape[0] not in rows:
         return False
-    if _op(node) in ("mean.default", "sum.default", "histc.default"):
+    if op_name(node) in ("mean.default", "sum.default", "histc.default"):
         return True
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
@@ -56,13 +56,13 @@ def sync_router_statistics(gm: fx.GraphModule, *, dp: int) -> tuple[fx.GraphModu
     order = {name: i for i, name in enumerate(nodes)}
     count, synced = 0, set()
     for layer in report.layers:
-        tokens = _shape(strip(nodes[layer.router].args[0]))
+        tokens = value_shape(strip(nodes[layer.router].args[0]))
         if not tokens:
             continue
         rows = {tokens[0], tokens[0] * layer.top_k}
         for name in sorted(layer.aux_loss, key=order.get):
             node = nodes[name]
-            if _op(node) not in _REDUCTIONS or not _reduces_rows(node, rows) or node in synced:
+            if op_name(node) not in _REDUCTIONS or not _reduces_rows(node, rows) or node in synced:
                 continue
             module = f"moe_dp_mean_{count}"
             gm.add_submodule(module, DpMean(axis="dp", size=dp))
@@ -70,7 +70,7 @@ def sync_router_statistics(gm: fx.GraphModule, *, dp: int) -> tuple[fx.GraphModu
                 mean = gm.graph.call_module(module, (node,))
             mean.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
             node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
-            synced |= _descendants([mean])
+            synced |= descendants([mean])
             count += 1
     gm.recompile()
     return gm, count

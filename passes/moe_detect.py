@@ -42,7 +42,8 @@ import torch.fx as fx
 from autopar.passes.annotate import module_path_of
 from autopar.passes.meta_keys import MOE, MOE_LAYER, MoeLayer, MoeRole, set_meta
 
-__all__ = ["MoeReport", "find_moe_layers", "annotate_moe", "grouped_mm_ops", "strip"]
+__all__ = ["MoeReport", "find_moe_layers", "annotate_moe", "grouped_mm_ops", "strip", "descendants", "ancestors",
+           "op_name", "value_shape"]
 
 _PASS_THROUGH = ("to.dtype", "to.dtype_layout", "alias.default", "contiguous.default", "clone.default",
                  "_to_copy.default", "transpose.int", "t.default", "permute.default")
@@ -58,7 +59,7 @@ class MoeReport:
     unrecognised: tuple[tuple[str, str], ...]
 
 
-def _op(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
     """``aten.softmax.int`` -> ``softmax.int``; the op name of a call_function node ('' otherwise)."""
     if node.op != "call_function":
         return ""
@@ -76,7 +77,7 @@ def grouped_mm_ops() -> tuple:
 
 def strip(node, ops=_PASS_THROUGH):
     """Follow ``node`` up through casts, aliases and transposes to the value they pass on."""
-    while isinstance(node, fx.Node) and _op(node) in ops:
+    while isinstance(node, fx.Node) and op_name(node) in ops:
         node = node.args[0]
     return node
 
@@ -91,7 +92,7 @@ def _param(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return value if isinstance(value, torch.nn.Parameter) else None
 
 
-def _descendants(start: list[fx.Node]) -> set[fx.Node]:
+def descendants(start: list[fx.Node]) -> set[fx.Node]:
     seen, todo = set(), list(start)
     while todo:
         node = todo.pop()
@@ -102,7 +103,7 @@ def _descendants(start: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _ancestors(start: list[fx.Node]) -> set[fx.Node]:
+def ancestors(start: list[fx.Node]) -> set[fx.Node]:
     seen, todo = set(), list(start)
     while todo:
         node = todo.pop()
@@ -113,7 +114,7 @@ def _ancestors(start: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _shape(node) -> tuple | None:
+def value_shape(node) -> tuple | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
@@ -126,28 +127,34 @@ def _getitem(node: fx.Node, index: int) -> fx.Node | None:
 def _router(gm, topk: fx.Node):
     """(linear node, scores node, scoring) of the router feeding ``topk``, or (None, None, why)."""
     scores = strip(topk.args[0])
-    scoring = _SCORES.get(_op(scores)) if isinstance(scores, fx.Node) else None
+    scoring = _SCORES.get(op_name(scores)) if isinstance(scores, fx.Node) else None
     if scoring is None:
-        what = _op(scores) if isinstance(scores, fx.Node) else type(scores).__name__
+        what = op_name(scores) if isinstance(scores, fx.Node) else type(scores).__name__
         return None, None, f"top-k over {what or scores.op}, not over a router's softmax or sigmoid"
     linear = strip(scores.args[0])
-    weight = _param(gm, linear.args[1]) if isinstance(linear, fx.Node) and _op(linear) == "linear.default" else None
+    weight = _param(gm, linear.args[1]) if isinstance(linear, fx.Node) and op_name(linear) == "linear.default" else None
     if weight is None or weight.dim() != 2:
         return None, None, f"the {scoring} scores do not come from a linear layer with a 2-D weight"
     return linear, scores, scoring
 
 
-def _owner(node: fx.Node, order: dict) -> fx.Node | None:
-    """The top-k a node's value is routed by: the latest top-k among its ancestors."""
-    tops = [n for n in _ancestors([node]) if _op(n) == "topk.default"]
-    return max(tops, key=order.get) if tops else None
+def _owners(gm: fx.GraphModule) -> dict[fx.Node, fx.Node | None]:
+    """{node: the top-k its value is routed by}: the latest top-k among its ancestors (one pass, graph order)."""
+    order, owner = {}, {}
+    for i, node in enumerate(gm.graph.nodes):
+        order[node] = i
+        if op_name(node) == "topk.default":
+            owner[node] = node
+            continue
+        found = [owner[a] for a in node.all_input_nodes if owner.get(a) is not None]
+        owner[node] = max(found, key=order.get) if found else None
+    return owner
 
 
-def _expert_ops(gm, ids: fx.Node, num_experts: int):
+def _expert_ops(gm, ids: fx.Node, num_experts: int, owners: dict):
     """(form, expert op nodes, 3-D expert weight get_attrs, row-id node, offsets node) reading ``ids``."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     topk = ids.args[0]
-    reach = {n for n in _descendants([ids]) if n is ids or _owner(n, order) is topk}
+    reach = {n for n in descendants([ids]) if owners.get(n) is topk}
     grouped = set(grouped_mm_ops())
     ops, weights, row_ids, offsets = [], [], None, None
     for node in gm.graph.nodes:
@@ -160,10 +167,10 @@ def _expert_ops(gm, ids: fx.Node, num_experts: int):
                 ops.append(node)
                 weights.append(strip(node.args[1]))
                 offsets = offs
-        elif _op(node) == "index.Tensor":
+        elif op_name(node) == "index.Tensor":
             weight = _param(gm, node.args[0])
             if weight is not None and weight.dim() == 3 and weight.shape[0] == num_experts:
-                ops.extend(u for u in node.users if _op(u) in _BATCHED)
+                ops.extend(u for u in node.users if op_name(u) in _BATCHED)
                 weights.append(strip(node.args[0]))
                 row_ids = node.args[1][0]
     if offsets is not None:  # the rows' expert ids: what the offsets count (histc/bincount of the sorted ids)
@@ -178,7 +185,7 @@ def _loop_experts(gm, layer: str, router: fx.Node, num_experts: int):
     pattern = re.compile(re.escape(layer) + r"\.(\w+)\.(\d+)(\.|$)")
     found: dict[tuple[str, str], list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node is router or _op(node) != "linear.default" or _param(gm, node.args[1]) is None:
+        if node is router or op_name(node) != "linear.default" or _param(gm, node.args[1]) is None:
             continue
         match = pattern.match(module_path_of(node))
         if match:
@@ -195,13 +202,13 @@ def _loop_experts(gm, layer: str, router: fx.Node, num_experts: int):
 
 def _combine(ops: list[fx.Node], weights_node: fx.Node, token_shape) -> fx.Node | None:
     """The node that sums the gate-weighted expert outputs into one row per token."""
-    out, gated = _descendants(ops), _descendants([weights_node])
-    both = [n for n in ops[0].graph.nodes if n in out and n in gated and _shape(n) == token_shape]
+    out, gated = descendants(ops), descendants([weights_node])
+    both = [n for n in ops[0].graph.nodes if n in out and n in gated and value_shape(n) == token_shape]
     if not both:
         return None
     node = both[0]
     while True:  # a loop over experts accumulates: follow the adds that bring in another expert's output
-        nxt = [u for u in node.users if _op(u) == "add.Tensor" and u in gated and _shape(u) == token_shape
+        nxt = [u for u in node.users if op_name(u) == "add.Tensor" and u in gated and value_shape(u) == token_shape
                and all(a in out for a in u.all_input_nodes)]
         if len(nxt) != 1:
             return node
@@ -210,16 +217,16 @@ def _combine(ops: list[fx.Node], weights_node: fx.Node, token_shape) -> fx.Node 
 
 def _shared(gm, combine: fx.Node, x: fx.Node, gated: set) -> list[fx.Node]:
     """Linear nodes of branches from the layer input ``x`` that are added to the combine (shared experts)."""
-    from_x = _descendants([x])
+    from_x = descendants([x])
     found = []
     for user in combine.users:
-        if _op(user) not in ("add.Tensor", "add_.Tensor"):
+        if op_name(user) not in ("add.Tensor", "add_.Tensor"):
             continue
         for other in user.all_input_nodes:
             if other is combine or other in gated or other not in from_x:
                 continue
-            branch = _ancestors([other]) & from_x
-            found += [n for n in branch if _op(n) == "linear.default" and _param(gm, n.args[1]) is not None]
+            branch = ancestors([other]) & from_x
+            found += [n for n in branch if op_name(n) == "linear.default" and _param(gm, n.args[1]) is not None]
     return sorted(found, key=lambda n: n.name)
 
 
@@ -235,7 +242,7 @@ def _layer_path(router: fx.Node, weights: list[fx.Node]) -> str:
     return prefix if len(paths) > 1 and prefix != paths[0] else module_path_of(router).rpartition(".")[0]
 
 
-def _one_layer(gm, topk: fx.Node, output_ancestors: set):
+def _one_layer(gm, topk: fx.Node, output_ancestors: set, owners: dict):
     """A :class:`MoeLayer` for the router ending at ``topk`` plus {node: role}, or (None, why)."""
     linear, scores, scoring = _router(gm, topk)
     if linear is None:
@@ -244,7 +251,7 @@ def _one_layer(gm, topk: fx.Node, output_ancestors: set):
     vals, ids = _getitem(topk, 0), _getitem(topk, 1)
     if ids is None or vals is None:
         return None, "the router's top-k ids or weights are never read"
-    form, ops, weights, row_ids, offsets = _expert_ops(gm, ids, num_experts)
+    form, ops, weights, row_ids, offsets = _expert_ops(gm, ids, num_experts, owners)
     if form is None:
         layer = module_path_of(linear).rpartition(".")[0]
         ops, weights = _loop_experts(gm, layer, linear, num_experts)
@@ -254,13 +261,13 @@ def _one_layer(gm, topk: fx.Node, output_ancestors: set):
                       "a grouped matmul with offsets, a 3-D expert tensor indexed by expert id, or a ModuleList "
                       f"of {num_experts} experts")
     x = linear.args[0]
-    combine = _combine(ops, vals, _shape(x))
+    combine = _combine(ops, vals, value_shape(x))
     if combine is None:
         return None, "the expert outputs are never weighted by the router and summed per token"
-    shared = _shared(gm, combine, x, _descendants([vals]))
-    routed = _ancestors([combine])
-    after = _descendants([combine])
-    aux = [n for n in _descendants([linear]) if n not in routed and n not in after and n in output_ancestors]
+    shared = _shared(gm, combine, x, descendants([vals]))
+    routed = ancestors([combine])
+    after = descendants([combine])
+    aux = [n for n in descendants([linear]) if n not in routed and n not in after and n in output_ancestors]
     path = _layer_path(linear, weights)
     roles = {linear: "router", scores: "scores", topk: "topk", combine: "combine"}
     roles.update({n: "expert_op" for n in ops})
@@ -283,12 +290,13 @@ def _one_layer(gm, topk: fx.Node, output_ancestors: set):
 
 def _find(gm: fx.GraphModule):
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    output_ancestors = _ancestors([output])
+    output_ancestors = ancestors([output])
+    owners = _owners(gm)
     layers, unrecognised = [], []
     for node in gm.graph.nodes:
-        if _op(node) != "topk.default":
+        if op_name(node) != "topk.default":
             continue
-        found, why = _one_layer(gm, node, output_ancestors)
+        found, why = _one_layer(gm, node, output_ancestors, owners)
         if found is None:
             unrecognised.append((node, f"node {node.name} ({module_path_of(node) or 'the root'})", why))
         else:

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, PARAM, MoeLayer, get_meta, set_meta
-from autopar.passes.moe_detect import MoeReport, annotate_moe, strip
+from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
 from autopar.passes.tensor_parallel import set_param
 from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
 
@@ -71,13 +71,12 @@ def check_expert_parallel(report: MoeReport, *, ep: int) -> None:
 
 def _region_check(layer: MoeLayer, start: list[fx.Node], last: fx.Node, allowed: set) -> None:
     """Between dispatch and combine only the dispatched rows (and expert weights) may flow."""
-    from autopar.passes.moe_detect import _ancestors, _descendants
-    region = _descendants(start) & _ancestors([last])
+    region = descendants(start) & ancestors([last])
     for node in region:
         for arg in node.all_input_nodes:
             if arg in region or arg in allowed:
                 continue
-            if not any(a.op == "placeholder" for a in _ancestors([arg])):
+            if not any(a.op == "placeholder" for a in ancestors([arg])):
                 continue  # weights and constants
             raise ShardingError(
                 f"node {node.name} between the expert matmuls of {layer.path} reads {arg.name}, a per-token "
