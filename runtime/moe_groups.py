@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.errors import CheckpointError
+from autopar.errors import CheckpointError, PlanError
 from autopar.runtime.collectives import issue
 
 __all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters",
-           "refuse_expert_checkpoint"]
+           "refuse_expert_checkpoint", "refuse_meta_experts"]
 
 
 def ep_layout(*, dp: int, ep: int) -> dict[str, list[list[int]]]:
@@ -85,3 +85,12 @@ def refuse_expert_checkpoint(plan, action: str) -> None:
                               "rank holds other experts", where=f"program.{action}",
                               fix="use program.full_state_dict() to save the weights (it gathers every expert), "
                                   "or train with expert_parallel=1")
+
+
+def refuse_meta_experts(plan, *, meta: bool) -> None:
+    """PlanError for a meta-built model (or pretrained weights) with experts split over ep (not supported yet)."""
+    if meta and plan.expert_parallel > 1:
+        raise PlanError(f"a meta-built model (or compile(weights=...)) cannot be compiled with expert_parallel="
+                        f"{plan.expert_parallel} yet: the fillers do not cut expert shards",
+                        where="compile(expert_parallel=...)",
+                        fix="build the model on a real device, or use expert_parallel=1")

@@ -36,7 +36,8 @@ from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.zero3_ops import bind_zero3, full_parameters, shard_zero3_parameters
-from autopar.runtime.moe_groups import add_expert_groups, full_expert_parameters, refuse_expert_checkpoint
+from autopar.runtime.moe_groups import (add_expert_groups, full_expert_parameters, refuse_expert_checkpoint,
+                                        refuse_meta_experts)
 
 __all__ = ["RankProgram"]
 
@@ -71,6 +72,7 @@ class RankProgram:
         _own_parameters(mine)
         if self.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
             shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+        refuse_meta_experts(self.plan, meta=materialize is not None)  # runtime/moe_groups.py
         if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
             materialize([s.gm for s in mine])
         self.stages = {s.stage: s for s in mine}
