@@ -311,6 +311,10 @@ def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True, ep_rank: i
     regions = _select_regions(gm, mesh=mesh, options=options, plan=plan, skip=[vocab.head] if vocab.head else [])
     if mesh.tp > 1 and options.tensor_parallel:  # weight products no rule covers stay replicated: say so
         warn_unsharded_matmuls(gm)
+    if options.expert_parallel > 1 and cap.template is not None:  # repeated blocks would not split their experts
+        raise PlanError("expert_parallel does not combine with capturing identical blocks once yet",
+                        where="block_capture (auto: a meta-built model with 8 or more identical blocks)",
+                        fix="pass block_capture='every'")
     found: dict = {"specs": {}, "starts": [], "partial_grads": (), "experts": ()}
     steps = _pass_steps(mesh=mesh, tp_rank=tp_rank, options=options, regions=regions,
                         stage_starts=_plan_starts(plan), found=found, vocab=vocab, assign=cap.template is None,
