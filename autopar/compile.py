@@ -105,7 +105,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
+                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
+                    dp_rank=info.coords["dp"])
     schedule = lowered.schedule
     state_keys = tuple(model.state_dict().keys())
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces

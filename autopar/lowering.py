@@ -24,6 +24,9 @@ from autopar.passes.block_template import BlockTemplate, capture_blocks, find_bl
 from autopar.passes.capture import MODEL_PREFIX, CapturedGraph, capture
 from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import MODULE, PARAM, STAGE, get_meta
+from autopar.passes.moe_aux import sync_router_statistics
+from autopar.passes.moe_detect import find_moe_layers
+from autopar.passes.moe_expert_parallel import shard_experts
 from autopar.passes.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
 from autopar.passes.pipeline_split import StageGraph, split_pipeline
@@ -80,6 +83,7 @@ class LoweringState:
     region_plans: tuple[TpRegionPlan, ...] = ()
     starts: tuple[str, ...] = ()  # the unit each stage after the first begins at (graph names)
     shared: Mapping[str, tuple[int, ...]] | None = None  # {user name: stages reading it}, read before the split
+    experts: tuple[str, ...] = ()  # the expert tensors split over ep (graph names; passes/moe_expert_parallel.py)
 
     def graphs(self):
         if self.stages is None:
@@ -100,6 +104,8 @@ class _Setting:
     only: list[int] | None  # build only these stage graphs (None: all)
     random_ops: bool
     experts: tuple = ()  # expert MLPs sharded over tp (passes/tp_expert.py)
+    ep_rank: int = 0  # this rank's place among the ep ranks that split the MoE experts
+    moe: bool = False  # the graph has MoE layers the dp ranks must see as one batch (their aux loss)
 
 
 def _shard(st: LoweringState, *, s: _Setting) -> LoweringState:
@@ -110,6 +116,16 @@ def _shard(st: LoweringState, *, s: _Setting) -> LoweringState:
 def _shard_vocab(st: LoweringState, *, s: _Setting) -> LoweringState:
     gm, specs = shard_vocab_parallel(st.gm, s.vocab, tp_size=s.plan.mesh.tp, tp_rank=s.tp_rank)
     return replace(st, gm=gm, specs={**st.specs, **specs})
+
+
+def _router_statistics(st: LoweringState, *, s: _Setting) -> LoweringState:
+    return replace(st, gm=sync_router_statistics(st.gm, dp=s.plan.mesh.dp)[0])
+
+
+def _split_experts(st: LoweringState, *, s: _Setting) -> LoweringState:
+    gm, experts = shard_experts(st.gm, ep=s.plan.expert_parallel, ep_rank=s.ep_rank,
+                                capacity_factor=s.plan.moe_capacity_factor)
+    return replace(st, gm=gm, experts=tuple(experts))
 
 
 def _shard_experts(st: LoweringState, *, s: _Setting) -> LoweringState:
@@ -178,6 +194,10 @@ def _sharding_steps(s: _Setting) -> list[PassStep]:
     """The transforms before the stage cuts, in order (what :func:`shard_captured` runs)."""
     p, tp = s.plan, s.plan.mesh.tp > 1
     steps = [  # (runs?, the pass, why it runs there)
+        (p.mesh.dp > 1 and s.moe, "sync_router_statistics", _router_statistics,
+         "MoE routers' load-balancing statistics over the global batch: the aux loss as one device computes it"),
+        (p.expert_parallel > 1, "shard_experts", _split_experts,
+         "MoE experts over ep ranks with all-to-all dispatch/combine; first, so tp and pp see those nodes"),
         (tp, "shard_tensor_parallel", _shard, "Megatron f/g around each region; before the split, so a "
                                               "region's column and row linears always share a stage"),
         (tp and bool(s.vocab), "shard_vocab_parallel", _shard_vocab,
@@ -326,11 +346,13 @@ class Captured:
 
 
 def lower(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_inputs: tuple,
-          example_target=None, loss_fn=None, options: CompileOptions, plan: Plan | None = None) -> Lowered:
-    """Capture, analyse and transform ``model`` into the stage graphs of tensor-parallel rank ``tp_rank``."""
+          example_target=None, loss_fn=None, options: CompileOptions, plan: Plan | None = None,
+          dp_rank: int = 0) -> Lowered:
+    """Capture, analyse and transform ``model`` into the stage graphs of tensor-parallel rank ``tp_rank``
+    (and of dp rank ``dp_rank``'s experts when the Plan splits them over ep)."""
     captured = capture_and_annotate(model, mesh=mesh, example_inputs=example_inputs, example_target=example_target,
                                     loss_fn=loss_fn, options=options, plan=plan)
-    return lower_captured(captured, tp_rank=tp_rank, copy=False)
+    return lower_captured(captured, tp_rank=tp_rank, copy=False, dp_rank=dp_rank)
 
 
 def _check_plan(plan: Plan, *, has_loss: bool) -> Schedule:
@@ -383,31 +405,37 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                     has_loss=captured.has_loss, schedule=schedule, template=template)
 
 
-def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None) -> _Setting:
+def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None, dp_rank: int = 0) -> _Setting:
+    if cap.plan.expert_parallel > 1 and cap.template is not None:  # repeated blocks would not split their experts
+        raise PlanError("expert_parallel does not combine with capturing identical blocks once yet",
+                        where="block_capture (auto: a meta-built model with 8 or more identical blocks)",
+                        fix="pass block_capture='every'")
     vocab = _select_vocab(gm, cap)
     regions = _select_regions(gm, cap, skip=[vocab.head] if vocab.head else [])
     if cap.plan.mesh.tp > 1 and cap.options.tensor_parallel:  # weight products no rule covers stay replicated: say so
         warn_unsharded_matmuls(gm)
     return _Setting(plan=cap.plan, tp_rank=tp_rank, regions=tuple(regions), vocab=vocab, template=cap.template,
                     has_loss=cap.has_loss, only=only, random_ops=any(is_random(n) for n in gm.graph.nodes),
-                    experts=_select_experts(gm, cap))
+                    experts=_select_experts(gm, cap), ep_rank=dp_rank % cap.plan.expert_parallel,
+                    moe=cap.plan.mesh.dp > 1 and bool(find_moe_layers(gm).layers))
 
 
 def _start(cap: Captured, s: _Setting, gm: fx.GraphModule) -> LoweringState:
     return LoweringState(gm=gm, example_inputs=cap.example_args, region_plans=tuple(_region_plan(r) for r in s.regions))
 
 
-def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True) -> tuple[LoweringState, VocabParallel]:
+def shard_captured(cap: Captured, *, tp_rank: int, copy: bool = True,
+                   dp_rank: int = 0) -> tuple[LoweringState, VocabParallel]:
     """The transforms before the stage cuts (tensor, vocabulary and sequence parallelism), on a copy.
 
     Returns the state after them (its graph and what the passes found) and the vocabulary-parallel choice.
     """
     gm = deepcopy(cap.captured.gm) if copy else cap.captured.gm
-    s = _setting(cap, gm, tp_rank=tp_rank)
+    s = _setting(cap, gm, tp_rank=tp_rank, dp_rank=dp_rank)
     return run_passes(_start(cap, s, gm), _sharding_steps(s), example_inputs=cap.example_args), s.vocab
 
 
-def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = True) -> Lowered:
+def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = True, dp_rank: int = 0) -> Lowered:
     """Transform a captured model into the stage graphs of tensor-parallel rank ``tp_rank``.
 
     ``copy``: transform a copy of the graph, so ``cap`` can be lowered again for another tp rank.
@@ -416,7 +444,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
     plan = cap.plan
     gm = deepcopy(cap.captured.gm) if copy else cap.captured.gm
     only = None if stages is None or family(plan.pipeline.schedule).replicas > 1 else sorted(set(stages))
-    s = _setting(cap, gm, tp_rank=tp_rank, only=only)
+    s = _setting(cap, gm, tp_rank=tp_rank, only=only, dp_rank=dp_rank)
     st = run_passes(_start(cap, s, gm), _pass_steps(s), example_inputs=cap.example_args)
     lowered_plan = Plan(**{
         **dict(plan),
@@ -427,6 +455,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         "vocab_parallel": tuple(user_name(p) for p in s.vocab.paths()),
         "shared_params": _shared_params(st),
         "recompute": plan.recompute if any(m != "none" for m in plan.recompute) else (),
+        "expert_params": tuple(user_name(t) for t in st.experts),
     })
     return Lowered(plan=lowered_plan, captured=cap.captured, stages=list(st.stages), param_shards=dict(st.specs),
                    schedule=cap.schedule, tp_partial_grads=st.partial_grads)

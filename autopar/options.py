@@ -55,6 +55,12 @@ class CompileOptions(UserModel):
     # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
     # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
     block_capture: Literal["auto", "once", "every"] = "auto"
+    expert_parallel: int = Field(1, ge=1, description=(
+        "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
+        "by all-to-all ([moe.md](moe.md))"))
+    moe_capacity_factor: float | None = Field(None, gt=0, description=(
+        "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
+        "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
     pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
         "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
@@ -112,4 +118,6 @@ def resolve_plan(options: CompileOptions, *, given: Plan | None, mesh: MeshShape
         capture=g.capture if g else options.capture,
         recompute=(g.recompute if g else ()) or uniform,  # a Plan without modes takes the option's on every stage
         precision=g.precision if g else options.precision,
+        expert_parallel=g.expert_parallel if g else options.expert_parallel,
+        moe_capacity_factor=g.moe_capacity_factor if g else options.moe_capacity_factor,
     )

@@ -168,6 +168,9 @@ class Plan(_Frozen):
     num_parameters: int = Field(0, ge=0)
     recompute: tuple[Literal["none", "selective", "full"], ...] = ()  # per stage; () = "none" everywhere
     precision: Literal["fp32", "bf16"] = "fp32"
+    expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
+    expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
+    moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -214,6 +217,9 @@ class Plan(_Frozen):
         ]
         if self.recompute or self.precision != "fp32":
             lines.append(f"  recompute per stage: {', '.join(self.recompute) or 'none'}; precision {self.precision}")
+        if self.expert_parallel > 1:
+            lines.append(f"  expert parallel: {len(self.expert_params)} expert tensors split over ep="
+                         f"{self.expert_parallel} (of dp {self.mesh.dp})")
         if self.shared_params:
             shared = ", ".join(f"{k} on stages {list(v)}" for k, v in self.shared_params.items())
             lines.append(f"  shared across stages (gradients summed): {shared}")

@@ -198,11 +198,37 @@ def _without_effect(opts: CompileOptions, given: set, mesh: MeshShape) -> tuple[
     return None
 
 
+def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str, str] | None:
+    """(what is wrong, the fix) for an ``expert_parallel`` this mesh and these options cannot run (docs/moe.md)."""
+    ep = opts.expert_parallel
+    if ep == 1:
+        if opts.moe_capacity_factor is not None:
+            return ("moe_capacity_factor has no effect with expert_parallel=1: no tokens are dispatched",
+                    "drop moe_capacity_factor, or set expert_parallel")
+        return None
+    if mesh.dp % ep:
+        return f"expert_parallel={ep} does not divide dp={mesh.dp}", f"use an expert_parallel that divides {mesh.dp}"
+    if opts.zero_stage == 3:
+        return (f"expert_parallel={ep} with zero_stage=3: ZeRO-3 does not shard expert tensors over dp/ep yet",
+                "use zero_stage 0, 1 or 2")
+    if opts.data_parallel != "ddp":
+        return f"expert_parallel={ep} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
+    if mesh.tp > 1:
+        return f"expert_parallel={ep} with tp={mesh.tp} is not supported yet", "use tp=1 with expert_parallel"
+    if opts.max_grad_norm is not None:
+        return (f"expert_parallel={ep} with max_grad_norm: the global norm does not count expert shards yet",
+                "drop max_grad_norm")
+    return None
+
+
 def checked_options(options: dict, *, mesh: MeshShape, plan=None, where: str) -> CompileOptions:
     """The options as CompileOptions; a Plan made for another mesh, or an option without effect, is refused."""
     opts = CompileOptions(**options)
     if isinstance(plan, Plan) and plan.mesh != mesh:
         raise _mesh_mismatch(plan, mesh, where=where)
+    problem = _expert_parallel_problem(opts, mesh)
+    if problem:
+        raise PlanError(problem[0], where=f"{where}(expert_parallel={opts.expert_parallel}), mesh {mesh}", fix=problem[1])
     if plan is None:  # with a Plan, the Plan's decisions replace the options
         found = _without_effect(opts, set(options), mesh)
         if found:

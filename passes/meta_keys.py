@@ -33,6 +33,10 @@ __all__ = [
     "STAGE",
     "TP_PLACEMENT",
     "INDEX_BOUND",
+    "MOE",
+    "MOE_LAYER",
+    "MoeRole",
+    "MoeLayer",
     "TensorInfo",
     "NodeCost",
     "ParamInfo",
@@ -54,6 +58,8 @@ MODULE = "autopar.module"
 STAGE = "autopar.stage"
 TP_PLACEMENT = "autopar.tp_placement"
 INDEX_BOUND = "autopar.index_bound"
+MOE = "autopar.moe"
+MOE_LAYER = "autopar.moe_layer"
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,43 @@ class IndexBound:
 
 
 @dataclass(frozen=True)
+class MoeRole:
+    """The part a node plays in a mixture-of-experts layer (module path ``layer``).
+
+    ``role``: router, scores, topk, row_ids, offsets, expert_weight, expert_op, combine, shared_expert,
+    aux_loss (passes/moe_detect.py).
+    """
+
+    layer: str
+    role: str
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One recognised MoE layer (on its router's linear node): its form and the names of its nodes.
+
+    ``form``: ``grouped`` (sorted rows, grouped matmul with offsets), ``gathered`` (a 3-D expert tensor
+    indexed by each row's expert id) or ``loop`` (a ModuleList of experts run on every token).
+    """
+
+    path: str
+    form: str
+    num_experts: int
+    top_k: int
+    scoring: str
+    router: str
+    router_weight: str
+    topk: str
+    expert_weights: tuple[str, ...]
+    expert_ops: tuple[str, ...]
+    row_ids: str | None
+    offsets: str | None
+    combine: str
+    shared_experts: tuple[str, ...]
+    aux_loss: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class MetaKey:
     """One row of the registry: the key, the dataclass it holds, its writer and its readers."""
 
@@ -168,6 +211,9 @@ META_KEYS = MappingProxyType(
                               ("passes.sequence_parallel", "passes.tp_random")),  # vocab/SP passes write it too
         INDEX_BOUND: MetaKey(INDEX_BOUND, IndexBound, "passes.index_bounds.annotate_index_bounds",
                              ("runtime.index_guard", "autopar.validation")),
+        MOE: MetaKey(MOE, MoeRole, "passes.moe_detect.annotate_moe", ("passes.moe_expert_parallel",)),
+        MOE_LAYER: MetaKey(MOE_LAYER, MoeLayer, "passes.moe_detect.annotate_moe",
+                           ("passes.moe_expert_parallel", "autopar.memory")),
     }
 )
 

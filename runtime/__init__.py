@@ -11,6 +11,7 @@ The ops the passes insert into graphs::
     tp_rng.py             per-tp-rank random streams (Megatron's tracker)
     p2p.py                send/recv nodes between stages, and the channel they run over
     zero3_ops.py          ZeRO-3's gather/free nodes
+    moe_ops.py            MoE dispatch/combine all-to-all nodes, and the dp-mean of router statistics
 
 Building a rank's program::
 
@@ -23,6 +24,7 @@ Building a rank's program::
     zero.py               the optimizer, its state sharded over dp (ZeRO-1/2/3)
     index_guard.py        token ids and positions range-checked before any stage reads them
     item_count.py         the model's own loss: each microbatch's share of the step's label tokens
+    moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edp
     rank_parts.py         build_parts: this rank's stages, channel, parameters and optimizer
     program_surface.py    what every program kind shares: batches, forward only, weights, checkpoints
 

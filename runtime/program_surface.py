@@ -29,6 +29,7 @@ from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.zero3_ops import full_parameters
 from autopar.runtime.item_count import add_item_counts
+from autopar.runtime.moe_groups import full_expert_parameters, refuse_expert_checkpoint
 
 __all__ = ["ProgramSurface"]
 
@@ -166,6 +167,9 @@ class ProgramSurface:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
         named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()],
                                 group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        if self.plan.expert_parallel > 1:  # every ep rank's experts (runtime/moe_groups.py)
+            named = full_expert_parameters(list(named), experts=self.plan.expert_params, group=self.info.groups["ep"],
+                                           guard=self.comm_guard)
         return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
                                       aliases=self.aliases, keys=self.state_keys)
 
@@ -179,10 +183,12 @@ class ProgramSurface:
     # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
     def save_checkpoint(self, root: str) -> str:
         """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
+        refuse_expert_checkpoint(self.plan, "save_checkpoint")
         return save_checkpoint(self, root)
 
     def load_checkpoint(self, path: str) -> int:
         """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
+        refuse_expert_checkpoint(self.plan, "load_checkpoint")
         step = load_checkpoint(self, path)
         if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
             self.optimizer.publish_parameters()
@@ -190,6 +196,7 @@ class ProgramSurface:
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
+        refuse_expert_checkpoint(self.plan, "load_full_state_dict")
         load_full_state_dict(self, state_dict)
         if self.mixed is not None:
             self.optimizer.publish_parameters()

@@ -27,6 +27,7 @@ from autopar.passes.pipeline_split import StageGraph
 from autopar.passes.tensor_parallel import ShardSpec
 from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
+from autopar.runtime.moe_groups import add_expert_groups, refuse_meta_experts
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.p2p import P2PChannel, P2PNode
@@ -101,6 +102,7 @@ def _rank_stages(lowered: LoweredStages, *, ctx: RankContext, schedule: Schedule
     _own_parameters(mine)
     if lowered.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
         shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+    refuse_meta_experts(lowered.plan, meta=materialize is not None)  # runtime/moe_groups.py
     if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
         materialize([s.gm for s in mine])
     return mine
@@ -136,6 +138,8 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
     channel = P2PChannel(rank=info.rank, stage_to_rank=stage_ranks, group=info.groups["pp"],
                          timeout_s=ctx.guard.timeout_s, device=info.device)
+    if plan.expert_parallel > 1:  # MoE experts over ep ranks of dp: the ep and edp groups (runtime/moe_groups.py)
+        add_expert_groups(info, ep=plan.expert_parallel)
     zero3 = _bind(mine, ctx=ctx, channel=channel)
     named = _named_parameters(stages)
     uses = _uses(mine, named)  # by the compute parameters, before masters replace them
@@ -146,7 +150,8 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
         named = mixed.named
     optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
                                  comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
-                                 synced=mixed.compute if mixed is not None else None)
+                                 synced=mixed.compute if mixed is not None else None,
+                                 local=frozenset(plan.expert_params))  # MoE experts: stepped where held
     aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
                for s in lowered.stages for n in s.gm.graph.nodes
                if n.op == "get_attr" and get_meta(n, PARAM) is not None}

@@ -33,6 +33,8 @@ RESOLVED = {
     "sequence_parallel": (True, {}, lambda p: p.sequence_parallel),
     "recompute": ("full", {}, lambda p: p.recompute[:1] and p.recompute[0]),
     "precision": ("bf16", {}, lambda p: p.precision),
+    "expert_parallel": (2, {}, lambda p: p.expert_parallel),
+    "moe_capacity_factor": (1.5, {"expert_parallel": 2}, lambda p: p.moe_capacity_factor),
 }
 
 
