@@ -97,6 +97,11 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
             seen.add(id(tensor))
             name = _user_name(target)
             spec = plan.param_shards.get(name) if is_param else None
+            if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
+                raise PlanError(f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection "
+                                "with fewer kv heads than query heads): a meta-built model cannot materialise it yet",
+                                where=f"parameter {name}",
+                                fix="build the model on a real device, or compile with tensor_parallel=False")
             shape = list(z3.get(target, tuple(tensor.shape)))
             ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
             if spec is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.errors import CheckpointError
 from autopar.passes.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.rank_context import ProgramState
@@ -69,6 +70,13 @@ def held_tensors(program: ProgramState) -> list[Held]:
     held = []
     for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
         spec = plan.param_shards.get(name)
+        if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
+            raise CheckpointError(
+                f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection with fewer "
+                "kv heads than query heads): checkpoints and weight files cannot lay it out yet",
+                where=f"parameter {name}, rank {program.info.rank}",
+                fix="use full_state_dict() to take the weights out, or tensor_parallel=False / a tp that keeps "
+                    "the fused projection in equal blocks")
         local = z3.get(name, tuple(p.shape))
         shape = list(local)
         ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
