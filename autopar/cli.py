@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from autopar.cli_args import DTYPES, add_schedule_arguments, load_target, parse_mesh, positive_int, unpack_target
+from autopar.cli_args import add_example_input_arguments, add_schedule_arguments, load_target, parse_mesh, positive_int, unpack_target
 from autopar.errors import AutoparError, PlanError
 
 __all__ = ["main", "build_parser", "parse_mesh", "positive_int", "add_schedule_arguments", "load_target"]
@@ -111,12 +111,7 @@ def _add_inspect(sub) -> None:
                    "schedule's timeline, memory per rank and every rewritten graph (autopar.report)")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level of autopar's messages on stderr (default WARNING)")
-    bare = p.add_argument_group("example inputs for a target that returns a bare model")
-    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
-    bare.add_argument("--input-dtype", default="long", choices=sorted(DTYPES), help="its dtype (default long)")
-    bare.add_argument("--vocab", type=int, default=None, metavar="N",
-                      help="integer inputs are drawn from [0, N) (default: model.cfg.vocab_size)")
-    bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    add_example_input_arguments(p)
     p.set_defaults(func=_run_inspect)
 
 

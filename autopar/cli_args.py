@@ -23,7 +23,7 @@ from autopar.errors import PlanError
 from autopar.plan_model import MESH_AXES, MeshShape
 from autopar.runtime.schedules.registry import schedule_names
 
-__all__ = ["DTYPES", "positive_int", "add_schedule_arguments", "parse_mesh", "load_target", "random_inputs",
+__all__ = ["DTYPES", "positive_int", "add_schedule_arguments", "add_example_input_arguments", "parse_mesh", "load_target", "random_inputs",
            "unpack_target"]
 
 DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "float32": torch.float32,
@@ -49,6 +49,16 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         help="microbatches per step (default: chosen by autopar)")
     parser.add_argument("--virtual", type=positive_int, default=1, metavar="V",
                         help="pipeline stages per pp rank (default 1; interleaved_1f1b needs 2 or more)")
+
+
+def add_example_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """--input-shape, --input-dtype, --vocab and --seed: random example inputs for a target that returns a bare model."""
+    bare = parser.add_argument_group("example inputs for a target that returns a bare model")
+    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
+    bare.add_argument("--input-dtype", default="long", choices=sorted(DTYPES), help="its dtype (default long)")
+    bare.add_argument("--vocab", type=int, default=None, metavar="N",
+                      help="integer inputs are drawn from [0, N) (default: model.cfg.vocab_size)")
+    bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
 
 
 def parse_mesh(text: str) -> MeshShape:

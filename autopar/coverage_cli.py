@@ -48,7 +48,7 @@ def _run_coverage(args: argparse.Namespace) -> int:
 
 def add_coverage_command(sub) -> None:
     """The ``coverage`` subcommand of the ``autopar`` parser."""
-    from autopar.cli_args import DTYPES, positive_int
+    from autopar.cli_args import add_example_input_arguments, positive_int
 
     p = sub.add_parser("coverage", help="how each weight is sharded at tp=N, or why it stays replicated",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,10 +58,5 @@ def add_coverage_command(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON instead")
     p.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level of autopar's messages on stderr (default ERROR: the report says it all)")
-    bare = p.add_argument_group("example inputs for a target that returns a bare model")
-    bare.add_argument("--input-shape", metavar="DxD..", help="shape of the one input, batch first, e.g. 8x32")
-    bare.add_argument("--input-dtype", default="long", choices=sorted(DTYPES), help="its dtype (default long)")
-    bare.add_argument("--vocab", type=int, default=None, metavar="N",
-                      help="integer inputs are drawn from [0, N) (default: model.cfg.vocab_size)")
-    bare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    add_example_input_arguments(p)
     p.set_defaults(func=_run_coverage)

@@ -214,7 +214,8 @@ def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None
                 captured, plan = result.captured, result.plan
             else:  # the capture does not depend on tp: lower the same graph at another degree
                 mesh = captured.mesh.model_copy(update={"tp": tp})
-                plan = lower_captured(replace(captured, mesh=mesh), tp_rank=0).plan
+                again = replace(captured, plan=captured.plan.model_copy(update={"mesh": mesh}))
+                plan = lower_captured(again, tp_rank=0).plan
         except ShardingError as exc:
             weights = tuple(WeightCoverage(n, tuple(p.shape), "replicated", reason=f"the plan at tp={tp} was refused")
                             for n, p in params.items())

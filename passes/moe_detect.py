@@ -92,26 +92,25 @@ def _param(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return value if isinstance(value, torch.nn.Parameter) else None
 
 
-def descendants(start: list[fx.Node]) -> set[fx.Node]:
+def _reach(start: list[fx.Node], step) -> set[fx.Node]:
     seen, todo = set(), list(start)
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
-        todo.extend(node.users)
+        todo.extend(step(node))
     return seen
+
+
+def descendants(start: list[fx.Node]) -> set[fx.Node]:
+    """``start`` and every node that reads them, directly or not."""
+    return _reach(start, lambda n: n.users)
 
 
 def ancestors(start: list[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), list(start)
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(node.all_input_nodes)
-    return seen
+    """``start`` and every node they read, directly or not."""
+    return _reach(start, lambda n: n.all_input_nodes)
 
 
 def value_shape(node) -> tuple | None:
