@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import functools
 
-import shared_groups
-from equivalence import Case, batches, build, make_optimizer, replica_record
+from equivalence import Case, batches, build, make_optimizer, replica_record, run_cases
 
 KIND = "memory_harness:measured_run"
 OPTIMIZER_KIND = {"sgd": "momentum", "adam": "adamw"}  # equivalence.make_optimizer's choices
@@ -110,13 +109,11 @@ def _checkpoint_round_trip(program, batch) -> dict:
             "rounded": every, "masters": {k: str(v.dtype) for k, v in back.items()}}
 
 
-shared_groups.register(ALL)  # at import: pytest imports every module before the first test runs
-
-
+@functools.lru_cache(maxsize=None)
 def results(world: int) -> dict:
-    """{case: rank 0's result} for every case of ``world`` ranks (the suite's shared group of that size,
-    tests/shared_groups.py)."""
-    return shared_groups.results(world)
+    """{case: rank 0's result} for every case of ``world`` ranks (one spawned group per session)."""
+    cases = [c for c in ALL if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))
 
 
 def estimate(case: Case):

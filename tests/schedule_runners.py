@@ -6,13 +6,13 @@ steps and gathers every rank's events for the measured-versus-simulated bubble.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 import torch.distributed as dist
 
-import shared_groups
-from equivalence import Case, build, make_optimizer, replica_record
+from equivalence import Case, build, make_optimizer, replica_record, run_cases
 
 __all__ = ["text_batches", "async_run", "trace_run", "layout_of", "SYNC_CASES", "INFER_CASES", "ASYNC_CASES",
            "TRACE_CASE", "results"]
@@ -125,10 +125,8 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
 ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
 
 
-shared_groups.register(ALL_CASES)  # at import: pytest imports every module before the first test runs
-
-
+@functools.lru_cache(maxsize=None)
 def results(world: int) -> dict:
-    """Every case of ``world`` ranks, run once per pytest session in the spawned group the suite
-    shares (tests/shared_groups.py)."""
-    return shared_groups.results(world)
+    """Every case of ``world`` ranks, run once per pytest session in one spawned group."""
+    cases = [c for c in ALL_CASES if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))

@@ -1,20 +1,14 @@
-"""The spawned process groups that the spawned tests of the suite share: one group per world size.
+"""The spawned process groups that the checkpoint, fault and real-world-model tests share.
 
-Starting a group costs seconds (a 4-rank start about 8 s on 2 cores), so the runner modules and
-test modules :func:`register` their cases at import, which pytest does for every module it
-collects before any test runs; each world size then runs once per pytest session
-(:func:`results`), holding the cases of every collected module. A case registered later (a
-module imported after its world's group ran) runs in a group of its own on first use. Equal
-cases registered by two modules run once.
-
-Order: the 2-rank group loads checkpoints that the 4-rank group saved, so it runs after it;
-cases that poison their own group (a p2p or collective timeout) are registered ``last``.
+Starting a group costs seconds, so every spawned case of those tests is listed here and each world
+size runs once per pytest session (``results(world)``, cached). The 2-rank group loads checkpoints
+that the 4-rank group saved, so it runs after it.
 """
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import functools
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -76,56 +70,11 @@ HF_CASES = [
 if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it; without it, skip those
     HF_CASES = []
 
-_REGISTERED: dict[int, dict] = {}  # world -> {case: None}, in registration order
-_LAST: dict[int, dict] = {}  # world -> the cases that must run after every other one
-_DONE: dict[int, dict] = {}  # world -> {case: rank 0's judged result}
-_SETUP: dict = {}  # what must run in this process before the groups start (files the workers read)
-
-
-def register(cases, *, last: bool = False, setup=None) -> None:
-    """Add ``cases`` to the session's group of their world size (``last``: after every other case);
-    ``setup()``: called once, in this process, before the first group that holds them starts."""
-    for case in cases:
-        (_LAST if last else _REGISTERED).setdefault(case.world_size, {})[case] = None
-    if setup is not None:
-        _SETUP.setdefault(setup, False)
-
-
-def _timeout_s(cases) -> float:
-    return 300 + 90 * len(cases)  # the whole group's deadline: a loaded 2-core host runs a case in < 90 s
-
-
-def results(world: int) -> dict:
-    """{case: rank 0's result} of every case registered for ``world`` ranks (the 4-rank group first: it saves)."""
-    checkpoint_root()
-    if world == 2 and RESUME_A[3] in _REGISTERED.get(2, {}):  # resumes what the 4-rank group saved
-        results(4)
-    done = _DONE.setdefault(world, {})
-    wanted = list(_REGISTERED.get(world, {})) + [c for c in _LAST.get(world, {}) if c not in _REGISTERED.get(world, {})]
-    missing = [c for c in wanted if c not in done]
-    for setup, ran in list(_SETUP.items()):
-        if missing and not ran:
-            setup()
-            _SETUP[setup] = True
-    if missing:
-        done.update(zip(missing, run_cases(missing, timeout_s=_timeout_s(missing))))
-    return done
-
-
-def result(case: Case) -> dict:
-    """Rank 0's judged result of one registered case."""
-    found = results(case.world_size)
-    if case not in found:  # registered by nobody: run it now, alone
-        register([case])
-        found = results(case.world_size)
-    return found[case]
-
-
-def register_checkpoint_cases() -> None:
-    """The checkpoint, fault, index-guard and real-world-model cases (their test modules call it at import)."""
-    register([SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD, INDEX_RANGE])
-    register([*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE])
-    register([P2P_TIMEOUT, COLLECTIVE_TIMEOUT], last=True)  # each poisons its own group: keep them last
+GROUPS = {
+    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD, INDEX_RANGE],
+    2: [*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE,
+        P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,3 +83,13 @@ def checkpoint_root() -> str:
     atexit.register(shutil.rmtree, root, True)
     os.environ[ROOT_ENV] = root  # the spawned workers inherit it
     return root
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> dict:
+    """{case: rank 0's result} of the ``world``-rank group (the 4-rank group first: it saves)."""
+    checkpoint_root()
+    if world == 2:
+        results(4)
+    cases = GROUPS[world]
+    return dict(zip(cases, run_cases(cases)))

@@ -23,8 +23,7 @@ import tempfile
 import pytest
 import torch
 
-import shared_groups
-from equivalence import RTOL, Case, assert_equivalent, batches, build, make_optimizer
+from equivalence import RTOL, Case, assert_equivalent, batches, build, make_optimizer, run_cases
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None,
@@ -111,16 +110,10 @@ def _folder_state(case: Case) -> dict:
     return _library_model(case, dict(case.extra)["folder"]).state_dict()
 
 
-def _write_pretrained_once() -> None:
-    """The pretrained folders the cases read, written before the 4-rank group starts."""
-    _write_pretrained()
-
-
-shared_groups.register(CASES, setup=_write_pretrained_once)  # the suite's shared 4-rank group
-
-
+@functools.lru_cache(maxsize=None)
 def _results() -> dict:
-    return shared_groups.results(4)
+    _write_pretrained()
+    return dict(zip(CASES, run_cases(CASES)))
 
 
 def _result(case: Case) -> dict:

@@ -7,6 +7,7 @@ against the CPU build cut the same way); training runs in one spawned 4-rank gro
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -20,8 +21,7 @@ from autopar.runtime.checkpoint_layout import split  # noqa: E402
 from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
 from autopar.runtime.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
-import shared_groups  # noqa: E402
-from equivalence import Case, assert_equivalent  # noqa: E402
+from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from hf_runners import cpu_reference, hf_loop_reference, logits_loss, padded_batches  # noqa: E402
 
 # families whose construction draws only through reset_parameters and post_init (GPT-2's Conv1D
@@ -108,11 +108,10 @@ _HF_CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train"),
                   options=(("data_parallel", "dataparallel"),))]
 
 
-shared_groups.register(_CASES + _HF_CASES)  # the suite's shared 4-rank group
-
-
+@functools.lru_cache(maxsize=None)
 def _results():
-    return shared_groups.results(4)
+    cases = _CASES + _HF_CASES
+    return dict(zip(cases, run_cases(cases)))
 
 
 @pytest.mark.dist

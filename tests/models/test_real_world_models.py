@@ -23,8 +23,6 @@ from equivalence import Case, assert_equivalent, reference_run  # noqa: E402
 
 import shared_groups as groups  # noqa: E402
 
-groups.register_checkpoint_cases()  # the suite's shared groups (tests/shared_groups.py)
-
 
 def _example(name: str, batch: int = 8):
     torch.manual_seed(0)

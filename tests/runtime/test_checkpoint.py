@@ -20,8 +20,6 @@ from equivalence import Case, assert_equivalent, reference_run
 import shared_groups as groups
 from ckpt_runners import reference_from
 
-groups.register_checkpoint_cases()  # the suite's shared groups (tests/shared_groups.py)
-
 
 # -- plain: layouts and files ------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", [

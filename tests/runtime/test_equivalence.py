@@ -1,7 +1,7 @@
 """Every synchronous strategy of the spine trains like one device (the shared harness judges).
 
 Meshes (dp, pp, tp) over both reference models and both schedules; one spawned process group per
-world size runs all of that size's cases, shared with the other spawned tests (tests/shared_groups.py).
+world size runs all of that size's cases.
 """
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import functools
 
 import pytest
 
-import shared_groups
-from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run
+from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run, run_cases
 
 pytestmark = pytest.mark.dist
 
@@ -31,11 +30,10 @@ EXTRA = [
 INFER = [Case(model=m, mesh=mesh, kind="infer") for m in MODELS for mesh in [(1, 2, 1), (1, 1, 2), (2, 2, 2)]]
 
 
-shared_groups.register(CASES + EXTRA + INFER)
-
-
+@functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    return shared_groups.results(world)
+    cases = [c for c in CASES + EXTRA + INFER if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,8 +19,6 @@ from equivalence import assert_equivalent, reference_run
 
 import shared_groups as groups
 
-groups.register_checkpoint_cases()  # the suite's shared groups (tests/shared_groups.py)
-
 pytestmark = pytest.mark.dist
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_train.py")

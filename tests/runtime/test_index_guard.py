@@ -11,8 +11,6 @@ from autopar.passes.meta_keys import INDEX_BOUND, get_meta
 
 import shared_groups as groups
 
-groups.register_checkpoint_cases()  # the suite's shared groups (tests/shared_groups.py)
-
 
 def _bounds(gm) -> dict:
     return {n.name: get_meta(n, INDEX_BOUND) for n in gm.graph.nodes
