@@ -60,6 +60,11 @@ class _Proxy:
         self.channel, self.microbatch, self.replay = channel, microbatch, replay
         self.received: dict[int, torch.Tensor] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """The channel's device: receive nodes build their anchors on it."""
+        return self.channel.device
+
     def send(self, tensor, *, stage, edge, microbatch, is_grad):
         if self.replay is None or is_grad:  # a recompute does not send its activations again
             self.channel.send(tensor, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
