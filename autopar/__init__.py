@@ -8,6 +8,7 @@
 rewritten graphs in a plain process.
 """
 from autopar.compile import compile, default_optimizer
+from autopar.coverage_report import CoverageReport, WeightCoverage, coverage, coverage_by_tp
 from autopar.errors import (
     AutoparError, CaptureError, CheckpointError, IndexRangeError, InputError, NumericsError, PassError, PlanError, RuntimeCommError,
     ScheduleError, ShardingError,
@@ -19,6 +20,7 @@ from autopar.planning import PlanResult, plan
 
 __all__ = [
     "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
+    "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
     "RuntimeCommError", "NumericsError", "IndexRangeError", "InputError", "CheckpointError", "PassError",
 ]

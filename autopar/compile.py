@@ -11,15 +11,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
-from autopar.lowering import _is_meta, lower
+from autopar.lowering import _is_meta, batch_inputs, lower
 from autopar.mesh import mesh_info
+from autopar.options import resolve_plan
 from autopar.plan_model import Plan
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
-from autopar.runtime.schedules.registry import build_schedule
-from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
@@ -46,16 +45,21 @@ def _shared_seed() -> int:
     return int(seed[0])
 
 
-def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights):
-    """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers."""
+def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights, masters):
+    """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers;
+    ``masters`` (bf16): receives each parameter's fp32 piece."""
     if not _is_meta(model) and weights is None:
         return None
-    if lowered.plan.precision == "bf16":
-        raise PlanError("a meta-built model cannot be compiled with precision='bf16' yet",
-                        where=f"compile(model={type(model).__name__}, precision='bf16')",
-                        fix="compile in fp32 (precision='fp32'), or build the model on a real device")
     fill = weights if weights is not None else init_filler(model, seed=_shared_seed())
-    return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh))
+    return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh),
+                   masters=masters)
+
+
+def _data_parallel(model: nn.Module, opts, plan, info, example_inputs) -> str:
+    """The program kind, a Plan decision: a given Plan's, else the options' (resolved in autopar/options.py)."""
+    batch = batch_inputs(example_inputs)[1][0].shape[0]
+    return resolve_plan(opts, given=plan, mesh=info.shape, batch=batch, model_name=type(model).__name__,
+                        num_parameters=0).data_parallel
 
 
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
@@ -91,24 +95,23 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
-    if opts.data_parallel == "dataparallel" and _is_meta(model):
-        raise PlanError("the DataParallel baseline cannot compile a meta-built model",
-                        where="compile(data_parallel='dataparallel')",
-                        fix="use data_parallel='ddp' (the default), or build the model on a real device")
-    if opts.data_parallel == "dataparallel":  # the rank-0 baseline: lowered without its loss
-        from autopar.runtime.data_parallel import compile_data_parallel
+    if _data_parallel(model, opts, plan, info, example_inputs) == "dataparallel":  # the rank-0 baseline
+        if _is_meta(model):
+            raise PlanError("the DataParallel baseline cannot compile a meta-built model",
+                            where="compile(data_parallel='dataparallel')",
+                            fix="use data_parallel='ddp' (the default), or build the model on a real device")
+        from autopar.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan)
-    p = lowered.plan.pipeline
-    schedule = build_schedule(p.schedule, num_ranks=info.shape.pp, num_microbatches=p.num_microbatches,
-                              num_virtual=p.num_virtual)
-    validate(schedule)
+                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
+                    dp_rank=info.coords["dp"])
+    schedule = lowered.schedule
     state_keys = tuple(model.state_dict().keys())
-    masters = (masters_for_rank(model, lowered, schedule=schedule, info=info)
-               if lowered.plan.precision == "bf16" and not _is_meta(model) else None)  # fp32 masters of the bf16 graphs
+    masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
+    if lowered.plan.precision == "bf16":
+        masters = {} if _is_meta(model) else masters_for_rank(model, lowered, schedule=schedule, info=info)
     program_class, extra = RankProgram, {}
     if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
         from autopar.runtime.async_pipeline import AsyncProgram
@@ -116,7 +119,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     program = program_class(lowered=lowered, info=info, schedule=schedule,
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
-                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights), **extra)
+                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights,
+                                                      masters=masters), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

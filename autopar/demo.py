@@ -53,7 +53,7 @@ examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, shared by ``autopar train`` and ``python -m autopar.demo``."""
-    from autopar.cli import add_schedule_arguments, positive_int
+    from autopar.cli_args import add_schedule_arguments, positive_int
 
     parser.add_argument("--mesh", default=DEFAULT_MESH,
                         help=f"mesh degrees; their product is the number of processes (default {DEFAULT_MESH})")
@@ -174,7 +174,7 @@ def _first_error(error_dir: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo: as this torchrun rank, or by spawning one process per rank; returns the exit status."""
-    from autopar.cli import parse_mesh
+    from autopar.cli_args import parse_mesh
 
     shape = parse_mesh(args.mesh)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

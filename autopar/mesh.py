@@ -1,15 +1,14 @@
 """Meshes: a torch DeviceMesh whose dim names come from ``dp``, ``pp``, ``tp``.
 
 :func:`init_mesh` builds one from torchrun's environment (gloo on CPU, NCCL on CUDA);
-:class:`MeshInfo` is what the runtime reads off a mesh: this rank's coordinates, the process
-group of each axis and the global ranks along it.
+:func:`mesh_info` reads this rank's :class:`~autopar.runtime.rank_context.MeshInfo` off a mesh: its
+coordinates, the process group of each axis and the global ranks along it.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,27 +17,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.elastic import restart_safe_rendezvous
 from autopar.errors import PlanError
 from autopar.plan_model import MESH_AXES, MeshShape
-from autopar.validation import check_mesh_degrees
+from autopar.runtime.rank_context import MeshInfo
+from autopar.validation import check_mesh_degrees, parse_mesh_shape
 
 __all__ = ["init_mesh", "MeshInfo", "mesh_info", "parse_mesh_shape"]
 
 log = logging.getLogger(__name__)
-
-
-def parse_mesh_shape(shape) -> MeshShape:
-    """A MeshShape from a MeshShape, a dict {'dp': 2, ...} or a (dp, pp, tp) tuple."""
-    if isinstance(shape, MeshShape):
-        return shape
-    if isinstance(shape, dict):
-        unknown = sorted(set(shape) - set(MESH_AXES))
-        if unknown:
-            raise PlanError(f"unknown mesh dim names {unknown}", where="mesh_shape",
-                            fix=f"name mesh dims from {MESH_AXES}")
-        return MeshShape(**shape)
-    if isinstance(shape, (tuple, list)) and len(shape) == 3:
-        return MeshShape(dp=shape[0], pp=shape[1], tp=shape[2])
-    raise PlanError(f"cannot read mesh shape {shape!r}", where="mesh_shape",
-                    fix="pass {'dp': 2, 'pp': 2, 'tp': 1} or a (dp, pp, tp) tuple")
 
 
 def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None,
@@ -70,21 +54,6 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
     return mesh
 
 
-@dataclass
-class MeshInfo:
-    """This rank's view of the mesh."""
-
-    shape: MeshShape
-    rank: int
-    coords: dict[str, int]
-    groups: dict[str, object] = field(default_factory=dict)
-    axis_ranks: dict[str, list[int]] = field(default_factory=dict)
-
-    def peer(self, axis: str, index: int) -> int:
-        """Global rank of the rank at ``index`` along ``axis`` sharing my other coordinates."""
-        return self.axis_ranks[axis][index]
-
-
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     """Read degrees, coordinates, groups and peers off ``mesh``; checks names and world size."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -101,7 +70,9 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     degrees = {axis: mesh.size(names.index(axis)) if axis in names else 1 for axis in MESH_AXES}
     coordinate = mesh.get_coordinate()
     coords = {axis: coordinate[names.index(axis)] if axis in names else 0 for axis in MESH_AXES}
-    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords, device=device)
     grid = mesh.mesh
     for axis in MESH_AXES:
         if axis not in names:

@@ -15,10 +15,16 @@ from autopar.errors import PlanError
 from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
-           "SCHEDULE_NAMES", "UserModel", "plan_error_from"]
+           "UserModel", "plan_error_from", "known_schedule"]
 
 MESH_AXES = ("dp", "pp", "tp")
-SCHEDULE_NAMES = schedule_names()  # the registry's (runtime/schedules/registry.py)
+
+
+def known_schedule(value: str) -> str:
+    """A pydantic validator: ``value`` if the registry (runtime/schedules/registry.py) has it."""
+    if value not in schedule_names():
+        raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(schedule_names())}")
+    return value
 
 
 def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
@@ -121,12 +127,7 @@ class PipelinePlan(_Frozen):
     num_virtual: int = Field(1, ge=1)
     stage_starts: tuple[str, ...] = ()
 
-    @field_validator("schedule")
-    @classmethod
-    def _known_schedule(cls, value: str) -> str:
-        if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(SCHEDULE_NAMES)}")
-        return value
+    _known_schedule = field_validator("schedule")(known_schedule)
 
 
 class TpRegionPlan(_Frozen):
@@ -137,10 +138,15 @@ class TpRegionPlan(_Frozen):
 
 
 class ParamShard(_Frozen):
-    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded."""
+    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded.
+
+    ``parts`` > 0: each block cut in that many pieces only, rank r holding piece ``r * parts // tp``.
+    """
 
     dim: int = Field(ge=0)
     chunks: int = Field(1, ge=1)
+    parts: int = Field(0, ge=0)
+    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
 
 
 class Plan(_Frozen):
@@ -162,6 +168,9 @@ class Plan(_Frozen):
     num_parameters: int = Field(0, ge=0)
     recompute: tuple[Literal["none", "selective", "full"], ...] = ()  # per stage; () = "none" everywhere
     precision: Literal["fp32", "bf16"] = "fp32"
+    expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
+    expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
+    moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -208,6 +217,9 @@ class Plan(_Frozen):
         ]
         if self.recompute or self.precision != "fp32":
             lines.append(f"  recompute per stage: {', '.join(self.recompute) or 'none'}; precision {self.precision}")
+        if self.expert_parallel > 1:
+            lines.append(f"  expert parallel: {len(self.expert_params)} expert tensors split over ep="
+                         f"{self.expert_parallel} (of dp {self.mesh.dp})")
         if self.shared_params:
             shared = ", ".join(f"{k} on stages {list(v)}" for k, v in self.shared_params.items())
             lines.append(f"  shared across stages (gradients summed): {shared}")

@@ -19,8 +19,6 @@ from autopar.mesh import parse_mesh_shape
 from autopar.passes.pipeline_split import StageGraph
 from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
-from autopar.runtime.schedules.registry import build_schedule
-from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["plan", "PlanResult", "RankGraphs", "rank_of", "coords_of"]
@@ -126,10 +124,7 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     opts = checked_options(options, mesh=shape, plan=plan, where="plan")
     cap = capture_and_annotate(model, mesh=shape, example_inputs=example_inputs, example_target=example_target,
                                loss_fn=loss_fn, options=opts, plan=plan)
-    o = cap.options
-    schedule = build_schedule(o.schedule, num_ranks=shape.pp, num_microbatches=cap.num_microbatches,
-                              num_virtual=o.num_virtual)
-    validate(schedule)
+    schedule = cap.schedule
     wanted = range(shape.world_size) if ranks is None else sorted(set(ranks))
     for rank in wanted:
         if not 0 <= rank < shape.world_size:

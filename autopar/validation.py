@@ -12,7 +12,7 @@ to do) instead of a foreign traceback from deep inside capture, or a silent wron
   on this mesh (``sequence_parallel=True`` with tp=1);
 - :func:`check_captured`: what only the captured graph shows: the loss is a scalar, example
   token ids and positions stay inside the tables they index (:mod:`autopar.passes.index_bounds`);
-- :func:`check_mesh_degrees`, :func:`check_checkpoint_path`, :func:`check_state_dict`.
+- :func:`check_mesh_degrees`, :func:`parse_mesh_shape`, :func:`check_checkpoint_path`, :func:`check_state_dict`.
 
 Example::
 
@@ -22,19 +22,19 @@ Example::
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
 
-from autopar.errors import CheckpointError, InputError, PlanError
+from autopar.errors import InputError, PlanError
 from autopar.options import CompileOptions
 from autopar.passes.index_bounds import annotate_index_bounds, constant_index_problems, index_problem
-from autopar.plan_model import MeshShape, Plan
+from autopar.plan_model import MESH_AXES, MeshShape, Plan
+from autopar.runtime.checkpoint_files import check_checkpoint_path, check_state_dict
 
 __all__ = ["check_arguments", "checked_options", "check_captured", "check_mesh_degrees",
-           "check_checkpoint_path", "check_state_dict", "example_tensors"]
+           "check_checkpoint_path", "check_state_dict", "example_tensors", "parse_mesh_shape"]
 
 _SCALARS = (bool, int, float, str, type(None))  # plain Python values a forward may take beside tensors
 _INPUT_KINDS = "a tensor, a tuple/list of tensors, or a dict of str -> tensor"
@@ -154,7 +154,6 @@ def check_plan_matches(plan, *, model: nn.Module, mesh_shape, where: str) -> Non
                         fix="plan this model again, or edit the Plan to name this model's modules and parameters "
                             "(as model.named_modules() / named_parameters() spell them)")
     if mesh_shape is not None:
-        from autopar.mesh import parse_mesh_shape
         shape = parse_mesh_shape(mesh_shape)
         if shape != plan.mesh:
             raise _mesh_mismatch(plan, shape, where=where)
@@ -199,11 +198,37 @@ def _without_effect(opts: CompileOptions, given: set, mesh: MeshShape) -> tuple[
     return None
 
 
+def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str, str] | None:
+    """(what is wrong, the fix) for an ``expert_parallel`` this mesh and these options cannot run (docs/moe.md)."""
+    ep = opts.expert_parallel
+    if ep == 1:
+        if opts.moe_capacity_factor is not None:
+            return ("moe_capacity_factor has no effect with expert_parallel=1: no tokens are dispatched",
+                    "drop moe_capacity_factor, or set expert_parallel")
+        return None
+    if mesh.dp % ep:
+        return f"expert_parallel={ep} does not divide dp={mesh.dp}", f"use an expert_parallel that divides {mesh.dp}"
+    if opts.zero_stage == 3:
+        return (f"expert_parallel={ep} with zero_stage=3: ZeRO-3 does not shard expert tensors over dp/ep yet",
+                "use zero_stage 0, 1 or 2")
+    if opts.data_parallel != "ddp":
+        return f"expert_parallel={ep} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
+    if mesh.tp > 1:
+        return f"expert_parallel={ep} with tp={mesh.tp} is not supported yet", "use tp=1 with expert_parallel"
+    if opts.max_grad_norm is not None:
+        return (f"expert_parallel={ep} with max_grad_norm: the global norm does not count expert shards yet",
+                "drop max_grad_norm")
+    return None
+
+
 def checked_options(options: dict, *, mesh: MeshShape, plan=None, where: str) -> CompileOptions:
     """The options as CompileOptions; a Plan made for another mesh, or an option without effect, is refused."""
     opts = CompileOptions(**options)
     if isinstance(plan, Plan) and plan.mesh != mesh:
         raise _mesh_mismatch(plan, mesh, where=where)
+    problem = _expert_parallel_problem(opts, mesh)
+    if problem:
+        raise PlanError(problem[0], where=f"{where}(expert_parallel={opts.expert_parallel}), mesh {mesh}", fix=problem[1])
     if plan is None:  # with a Plan, the Plan's decisions replace the options
         found = _without_effect(opts, set(options), mesh)
         if found:
@@ -283,25 +308,17 @@ def check_mesh_degrees(*, dp, pp, tp, backend, timeout_s) -> None:
                          fix="pass seconds as a positive number, or None for torch's default")
 
 
-def check_checkpoint_path(path) -> None:
-    """A checkpoint path is a str or os.PathLike."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise CheckpointError(f"a checkpoint path must be a str or os.PathLike, got {_kind(path)}",
-                              where="load_checkpoint(path=...)",
-                              fix="pass the folder save_checkpoint wrote (its root, or one step folder)")
-
-
-def check_state_dict(state_dict) -> None:
-    """A single-device state_dict: a mapping of str -> tensor."""
-    if isinstance(state_dict, nn.Module):
-        raise CheckpointError(f"load_full_state_dict was given the module {type(state_dict).__name__}, not its "
-                              "state_dict", where="load_full_state_dict(state_dict=...)",
-                              fix="pass model.state_dict()")
-    if not isinstance(state_dict, Mapping):
-        raise CheckpointError(f"a state_dict must be a mapping of str -> tensor, got {_kind(state_dict)}",
-                              where="load_full_state_dict(state_dict=...)", fix="pass model.state_dict()")
-    for key, value in state_dict.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"state_dict entry {key!r} is a {_kind(value)}, not a tensor keyed by name",
-                                  where="load_full_state_dict(state_dict=...)",
-                                  fix="pass model.state_dict() (or torch.load of a saved one)")
+def parse_mesh_shape(shape) -> MeshShape:
+    """A MeshShape from a MeshShape, a dict {'dp': 2, ...} or a (dp, pp, tp) tuple."""
+    if isinstance(shape, MeshShape):
+        return shape
+    if isinstance(shape, dict):
+        unknown = sorted(set(shape) - set(MESH_AXES))
+        if unknown:
+            raise PlanError(f"unknown mesh dim names {unknown}", where="mesh_shape",
+                            fix=f"name mesh dims from {MESH_AXES}")
+        return MeshShape(**shape)
+    if isinstance(shape, (tuple, list)) and len(shape) == 3:
+        return MeshShape(dp=shape[0], pp=shape[1], tp=shape[2])
+    raise PlanError(f"cannot read mesh shape {shape!r}", where="mesh_shape",
+                    fix="pass {'dp': 2, 'pp': 2, 'tp': 1} or a (dp, pp, tp) tuple")

@@ -17,6 +17,7 @@ import bench_pipeline  # noqa: E402
 import bench_schedules  # noqa: E402
 import bench_sequence_parallel  # noqa: E402
 import bench_tensor_parallel  # noqa: E402
+import bench_tp_gpt2  # noqa: E402
 from _report import DOC_PATH, console_table, fence, machine_line, today  # noqa: E402
 from _timing import DEFAULTS  # noqa: E402
 
@@ -24,7 +25,8 @@ __all__ = ["BENCHMARKS", "main", "header", "kept_sections"]
 
 #: (section name, module) of every benchmark, in document order.
 BENCHMARKS = (("pipeline", bench_pipeline), ("tensor_parallel", bench_tensor_parallel),
-              ("sequence_parallel", bench_sequence_parallel), ("schedules", bench_schedules),
+              ("tp_gpt2", bench_tp_gpt2), ("sequence_parallel", bench_sequence_parallel),
+              ("schedules", bench_schedules),
               ("data_parallel", bench_data_parallel))
 
 

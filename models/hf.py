@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar.errors import PlanError
 
-__all__ = ["HF_MODELS", "HF_RAW", "HfSpec", "build_hf_model", "build_hf_raw", "hf_batch", "hf_model_names"]
+__all__ = ["HF_MODELS", "HF_RAW", "HfSpec", "build_hf_model", "build_hf_raw", "hf_batch", "hf_model_names",
+           "hf_raw_example", "token_loss", "class_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -75,25 +77,78 @@ HF_MODELS: dict[str, HfSpec] = {
 
 _DECODER = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+_ENCODER = dict(vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+# learned position tables stay replicated (as Megatron-LM keeps them): 16 rows, as a real model's table is
+# a small share of its weights (BERT-base: 0.4%), not the third of a 2-layer, width-32 model's that 64 rows make
+_POSITIONS = 16
+_VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=_IMAGE,
+               patch_size=4, num_labels=_NUM_LABELS)
+
+
+def _raw(family: str, config: str, model: str, inputs: str = "tokens", **fields) -> HfSpec:
+    return HfSpec(family, config, model, tuple(fields.items()), inputs)
+
+
 # families as users hold them: the library's own classes with library defaults (use_cache=True, untied
-# unless the family ties), each from a small config of its own; the model returns its ModelOutput
+# unless the family ties), each from a small config of its own quirks; the model returns its ModelOutput.
+# inputs: "tokens" (batch, seq) ids, "images" (batch, 3, 16, 16) pixels, "seq2seq" a dict batch of
+# input_ids and decoder_input_ids
 HF_RAW: dict[str, HfSpec] = {
-    "llama": HfSpec("Llama", "LlamaConfig", "LlamaForCausalLM", tuple(_DECODER.items()), "tokens"),
-    "mistral": HfSpec("Mistral", "MistralConfig", "MistralForCausalLM",
-                      tuple({**_DECODER, "sliding_window": None}.items()), "tokens"),
-    "qwen2": HfSpec("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", tuple(_DECODER.items()), "tokens"),
-    "qwen3": HfSpec("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", tuple({**_DECODER, "head_dim": 8}.items()), "tokens"),
-    "mixtral": HfSpec("Mixtral (mixture of experts)", "MixtralConfig", "MixtralForCausalLM", tuple(
-        {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}.items()), "tokens"),
-    "phi3": HfSpec("Phi-3 (fused qkv)", "Phi3Config", "Phi3ForCausalLM",
-                   tuple({**_DECODER, "pad_token_id": 0}.items()), "tokens"),
-    "gemma": HfSpec("Gemma", "GemmaConfig", "GemmaForCausalLM", tuple({**_DECODER, "head_dim": 8}.items()), "tokens"),
-    "gpt2": HfSpec("GPT-2", "GPT2Config", "GPT2LMHeadModel", tuple(dict(
-        vocab_size=_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0).items()),
-        "tokens"),
-    "bert": HfSpec("BERT (encoder, masked LM)", "BertConfig", "BertForMaskedLM", tuple(dict(
-        vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, pad_token_id=0).items()), "tokens"),
+    "llama": _raw("Llama (GQA: 2 kv heads)", "LlamaConfig", "LlamaForCausalLM", **_DECODER),
+    "mistral": _raw("Mistral", "MistralConfig", "MistralForCausalLM", **_DECODER, sliding_window=None),
+    "qwen2": _raw("Qwen2 (qkv biases)", "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
+    "qwen3": _raw("Qwen3 (q/k norms per head)", "Qwen3Config", "Qwen3ForCausalLM", **_DECODER, head_dim=8),
+    "mixtral": _raw("Mixtral (mixture of experts)", "MixtralConfig", "MixtralForCausalLM", **_DECODER,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "phi3": _raw("Phi-3 (fused qkv, fused gate_up)", "Phi3Config", "Phi3ForCausalLM", **_DECODER, pad_token_id=0),
+    "gemma": _raw("Gemma", "GemmaConfig", "GemmaForCausalLM", **_DECODER, head_dim=8),
+    "gpt2": _raw("GPT-2 (Conv1D, fused qkv)", "GPT2Config", "GPT2LMHeadModel", vocab_size=_VOCAB,
+                 n_positions=_POSITIONS, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
+    "bert": _raw("BERT (encoder, masked LM, tied decoder)", "BertConfig", "BertForMaskedLM", **_ENCODER,
+                 max_position_embeddings=_POSITIONS, pad_token_id=0),
+    "gemma2": _raw("Gemma 2 (soft-capping, sliding window)", "Gemma2Config", "Gemma2ForCausalLM", **_DECODER,
+                   head_dim=8, sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "olmo2": _raw("OLMo 2 (q/k norms over all heads)", "Olmo2Config", "Olmo2ForCausalLM", **_DECODER, pad_token_id=1),
+    "gpt_neox": _raw("GPT-NeoX (qkv interleaved per head, partial rotary)", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+                     vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, bos_token_id=0,
+                     eos_token_id=0),
+    "gptj": _raw("GPT-J (parallel block, interleaved rotary)", "GPTJConfig", "GPTJForCausalLM", vocab_size=_VOCAB,
+                 n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, bos_token_id=0, eos_token_id=0),
+    "falcon": _raw("Falcon (multi-query, fused query_key_value)", "FalconConfig", "FalconForCausalLM",
+                   vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                   new_decoder_architecture=False, parallel_attn=True, bias=False, bos_token_id=0, eos_token_id=0),
+    "falcon_new": _raw("Falcon new architecture (grouped qkv per kv head)", "FalconConfig", "FalconForCausalLM",
+                       vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                       new_decoder_architecture=True, bos_token_id=0, eos_token_id=0),
+    "bloom": _raw("BLOOM (ALiBi, fused qkv per head)", "BloomConfig", "BloomForCausalLM", vocab_size=_VOCAB,
+                  hidden_size=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
+    "opt": _raw("OPT (learned positions, offset 2)", "OPTConfig", "OPTForCausalLM", vocab_size=_VOCAB, hidden_size=32,
+                ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=_POSITIONS,
+                word_embed_proj_dim=32, pad_token_id=1, bos_token_id=0, eos_token_id=0),
+    "gpt_bigcode": _raw("GPTBigCode (multi-query, fused c_attn)", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                        vocab_size=_VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=_POSITIONS, multi_query=True,
+                        bos_token_id=0, eos_token_id=0),
+    "qwen2_moe": _raw("Qwen2-MoE (experts and a shared expert)", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      **_DECODER, **_MOE, shared_expert_intermediate_size=64),
+    "qwen3_moe": _raw("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_DECODER, **_MOE, head_dim=8),
+    "roberta": _raw("RoBERTa (positions from padding)", "RobertaConfig", "RobertaForMaskedLM", **_ENCODER,
+                    max_position_embeddings=_POSITIONS + 2, pad_token_id=1),
+    "t5": _raw("T5 (encoder-decoder, relative bias, gated)", "T5Config", "T5ForConditionalGeneration", "seq2seq",
+               vocab_size=_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+               pad_token_id=0, eos_token_id=1, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    "bart": _raw("BART (encoder-decoder, learned positions)", "BartConfig", "BartForConditionalGeneration", "seq2seq",
+                 vocab_size=_VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                 max_position_embeddings=_POSITIONS, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                 decoder_start_token_id=2),
+    "vit": _raw("ViT (vision, classifier)", "ViTConfig", "ViTForImageClassification", "images", **_VISION),
+    "clip_vision": _raw("CLIP vision tower (classifier)", "CLIPConfig", "CLIPForImageClassification", "images",
+                        vision_config=_VISION, num_labels=_NUM_LABELS),
+    "swin": _raw("Swin (windows, relative position bias)", "SwinConfig", "SwinForImageClassification", "images",
+                 image_size=_IMAGE, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+                 num_labels=_NUM_LABELS, drop_path_rate=0.0),
 }
 
 
@@ -113,6 +168,33 @@ def build_hf_raw(name: str, *, device=None, **overrides) -> nn.Module:
         return getattr(tf, spec.model)(config)
     with torch.device(device):
         return getattr(tf, spec.model)(config)
+
+
+def token_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the vocabulary, reading a ModelOutput's ``logits`` (batch, seq, vocab)."""
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+
+def class_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the classes, reading a ModelOutput's ``logits`` (batch, classes)."""
+    return F.cross_entropy(output.logits.float(), target)
+
+
+def hf_raw_example(name: str, *, batch: int = 4, seq: int = 8, seed: int = 0):
+    """(example_inputs, loss_fn, example_target) that train family ``name`` of :data:`HF_RAW`.
+
+    Token ids avoid 0..2 (the families' pad, bos and eos ids); a ``seq2seq`` family gets a dict batch
+    of ``input_ids`` and ``decoder_input_ids``; an ``images`` family (batch, 3, 16, 16) pixels and labels.
+    """
+    kind = HF_RAW[name].inputs
+    g = torch.Generator().manual_seed(seed)
+    if kind == "images":
+        return ((torch.randn(batch, 3, _IMAGE, _IMAGE, generator=g),), class_loss,
+                torch.randint(0, _NUM_LABELS, (batch,), generator=g))
+    ids = torch.randint(3, _VOCAB, (batch, seq), generator=g)
+    inputs = {"input_ids": ids, "decoder_input_ids": torch.randint(3, _VOCAB, (batch, seq), generator=g)} \
+        if kind == "seq2seq" else (ids,)
+    return inputs, token_loss, torch.randint(0, _VOCAB, (batch, seq), generator=g)
 
 
 def hf_model_names() -> tuple[str, ...]:

@@ -1,0 +1,55 @@
+"""autopar's compiler passes, in the order a model flows through them (installed as ``autopar.passes``).
+
+A pass takes a torch.fx GraphModule and gives one back, with keyword-only options and no state kept
+between calls; analyses write ``node.meta`` (keys declared once in ``meta_keys.py``), transforms change
+the graph. ``autopar/lowering.py`` writes the pipeline out once and runs it under ``pass_manager.py``.
+
+Capture::
+
+    capture.py            nn.Module (+ loss) -> one flat ATen graph (torch.export, or symbolic_trace)
+    devices.py            devices baked into the graph retargeted (meta constants -> CPU)
+    low_precision.py      precision="bf16": the bf16 copy of the model that capture traces
+    block_template.py     identical blocks: capture a few, repeat the last one after sharding
+    graph_names.py        a graph attribute's name as the user's model spells it
+
+Analyses and checks (node.meta, nothing rewritten)::
+
+    meta_keys.py          the one registry of node.meta keys, their writers and readers
+    shape_prop.py         shapes and dtypes, by running the graph on fake tensors
+    annotate.py           shapes, FLOPs, bytes, module paths, parameter ownership
+    index_bounds.py       which inputs index a table, and how far (the runtime's index guard reads it)
+    batch_stats.py        refuse batch statistics over part of the batch (BatchNorm, dp > 1)
+    static_shapes.py      refuse data-dependent output shapes
+    item_count.py         where the model's own loss counts its label tokens (num_items_in_batch)
+
+Tensor parallelism (before the split, so a region's linears share a stage)::
+
+    moe_detect.py         MoE layers found in the graph: router, top-k, experts, combine, aux loss
+    moe_aux.py            the router's load-balancing statistics averaged over dp (aux loss as one device)
+    moe_expert_parallel.py experts split over ep ranks, all-to-all dispatch and combine nodes
+    tp_errors.py          NoRule: an op that cannot run on shards as placed
+    tp_rules.py           placement rules per op family, as data
+    tp_regions.py         regions found by propagating placements from candidate linears
+    tp_projection.py      projections (linear, addmm/mm/matmul, a transposed weight): the candidates
+    tp_expert_rules.py    placement rules of grouped expert products (one table entry each)
+    tp_expert.py          expert tensor parallelism: each expert's MLP column/row-sharded over tp
+    tp_coverage.py        say what stays replicated because no rule covers it
+    tensor_parallel.py    shard the regions' weights, insert Megatron's f and g
+    vocab_parallel.py     embedding, LM head and loss on vocabulary shards
+    sequence_parallel.py  the replicated stretches between regions sharded on the sequence
+    tp_random.py          random ops on shards draw from the tp rank's own stream
+
+Pipeline (the graph becomes stage graphs)::
+
+    partition.py          cost-balanced stage cuts at block boundaries
+    pipeline_split.py     one GraphModule per stage, joined by visible send/recv nodes
+    weight_grad_split.py  zero-bubble schedules: every weight use exposed for a split backward
+    chimera_replicate.py  Chimera: a second replica of every stage, re-addressed
+    recompute.py          checkpointed block regions (full / selective)
+    zero3.py              ZeRO-3: gather each group of dp shards before use, free after
+
+Running and reading passes::
+
+    pass_manager.py       runs the written-out pipeline, checks the graph after every pass
+    collective_audit.py   every collective a rewritten graph does, with its bytes
+"""

@@ -7,6 +7,7 @@ Parameters stay ``get_attr`` nodes named by their module path, and every call no
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
@@ -24,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
 from autopar.passes.devices import retarget_devices
+from autopar.passes.item_count import NUM_ITEMS, ItemCount, item_count_spec
 from autopar.passes.shape_prop import to_fake
 
 __all__ = ["CapturedGraph", "capture", "caches_off", "model_loss", "MODEL_PREFIX", "CAPTURE_MODES"]
@@ -124,19 +126,20 @@ class CapturedGraph:
     mode: str
     keywords: tuple[str, ...] | None = None  # the inputs are the model's keyword arguments (a dict batch)
     has_target: bool = False  # a ``target`` input follows the model's (loss_fn given)
+    # the model's own loss reads the step's label-token count: a last model input the runtime fills
+    item_count: ItemCount | None = None
+    extra_args: tuple = ()  # example values of the inputs capture added (the count), in input order
 
 
 def _is_user_file(filename: str) -> bool:
     """False for generated code and for files of torch, autopar's compiler or the standard library."""
-    import autopar
-    import autopar.passes
-    import autopar.runtime
-
     if filename.startswith("<"):  # generated code (fx, exec)
         return False
     path = os.path.abspath(filename)
-    compiler = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                     for m in (torch, autopar, autopar.passes, autopar.runtime))
+    # the packages' folders, found without importing them (autopar imports this module)
+    compiler = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
+        os.path.abspath(folder) + os.sep for name in ("autopar", "autopar.passes", "autopar.runtime")
+        for folder in importlib.util.find_spec(name).submodule_search_locations)
     paths = sysconfig.get_paths()
     installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
     in_stdlib = path.startswith(os.path.abspath(paths["stdlib"]) + os.sep) and not path.startswith(installed)
@@ -291,6 +294,10 @@ def capture(
     if has_loss and example_target is None:
         raise CaptureError("a loss_fn was given without an example target", where="capture",
                            fix="pass example_target= (a batch of targets) with loss_fn")
+    count = _item_count(model, keywords) if own_loss else None
+    if count is not None:  # one more keyword input, after the batch's (passes/item_count.py)
+        keywords = tuple(keywords) + (count.input,)
+        example_inputs = tuple(example_inputs) + (_example_count(example_inputs),)
     args = tuple(example_inputs) + ((example_target,) if has_loss else ())
     # distinct tensors for distinct inputs: export merges inputs that are the same object
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
@@ -316,6 +323,40 @@ def capture(
     # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
     retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
     names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
+    extra = ()
+    if count is not None:
+        count, names = _read_count(gm, count, names, keywords, model)
+        keywords = keywords[:-1]
+        extra = (example_inputs[-1],) if count is not None else ()
     log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
     return CapturedGraph(gm=gm, input_names=names, out_spec=exported.call_spec.out_spec,
-                         has_loss=has_loss or own_loss, mode=mode, keywords=keywords, has_target=has_loss)
+                         has_loss=has_loss or own_loss, mode=mode, keywords=keywords, has_target=has_loss,
+                         item_count=count, extra_args=extra)
+
+
+def _item_count(model: nn.Module, keywords) -> ItemCount | None:
+    if NUM_ITEMS in keywords:
+        raise CaptureError(f"the batch carries {NUM_ITEMS!r}: autopar counts the step's label tokens itself",
+                           where=f"example_inputs[{NUM_ITEMS!r}]",
+                           fix=f"drop {NUM_ITEMS!r} from the batch: every step counts the labels of all its "
+                               "microbatches and dp ranks and passes the count to the model")
+    return item_count_spec(model, keywords)
+
+
+def _example_count(example_inputs: tuple) -> torch.Tensor:
+    """The count's example value (any positive number: the graph only divides by it), on the batch's device."""
+    return torch.ones((), dtype=torch.float32, device=example_inputs[0].device)
+
+
+def _read_count(gm: fx.GraphModule, count: ItemCount, names: tuple, keywords: tuple, model: nn.Module):
+    """(the count spec with the graph's input names, the input names); (None, names less it) when the
+    captured loss never reads the count: that input is dropped and each microbatch's loss is its own mean."""
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == names[len(keywords) - 1])
+    if not node.users:
+        log.info("capture: %s takes %s but its loss does not read it: each microbatch's loss is the mean over "
+                 "its own label tokens", type(model).__name__, NUM_ITEMS)
+        gm.graph.erase_node(node)
+        gm.recompile()
+        return None, tuple(n for n in names if n != node.name)
+    labels = names[keywords.index(count.labels)]
+    return ItemCount(labels=labels, shift=count.shift, ignore_index=count.ignore_index, input=node.name), names

@@ -33,6 +33,10 @@ __all__ = [
     "STAGE",
     "TP_PLACEMENT",
     "INDEX_BOUND",
+    "MOE",
+    "MOE_LAYER",
+    "MoeRole",
+    "MoeLayer",
     "TensorInfo",
     "NodeCost",
     "ParamInfo",
@@ -54,6 +58,8 @@ MODULE = "autopar.module"
 STAGE = "autopar.stage"
 TP_PLACEMENT = "autopar.tp_placement"
 INDEX_BOUND = "autopar.index_bound"
+MOE = "autopar.moe"
+MOE_LAYER = "autopar.moe_layer"
 
 
 @dataclass(frozen=True)
@@ -104,16 +110,29 @@ class Placement:
     """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded on dim, 'P' partial sum.
 
     ``chunks`` > 1 means the sharded dim holds that many equal blocks, each sharded on its own
-    (a fused qkv projection's output).
+    (a fused qkv projection's output). ``parts`` > 0 means each block is cut in only that many
+    pieces (a divisor of tp), rank r holding piece ``r * parts // tp``: fewer kv heads than tp,
+    each replicated over ``tp / parts`` ranks. ``inner`` names a second dim cut in the other
+    ``tp / parts`` ways (minor): a kv head broadcast to its query heads (GQA's ``expand``).
+    ``blocks``: the dim holds unequal blocks ``(size, parts)``, each cut on its own (a fused
+    ``[q | k | v]`` whose q and kv blocks differ in size).
     """
 
     kind: str
     dim: int | None = None
     chunks: int = 1
+    parts: int = 0
+    inner: int | None = None
+    # unequal blocks of the sharded dim, each (size, parts): a fused [q | k | v] with fewer kv heads
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         if self.kind == "S":
-            return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim},chunks={self.chunks})"
+            extra = "".join([f",chunks={self.chunks}" if self.chunks != 1 else "",
+                             f",parts={self.parts}" if self.parts else "",
+                             f",inner={self.inner}" if self.inner is not None else "",
+                             f",blocks={list(self.blocks)}" if self.blocks else ""])
+            return f"S({self.dim}{extra})"
         return self.kind
 
 
@@ -127,6 +146,43 @@ class IndexBound:
     rows: int
     lookups: tuple[str, ...]
     low: int = 0
+
+
+@dataclass(frozen=True)
+class MoeRole:
+    """The part a node plays in a mixture-of-experts layer (module path ``layer``).
+
+    ``role``: router, scores, topk, row_ids, offsets, expert_weight, expert_op, combine, shared_expert,
+    aux_loss (passes/moe_detect.py).
+    """
+
+    layer: str
+    role: str
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One recognised MoE layer (on its router's linear node): its form and the names of its nodes.
+
+    ``form``: ``grouped`` (sorted rows, grouped matmul with offsets), ``gathered`` (a 3-D expert tensor
+    indexed by each row's expert id) or ``loop`` (a ModuleList of experts run on every token).
+    """
+
+    path: str
+    form: str
+    num_experts: int
+    top_k: int
+    scoring: str
+    router: str
+    router_weight: str
+    topk: str
+    expert_weights: tuple[str, ...]
+    expert_ops: tuple[str, ...]
+    row_ids: str | None
+    offsets: str | None
+    combine: str
+    shared_experts: tuple[str, ...]
+    aux_loss: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -155,6 +211,9 @@ META_KEYS = MappingProxyType(
                               ("passes.sequence_parallel", "passes.tp_random")),  # vocab/SP passes write it too
         INDEX_BOUND: MetaKey(INDEX_BOUND, IndexBound, "passes.index_bounds.annotate_index_bounds",
                              ("runtime.index_guard", "autopar.validation")),
+        MOE: MetaKey(MOE, MoeRole, "passes.moe_detect.annotate_moe", ("passes.moe_expert_parallel",)),
+        MOE_LAYER: MetaKey(MOE_LAYER, MoeLayer, "passes.moe_detect.annotate_moe",
+                           ("passes.moe_expert_parallel", "autopar.memory")),
     }
 )
 

@@ -1,46 +1,151 @@
-"""The pass manager: runs passes in their written-out order and checks the graph after each.
+"""The pass manager: runs passes in their written-out order and checks every graph after each.
 
-After every pass: ``graph.lint()``, recompile, and shape re-propagation on fake tensors (which also
-refreshes ``autopar.tensor`` and ``autopar.cost``). A failure raises :class:`PassError` naming
-the pass and the passes that ran before it.
+A pass step maps a state to a state of the same type: a GraphModule (the passes before the
+pipeline split), or any object with a ``graphs()`` method listing its GraphModules (the lowering's
+state, whose graphs become one per stage at the split). After every pass, each graph is checked:
+
+- ``graph.lint()`` and recompile;
+- shapes re-propagated on fake tensors. The whole graph runs on the example inputs, which also
+  refreshes ``autopar.tensor`` and ``autopar.cost`` for the passes after it. A stage graph runs on
+  inputs made from its placeholders' ``autopar.tensor``, and every node's value must have the
+  shape and dtype its ``autopar.tensor`` says (the meta is checked, not rewritten).
+
+A failure raises :class:`PassError` naming the pass, the graph and the passes that ran before it.
+
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> run_passes(gm, (PassStep("identity", lambda g: g, "a pass that changes nothing"),),
+    ...            example_inputs=(torch.ones(1, 2),)) is gm
+    True
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol, TypeVar
 
+import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, PassError
 from autopar.passes.annotate import annotate_tensors
+from autopar.passes.meta_keys import TENSOR, get_meta
+from autopar.passes.shape_prop import MetaRun, to_fake
 
-__all__ = ["PassStep", "run_passes"]
+__all__ = ["PassStep", "run_passes", "HasGraphs", "check_stage_graph", "placeholder_inputs"]
 
 log = logging.getLogger(__name__)
+
+State = TypeVar("State")
+
+
+class HasGraphs(Protocol):
+    """A pass pipeline's state: its graphs, each named, with the example inputs it runs on (None: a stage graph)."""
+
+    def graphs(self) -> Iterable[tuple[str, fx.GraphModule, tuple | None]]: ...
 
 
 @dataclass(frozen=True)
 class PassStep:
-    """One line of a pass pipeline: a name, a GraphModule -> GraphModule function, and why it runs there."""
+    """One line of a pass pipeline: a name, a state -> state function, and why it runs there."""
 
     name: str
-    fn: Callable[[fx.GraphModule], fx.GraphModule]
+    fn: Callable
     why: str
 
 
-def _check(gm: fx.GraphModule, example_inputs: tuple) -> None:
-    gm.graph.lint()
-    gm.recompile()
-    annotate_tensors(gm, example_inputs=example_inputs)
+def placeholder_inputs(gm: fx.GraphModule) -> tuple:
+    """Meta tensors shaped as each placeholder's ``autopar.tensor`` says (None where it is no tensor)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        info, val = get_meta(node, TENSOR), node.meta.get("val")
+        if info is None or info.shape is None:
+            out.append(None)
+            continue
+        stride = val.stride() if isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(info.shape) else None
+        out.append(torch.empty(info.shape, dtype=info.dtype, device="meta") if stride is None
+                   else torch.empty_strided(info.shape, stride, dtype=info.dtype, device="meta"))
+    return tuple(out)
 
 
-def run_passes(gm: fx.GraphModule, steps: tuple[PassStep, ...], *, example_inputs: tuple) -> fx.GraphModule:
-    """Run ``steps`` in order on ``gm``, checking the graph after each."""
+class _RegionsInside(MetaRun):
+    """A meta run (without FLOP counting) that also runs every outlined region's ``body`` node by node."""
+
+    def run_node(self, n: fx.Node):
+        if n.op in ("placeholder", "output"):
+            value = fx.Interpreter.run_node(self, n)
+        elif n.op == "get_attr":
+            value = to_fake(fx.Interpreter.run_node(self, n), self.mode)
+        else:
+            with self.mode:
+                value = self._run_call(n)
+        self.on_node(n, value, 0)
+        return value
+
+    def _run_call(self, n: fx.Node):
+        module = self.fetch_attr(n.target) if n.op == "call_module" else None
+        body = getattr(module, "body", None)
+        if isinstance(body, fx.GraphModule) and getattr(module, "meta_forward", None) is None:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return _RegionsInside(body, self.on_node, self.mode).run(*args, **kwargs)
+        return super()._run_call(n)
+
+
+def check_stage_graph(gm: fx.GraphModule) -> None:
+    """Run a stage graph on meta; ValueError naming the first node whose value contradicts its ``autopar.tensor``.
+
+    Collectives answer through their ``meta_forward``; an outlined region runs its own graph.
+    """
+
+    def compare(node: fx.Node, value, flops: int) -> None:
+        info = get_meta(node, TENSOR)
+        first = value[0] if isinstance(value, (tuple, list)) and value else value
+        if info is None or info.shape is None or not isinstance(first, torch.Tensor):
+            return
+        if tuple(first.shape) != tuple(info.shape) or first.dtype != info.dtype:
+            raise ValueError(f"node {node.name} computes {tuple(first.shape)} {first.dtype}, "
+                             f"its autopar.tensor says {tuple(info.shape)} {info.dtype}")
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with torch.no_grad():
+        _RegionsInside(gm, compare, mode).run(*to_fake(placeholder_inputs(gm), mode))
+
+
+def _graphs(state, example_inputs) -> Iterable[tuple[str, fx.GraphModule, tuple | None]]:
+    if isinstance(state, fx.GraphModule):
+        return (("graph", state, example_inputs),)
+    return state.graphs()
+
+
+def _check(state, example_inputs) -> None:
+    for label, gm, inputs in _graphs(state, example_inputs):
+        try:
+            gm.graph.lint()
+            gm.recompile()
+            if inputs is None:
+                check_stage_graph(gm)
+            else:
+                annotate_tensors(gm, example_inputs=inputs)
+        except Exception as exc:  # noqa: BLE001 - reported with the graph's name below
+            raise _Invalid(label, exc) from exc
+
+
+class _Invalid(Exception):
+    def __init__(self, label: str, exc: Exception):
+        super().__init__(f"{label}: {type(exc).__name__}: {exc}")
+        self.label = label
+
+
+def run_passes(state: State, steps: Iterable[PassStep], *, example_inputs: tuple | None = None) -> State:
+    """Run ``steps`` in order on ``state``, checking every graph after each (see the module docstring)."""
     done: list[str] = []
     for step in steps:
         try:
-            gm = step.fn(gm)
+            state = step.fn(state)
         except AutoparError:
             raise
         except Exception as exc:  # noqa: BLE001 - a pass bug is reported with its context
@@ -49,11 +154,11 @@ def run_passes(gm: fx.GraphModule, steps: tuple[PassStep, ...], *, example_input
                             fix="report this graph to the autopar developers; "
                                 "set tensor_parallel=False or pp=1 to avoid the pass") from exc
         try:
-            _check(gm, example_inputs)
-        except Exception as exc:  # noqa: BLE001
-            raise PassError(f"the graph is invalid after pass {step.name!r}: {type(exc).__name__}: {exc}",
-                            where=f"passes run: {done + [step.name]}",
+            _check(state, example_inputs)
+        except _Invalid as exc:
+            raise PassError(f"the graph is invalid after pass {step.name!r}: {exc}",
+                            where=f"{exc.label}; passes run: {done + [step.name]}",
                             fix="report this graph to the autopar developers") from exc
         log.debug("pass %s ok (%s)", step.name, step.why)
         done.append(step.name)
-    return gm
+    return state

@@ -49,6 +49,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.errors import PassError, PlanError
 from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.runtime.collectives import GraphCollective, TpCopy, TpScatter
+from autopar.runtime.p2p import P2PNode
 
 __all__ = ["RECOMPUTE_MODES", "SAVED_OPS", "Recompute", "apply_recompute", "recompute_regions",
            "recompute_modules", "check_mode", "recompute_modes", "recompute_stage"]
@@ -133,7 +135,7 @@ def _tensors(value):
 
 
 def _is_p2p(gm: fx.GraphModule, node: fx.Node) -> bool:
-    return node.op == "call_module" and hasattr(gm.get_submodule(node.target), "edge")
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), P2PNode)
 
 
 def _communicates_forward(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -144,7 +146,7 @@ def _communicates_forward(gm: fx.GraphModule, node: fx.Node) -> bool:
     comm = getattr(module, "comm", None)
     if comm is not None:
         return any(c.direction == "forward" for c in comm(1, 1))
-    return type(module).__name__ not in ("TpCopy", "TpScatter") and hasattr(module, "axis")
+    return isinstance(module, GraphCollective) and not isinstance(module, (TpCopy, TpScatter))
 
 
 def _param_only(node: fx.Node) -> bool:
@@ -227,7 +229,7 @@ def apply_recompute(gm: fx.GraphModule, *, mode: str) -> fx.GraphModule:
         _outline(gm, region, i, mode)
     used = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     for name, child in list(gm.named_children()):
-        if name not in used and hasattr(child, "axis") and hasattr(child, "bind"):
+        if name not in used and isinstance(child, GraphCollective):
             delattr(gm, name)  # a collective that moved into a region's body
     gm.graph.lint()
     gm.recompile()

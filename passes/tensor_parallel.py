@@ -29,10 +29,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import ShardingError
-from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.tp_regions import TpRegion, find_tp_regions
-from autopar.passes.tp_rules import REPLICATE, op_name, shape_of
+from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
+from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
+from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
 __all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where"]
 
@@ -42,16 +43,31 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own."""
+    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own.
+
+    ``parts`` > 0: each block cut in only that many pieces, rank r holding piece ``r * parts // tp``
+    (a kv head replicated over tp / parts ranks).
+    """
 
     dim: int
     chunks: int = 1
+    parts: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused [q | k | v]
+
+    def __repr__(self) -> str:
+        extra = (f", parts={self.parts}" if self.parts else "") + (f", blocks={self.blocks}" if self.blocks else "")
+        return f"ShardSpec(dim={self.dim}, chunks={self.chunks}{extra})"
 
 
 def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of ``tensor`` (contiguous, a copy)."""
-    blocks = tensor.chunk(spec.chunks, dim=spec.dim)
-    return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).contiguous()
+    if spec.blocks:
+        pieces = tensor.split([b for b, _ in spec.blocks], dim=spec.dim)
+        return torch.cat([local_shard(piece, dim=spec.dim, chunks=1, rank=rank * (parts or size) // size,
+                                      size=parts or size) for piece, (_, parts) in zip(pieces, spec.blocks)],
+                         dim=spec.dim).contiguous()
+    ways = spec.parts or size
+    return local_shard(tensor, dim=spec.dim, chunks=spec.chunks, rank=rank * ways // size, size=ways).contiguous()
 
 
 def set_param(gm: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -73,27 +89,41 @@ def node_where(node: fx.Node) -> str:
 
 
 def _check_divisible(region: TpRegion, tp_size: int) -> None:
-    for node, p in region.placements.items():
-        if p.kind != "S":
-            continue
-        size = shape_of(node)[p.dim]
-        if size % (p.chunks * tp_size) != 0:
+    for node, p in list(region.placements.items()) + list(region.local_slices.items()):
+        why = fits(node, p, tp_size)
+        if why is not None:
             raise ShardingError(
-                f"dim {p.dim} of {op_name(node)} output {tuple(shape_of(node))} has size {size}, "
-                f"not divisible by tp={tp_size}" + (f" x {p.chunks} blocks" if p.chunks > 1 else ""),
+                why,
                 where=node_where(node),
-                fix=f"choose a tp degree that divides the attention heads, kv heads and hidden sizes "
-                    f"(mesh dim 'tp'), or set tp=1")
+                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                    "(mesh dim 'tp'), or set tp=1")
 
 
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     """Rewrite sizes baked into view/expand/split args to this rank's shard."""
     name = op_name(node)
-    if name in ("view", "reshape", "_unsafe_view", "expand"):
+    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
         sizes = list(node.args[1])
         if sizes[p.dim] != -1:
-            sizes[p.dim] = sizes[p.dim] // tp_size
+            sizes[p.dim] = local_size(p, sizes[p.dim], tp_size)
+        if p.inner is not None and sizes[p.inner] != -1:
+            sizes[p.inner] = sizes[p.inner] // (tp_size // p.parts)
         node.args = (node.args[0], sizes, *node.args[2:])
+
+
+def _rewrite_slice(node: fx.Node, src_p: Placement, tp_size: int) -> None:
+    """A slice along whole blocks of a fused projection: its bounds in this rank's blocks."""
+    dim, start, stop = slice_bounds(node)
+    if not src_p.blocks or dim != src_p.dim:
+        return
+    offset = local = 0
+    bounds = {}
+    for size, parts in src_p.blocks:
+        bounds.setdefault(offset, local)
+        offset += size
+        local += size // (parts or tp_size)
+        bounds[offset] = local
+    node.args = (node.args[0], dim, bounds[start], bounds[stop], *node.args[4:])
 
 
 def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
@@ -103,23 +133,66 @@ def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
     if dim % len(shape_of(node.args[0])) != src_p.dim:
         return
     arg = node.args[1]
-    new = [a // tp_size for a in arg] if isinstance(arg, (list, tuple)) else arg // tp_size
+    ways = src_p.parts or tp_size
+    new = [a // ways for a in arg] if isinstance(arg, (list, tuple)) else arg // ways
     node.args = (node.args[0], new, *node.args[2:])
 
 
 def _insert_copies(gm: fx.GraphModule, region: TpRegion, tp_size: int, counter: list) -> None:
-    by_input: dict[fx.Node, list[fx.Node]] = {}
-    for col in region.columns:
-        by_input.setdefault(col.args[0], []).append(col)
-    for src, cols in by_input.items():
-        name = f"tp_copy_{counter[0]}"
+    """An f before every replicated value the region reads that carries a gradient.
+
+    The columns' input gets a :class:`TpCopy` (Megatron's f); any other such value (a q/k norm's
+    weight, read on head shards) a :class:`TpGradSum`: both are the identity forward and sum the
+    rank-partial gradient over tp backward.
+    """
+    inputs = {projection_of(col).x: TpCopy for col in region.columns}
+    for node in sorted(region.replicated_inputs, key=_order(gm)):
+        inputs.setdefault(node, TpGradSum)
+    for src, kind in inputs.items():
+        users = [u for u in src.users if u in region.placements]
+        if not users:
+            continue
+        name = f"tp_copy_{counter[0]}" if kind is TpCopy else f"tp_grad_sum_{counter[0]}"
         counter[0] += 1
-        gm.add_submodule(name, TpCopy(axis="tp", size=tp_size))
-        with gm.graph.inserting_before(min(cols, key=_order(gm))):
+        gm.add_submodule(name, kind(axis="tp", size=tp_size))
+        first = min(users, key=_order(gm))
+        with gm.graph.inserting_before(first):
             copy = gm.graph.call_module(name, (src,))
-        copy.meta.update({k: v for k, v in cols[0].meta.items() if k in ("nn_module_stack", MODULE)})
-        for col in cols:
-            col.args = (copy, *col.args[1:])
+        copy.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
+        if TENSOR in src.meta:
+            copy.meta[TENSOR] = src.meta[TENSOR]
+        for user in users:
+            user.replace_input_with(src, copy)
+
+
+def _insert_refinements(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int) -> None:
+    """Before a view that merges a dim cut ``parts`` ways with the next, each rank narrows the next dim
+    to its piece (its query heads among its kv group's); backward pads the rest with zeros."""
+    for node, p in list(region.placements.items()):
+        src = node.args[0] if node.op == "call_function" and node.args else None
+        have = region.placements.get(src) if isinstance(src, fx.Node) else None
+        if have is None or have.kind != "S" or not refines(src, node, have):
+            continue
+        ways = tp_size // have.parts
+        with gm.graph.inserting_before(node):
+            cut = gm.graph.call_function(local_shard, (src,), dict(dim=have.dim + 1, chunks=1, rank=tp_rank % ways,
+                                                                   size=ways))
+        cut.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
+        node.replace_input_with(src, cut)
+
+
+def _insert_local_slices(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int) -> None:
+    """Each rank cuts its own shard of a value without a gradient that the region reads sharded."""
+    for src, p in region.local_slices.items():
+        users = [u for u in src.users if u in region.placements]
+        first = min(users, key=_order(gm))
+        with gm.graph.inserting_before(first):
+            cut = gm.graph.call_function(local_shard, (src,), dict(dim=p.dim, chunks=p.chunks, rank=tp_rank,
+                                                                   size=tp_size))
+        cut.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
+        set_meta(cut, TP_PLACEMENT, p)
+        for user in users:
+            user.replace_input_with(src, cut)
 
 
 def _order(gm: fx.GraphModule):
@@ -127,15 +200,26 @@ def _order(gm: fx.GraphModule):
     return lambda n: index[n]
 
 
+def _partial_product(gm: fx.GraphModule, row: fx.Node) -> fx.Node:
+    """The row's product without its bias (a partial sum on every rank)."""
+    proj = projection_of(row)
+    name = op_name(row)
+    weight = proj.via if proj.via is not None else proj.weight
+    if name == "linear":
+        return gm.graph.call_function(aten.linear.default, (proj.x, weight))
+    if name == "addmm":
+        return gm.graph.call_function(aten.mm.default, (proj.x, weight))
+    return gm.graph.call_function(row.target, tuple(row.args), dict(row.kwargs))
+
+
 def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) -> None:
-    x, weight = row.args[0], row.args[1]
-    bias = row.args[2] if len(row.args) > 2 else row.kwargs.get("bias")
+    bias = projection_of(row).bias
     name = f"tp_reduce_{counter[0]}"
     counter[0] += 1
     gm.add_submodule(name, TpReduce(axis="tp", size=tp_size))
     keep = {k: v for k, v in row.meta.items() if k in ("nn_module_stack", MODULE)}
     with gm.graph.inserting_after(row):
-        partial = gm.graph.call_function(aten.linear.default, (x, weight))
+        partial = _partial_product(gm, row)
     with gm.graph.inserting_after(partial):
         reduced = gm.graph.call_module(name, (partial,))
     out = reduced
@@ -150,22 +234,45 @@ def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) 
 
 
 def _param_specs(region: TpRegion) -> dict[str, ShardSpec]:
-    specs = {}
-    for col in region.columns:
-        chunks = region.placements[col].chunks
-        specs[col.args[1].target] = ShardSpec(0, chunks)
-        bias = col.args[2] if len(col.args) > 2 else None
-        if isinstance(bias, fx.Node):
-            specs[bias.target] = ShardSpec(0, chunks)
-    for row in region.rows:
-        specs[row.args[1].target] = ShardSpec(1, 1)
-    return specs
+    """Every parameter the region holds a shard of (weights, biases, per-head parameters).
+
+    A parameter cut in one part (a single kv head every rank needs) is held whole: no spec.
+    """
+    return {node.target: ShardSpec(p.dim, p.chunks, p.parts, p.blocks) for node, p in region.placements.items()
+            if node.op == "get_attr" and p.kind == "S" and (p.parts != 1 or p.blocks)}
+
+
+def _insert_group_sums(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int, counter: list) -> None:
+    """A parameter piece held by several ranks (a replicated kv head) sums its gradient over them."""
+    for node, p in list(region.placements.items()):
+        blocks = p.blocks or ((shape_of(node)[p.dim] if p.kind == "S" else 0, p.parts),)
+        if node.op != "get_attr" or p.kind != "S" or all(parts in (0, tp_size) for _, parts in blocks):
+            continue
+        name = f"tp_group_grad_sum_{counter[0]}"
+        counter[0] += 1
+        local = [(size // (parts or tp_size), parts if parts != tp_size else 0) for size, parts in blocks]
+        gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, dim=p.dim, blocks=local, rank=tp_rank))
+        first = min(node.users, key=_order(gm))  # where the weight is read: the sum sits in its module
+        users = list(node.users)
+        with gm.graph.inserting_before(first):
+            summed = gm.graph.call_module(name, (node,))
+        summed.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
+        for user in users:
+            user.replace_input_with(node, summed)
+
+
+def _drop_assertions(gm: fx.GraphModule, region: TpRegion) -> None:
+    """Export's metadata checks would compare a shard against the full shape: they are no-ops, drop them."""
+    for node in list(region.placements):
+        if node.op == "call_function" and op_name(node) in ASSERTIONS and not node.users:
+            del region.placements[node]
+            gm.graph.erase_node(node)
 
 
 def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
                           regions: list[TpRegion] | None = None):
     """Shard every region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    regions = find_tp_regions(gm) if regions is None else regions
+    regions = find_tp_regions(gm, tp_size=tp_size) if regions is None else regions
     specs: dict[str, ShardSpec] = {}
     counter = [0, 0]
     for region in regions:
@@ -175,10 +282,16 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
             set_meta(node, TP_PLACEMENT, p)
             if p.kind == "S":
                 localize_sizes(node, p, tp_size)
+                if op_name(node) == "slice":
+                    _rewrite_slice(node, region.placements.get(node.args[0], REPLICATE), tp_size)
                 if op_name(node) in ("split", "split_with_sizes"):
                     _rewrite_split(node, region.placements.get(node.args[0], REPLICATE), tp_size)
         copies, reduces = [counter[0]], [counter[1]]
+        _drop_assertions(gm, region)
+        _insert_local_slices(gm, region, tp_rank, tp_size)
+        _insert_refinements(gm, region, tp_rank, tp_size)
         _insert_copies(gm, region, tp_size, copies)
+        _insert_group_sums(gm, region, tp_rank, tp_size, copies)
         for row in region.rows:
             _rewrite_row(gm, row, tp_size, reduces)
         counter = [copies[0], reduces[0]]

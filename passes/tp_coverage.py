@@ -1,25 +1,25 @@
 """Say what tensor parallelism leaves replicated because no rule covers its op.
 
-:func:`autopar.passes.tp_regions.find_tp_regions` nominates ``aten.linear`` calls only, and warns
-about each candidate it cannot shard. A weight multiplied by another op (``addmm``, ``mm``,
-``matmul``, ``bmm``, ``einsum``, as transformers' ``Conv1D`` in GPT-2 does, or convolved with
-``conv1d/2d/3d``) is never a candidate,
-so without this pass it would stay replicated silently. :func:`warn_unsharded_matmuls` logs one
+:func:`autopar.passes.tp_regions.find_tp_regions` nominates projections (``aten.linear``, and
+``addmm``/``mm``/``matmul`` with a 2-D parameter, transposed or stored (in, out) as transformers'
+``Conv1D`` does) and warns about each candidate it cannot shard. A weight used by another op
+(``bmm``, ``einsum``, a convolution) is never a candidate, so without this pass it would stay
+replicated silently. :func:`warn_unsharded_matmuls` logs one
 warning per such node, naming the module, the node and why.
 
 Example::
 
     >>> import logging, torch, torch.nn as nn
     >>> from autopar.passes.capture import capture
-    >>> class Conv1D(nn.Module):
+    >>> class Experts(nn.Module):
     ...     def __init__(self):
     ...         super().__init__()
-    ...         self.weight = nn.Parameter(torch.randn(4, 8))
+    ...         self.weight = nn.Parameter(torch.randn(3, 4, 8))
     ...     def forward(self, x):
-    ...         return torch.mm(x, self.weight)
-    >>> gm = capture(Conv1D(), (torch.randn(2, 4),)).gm
+    ...         return torch.bmm(x, self.weight)
+    >>> gm = capture(Experts(), (torch.randn(3, 2, 4),)).gm
     >>> [n.name for n in unsharded_matmuls(gm)]
-    ['mm']
+    ['bmm']
 """
 from __future__ import annotations
 
@@ -43,8 +43,14 @@ def _reads_parameter(node: fx.Node) -> bool:
 
 
 def unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
-    """Matrix products and convolutions with a weight read by get_attr (``aten.linear`` excluded)."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and _op(n) in _MATMULS and _reads_parameter(n)]
+    """Matrix products and convolutions with a weight read by get_attr that are not projections.
+
+    Projections (:func:`autopar.passes.tp_regions.projection_of`: ``linear``, ``addmm``/``mm``/
+    ``matmul`` with a parameter) are the region finder's candidates, which warns about those it leaves.
+    """
+    from autopar.passes.tp_regions import projection_of
+    return [n for n in gm.graph.nodes if n.op == "call_function" and _op(n) in _MATMULS and _reads_parameter(n)
+            and projection_of(n) is None]
 
 
 def _path(node: fx.Node) -> str:
@@ -55,8 +61,8 @@ def _path(node: fx.Node) -> str:
 def _why(op: str) -> str:
     if op.startswith("conv"):
         return "convolutions have no tensor-parallel rule (only aten.linear is sharded)"
-    return (f"aten.{op} with a weight operand has no tensor-parallel rule (only aten.linear is sharded; "
-            "transformers' Conv1D computes addmm(bias, x, weight)); use nn.Linear to shard this projection")
+    return (f"aten.{op} with this weight operand has no tensor-parallel rule (projections with a 2-D "
+            "parameter weight are sharded: linear, addmm, mm, matmul)")
 
 
 def warn_unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:

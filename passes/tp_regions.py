@@ -11,16 +11,19 @@ with a warning that names the node and the reason.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import torch
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, Placement, get_meta
-from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
+from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
+from autopar.errors import ShardingError
+from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
+from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
+                                     rule_for, shape_of, slice_bounds, view_dim_map)
 
-__all__ = ["TpRegion", "find_tp_regions", "is_param_linear"]
+__all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,11 @@ class TpRegion:
     columns: list[fx.Node] = field(default_factory=list)
     rows: list[fx.Node] = field(default_factory=list)
     placements: dict[fx.Node, Placement] = field(default_factory=dict)
+    # values computed outside the region that carry a gradient and are read inside it replicated:
+    # each rank's gradient of them is partial (its heads only), so they enter through an f
+    replicated_inputs: set[fx.Node] = field(default_factory=set)
+    # values without a gradient (masks, ALiBi slopes, constants) needed sharded: each rank slices its own
+    local_slices: dict[fx.Node, Placement] = field(default_factory=dict)
 
     def describe(self) -> str:
         def path(n):
@@ -39,74 +47,186 @@ class TpRegion:
         return (f"columns={[path(n) for n in self.columns]} rows={[path(n) for n in self.rows]}")
 
 
-def is_param_linear(node: fx.Node) -> bool:
-    """A call to aten.linear whose weight is a parameter read by get_attr."""
-    if node.op != "call_function" or op_name(node) != "linear":
-        return False
-    weight = node.args[1]
-    return (isinstance(weight, fx.Node) and weight.op == "get_attr" and get_meta(weight, PARAM) is not None
-            and len(weight.users) == 1 and len(get_meta(weight, PARAM).aliases) == 1)
+def grad_carriers(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value carries a gradient: floating values computed from a parameter or a float input."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        info = get_meta(node, TENSOR)
+        floating = info is not None and info.dtype is not None and info.dtype.is_floating_point
+        if node.op == "get_attr":
+            param = get_meta(node, PARAM)
+            if floating and param is not None and param.is_parameter:
+                out.add(node)
+        elif node.op == "placeholder":
+            if floating:
+                out.add(node)
+        elif node.op in ("call_function", "call_module", "call_method"):
+            if any(a in out for a in node.all_input_nodes) and (floating or info is None):
+                out.add(node)
+    return out
 
 
-def _seed_chunks(linear: fx.Node) -> int:
-    """How many equal blocks a column output holds (a fused qkv split three ways -> 3)."""
-    out_rank = len(shape_of(linear))
-    for user in linear.users:
-        if user.op == "call_function" and op_name(user) in ("split", "split_with_sizes", "chunk"):
-            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            if dim % out_rank == out_rank - 1:
-                size = shape_of(linear)[-1]
-                arg = user.args[1]
-                return len(arg) if isinstance(arg, (list, tuple)) else (arg if op_name(user) == "chunk"
-                                                                        else -(-size // arg))
-    return 1
+def _where(node: fx.Node) -> str:
+    info = get_meta(node, MODULE)
+    return f"node {node.name} (module {info.path or '<root>'})" if info else f"node {node.name}"
 
 
 class _Defer(Exception):
     """A rule needs an input that propagation has not reached yet: retry the node later."""
 
 
+_SHAPE_OPS = ("view", "reshape", "_unsafe_view", "transpose", "getitem", "split", "unsqueeze", "expand",
+              "permute", "clone", "contiguous", "split_with_sizes", "chunk", "t")
+
+
+class NotDivisible(NoRule):
+    """A shard that does not divide evenly over tp (kept apart: it becomes a ShardingError)."""
+
+    def __init__(self, node: fx.Node, message: str):
+        super().__init__(message)
+        self.node = node
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n - 1, 0, -1) if n % d == 0]
+
+
+def fits(node: fx.Node, p: Placement, tp_size: int | None) -> str | None:
+    """Why ``p`` does not cut ``node`` evenly over ``tp_size`` ranks, or None when it does."""
+    if tp_size is None or p.kind != "S" or node.op == "call_function" and op_name(node) in ASSERTIONS:
+        return None
+    shape = shape_of(node)
+    ways = p.parts or tp_size
+    bad = [size for size, parts in p.blocks if size % (parts or tp_size)]
+    if bad:
+        return (f"a block of size {bad[0]} of dim {p.dim} of {node.name} {tuple(shape)} is not divisible "
+                f"by tp={tp_size}")
+    if not p.blocks and shape[p.dim] % (p.chunks * ways):
+        return (f"dim {p.dim} of {op_name(node) if node.op == 'call_function' else node.op} output {tuple(shape)} "
+                f"has size {shape[p.dim]}, not divisible by tp={tp_size}"
+                + (f" x {p.chunks} blocks" if p.chunks > 1 else "") + (f" (cut {ways} ways)" if p.parts else ""))
+    if p.inner is not None and shape[p.inner] % (tp_size // p.parts):
+        return f"dim {p.inner} of {node.name} has size {shape[p.inner]}, not divisible by {tp_size // p.parts}"
+    return None
+
+
+def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
+    """The number of heads per block the feature dim ``dim`` of ``node`` is viewed into, if any."""
+    if depth > 6:
+        return None
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        name = op_name(user)
+        if name in ("view", "reshape", "_unsafe_view", "unflatten") and user.args[0] is node:
+            try:
+                out_dim, out_chunks = view_dim_map(shape_of(node), shape_of(user), dim, chunks)
+            except NoRule:
+                continue
+            in_shape, out_shape = shape_of(node), shape_of(user)
+            if len(out_shape) > len(in_shape):
+                if out_dim > 0 and out_shape[out_dim - 1] == 1 and \
+                        math.prod(in_shape[:dim]) == math.prod(out_shape[:out_dim - 1]):
+                    return 1  # a single head (multi-query): (..., features) -> (..., 1, head_dim)
+                return out_shape[out_dim] // out_chunks
+        elif name in ("split", "split_with_sizes", "chunk") and chunks > 1:
+            for piece in user.users:
+                found = _heads(piece, dim, 1, depth + 1)
+                if found is not None:
+                    return found
+    return None
+
+
+def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
+    """``parts`` for a column: 0 (cut tp ways), or the number of heads when fewer than tp (each
+    replicated over tp / heads ranks, as Megatron-LM and vLLM replicate kv heads)."""
+    if tp_size is None:
+        return 0
+    return _ways_of(_heads(seed, len(shape_of(seed)) - 1, chunks), tp_size)
+
+
+_BLOCK_OPS = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "slice", "index", "transpose", "permute", "unsqueeze", "t", "numpy_T",
+              *ELEMENTWISE)
+
+
 class _Solver:
-    def __init__(self, taken: set):
+    def __init__(self, taken: set, carriers: set, tp_size: int | None):
         self.region = TpRegion()
         self.queue: deque[fx.Node] = deque()
         self.taken = taken
+        self.carriers = carriers
+        self.tp_size = tp_size
         self.deferring = True
 
+    def check(self, node: fx.Node, p: Placement) -> None:
+        why = fits(node, p, self.tp_size)
+        if why is not None:
+            raise NotDivisible(node, why)
+
     def add_column(self, linear: fx.Node, placement: Placement) -> None:
-        if linear in self.taken or not is_param_linear(linear):
+        proj = projection_of(linear)
+        if linear in self.taken or proj is None:
             raise NoRule(f"{linear.name} cannot become column-parallel")
-        if linear.args[0] in self.region.placements:
+        if proj.x in self.region.placements:
             raise NoRule(f"{linear.name} has a sharded input")
         if placement.dim != len(shape_of(linear)) - 1:
             raise NoRule(f"{linear.name} would be sharded on a non-feature dim")
+        self.check(linear, placement)
         self.region.columns.append(linear)
         self.region.placements[linear] = placement
+        self._place_weight(proj, replace(placement, dim=proj.out_dim))
+        if proj.bias is not None:
+            self.region.placements[proj.bias] = replace(placement, dim=0)
         self.queue.append(linear)
 
+    def _place_weight(self, proj: Projection, weight: Placement) -> None:
+        self.region.placements[proj.weight] = weight
+        if proj.via is not None:
+            self.region.placements[proj.via] = replace(weight, dim=1 - weight.dim)
+
+    def add_row(self, user: fx.Node, proj: Projection) -> None:
+        self.region.rows.append(user)
+        self.region.placements[user] = Placement("P")
+        self._place_weight(proj, Placement("S", 1 - proj.out_dim, 1))
+
     def require(self, node: fx.Node, placement: Placement) -> None:
-        have = self.region.placements.get(node)
+        have = self.region.placements.get(node, self.region.local_slices.get(node))
         if have is not None:
             if have != placement:
                 raise NoRule(f"{node.name} is {have}, needed {placement}")
             return
+        self.check(node, placement)
         if placement == REPLICATE:
+            if node in self.carriers:
+                self.region.replicated_inputs.add(node)
             return
         if is_param_linear(node):
             return self.add_column(node, placement)
+        if node.op == "get_attr" and node in self.carriers:
+            return self._shard_param(node, placement)
+        if node not in self.carriers:
+            self.region.local_slices[node] = placement  # no gradient: each rank cuts its own slice
+            return
         self._require_backward(node, placement)
+
+    def _shard_param(self, node: fx.Node, placement: Placement) -> None:
+        """A parameter read where a shard is needed (a bias added after ``x @ W.T``): hold that shard."""
+        info = get_meta(node, PARAM)
+        if len(info.aliases) != 1 or len(node.users) != 1:
+            raise NoRule(f"parameter {info.name} is needed as {placement} but is also read elsewhere")
+        self.region.placements[node] = placement
 
     def _require_backward(self, node: fx.Node, placement: Placement) -> None:
         """Pull a shard back through a shape op (view, transpose, getitem, split) to a linear."""
-        if node.op != "call_function" or op_name(node) not in (
-                "view", "reshape", "_unsafe_view", "transpose", "getitem", "split", "unsqueeze",
-                "expand", "permute", "clone", "contiguous", "split_with_sizes", "chunk"):
+        if node.op != "call_function" or op_name(node) not in _SHAPE_OPS:
             raise NoRule(f"{node.name} ({op_name(node) if node.op == 'call_function' else node.op}) "
                          f"would need to be {placement} but is computed replicated")
         src = node.args[0]
         for candidate in self._candidates(src, node):
             trial = dict(self.region.placements)
             trial[src] = candidate
+            if fits(src, candidate, self.tp_size) is not None:
+                continue
             try:
                 out, _ = rule_for(node)(node, trial)
             except NoRule:
@@ -124,24 +244,33 @@ class _Solver:
         if op_name(node) == "getitem":
             return []
         rank = len(shape_of(src)) if not isinstance(get_meta(src, "autopar.tensor"), type(None)) else 0
-        return [Placement("S", d, c) for d in range(rank) for c in (1, 2, 3, 4)]
+        ways = [0] + (_divisors(self.tp_size) if self.tp_size else [])
+        plain = [Placement("S", d, c, w) for w in ways for d in range(rank) for c in (1, 2, 3, 4)]
+        return plain + [Placement("S", d, 1, w, d + 1) for w in ways[1:] for d in range(rank - 1)]
 
     def visit_user(self, user: fx.Node, src: fx.Node) -> None:
         if user.op == "output":
             raise NoRule(f"sharded value {src.name} reaches the graph output")
         if user in self.region.placements:
             return
-        if is_param_linear(user) and user.args[0] is src and user.args[1] is not src:
+        proj = projection_of(user)
+        if proj is not None and proj.x is src and proj.weight is not src:
             p = self.region.placements[src]
-            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and user not in self.taken:
-                self.region.rows.append(user)
-                self.region.placements[user] = Placement("P")
-                return
+            if p.dim == len(shape_of(src)) - 1 and p.chunks == 1 and not p.parts and not p.blocks \
+                    and user not in self.taken:
+                return self.add_row(user, proj)
             raise NoRule(f"{user.name} consumes {src.name} ({p}) but cannot be row-parallel")
+        if op_name(user) not in ("view", "reshape", "_unsafe_view", "flatten", "unflatten") and any(
+                self.region.placements.get(a, REPLICATE).inner is not None for a in user.all_input_nodes):
+            raise NoRule(f"{user.name} reads a kv-head broadcast before it is merged with the query heads")
+        if op_name(user) not in _BLOCK_OPS and any(
+                self.region.placements.get(a, REPLICATE).blocks for a in user.all_input_nodes):
+            raise NoRule(f"{user.name} ({op_name(user)}) reads the unequal blocks of a fused projection")
         out, need = rule_for(user)(user, self.region.placements)
+        self.check(user, out)
         if self.deferring and any(
                 p != REPLICATE and n not in self.region.placements and not is_param_linear(n)
-                for n, p in need.items()):
+                and n in self.carriers and n.op != "get_attr" for n, p in need.items()):
             raise _Defer(user)
         self.region.placements[user] = out
         for node, placement in need.items():
@@ -174,38 +303,118 @@ class _Solver:
             deferred.append((user, src))
 
 
-def _solve_from(seeds: list[fx.Node], taken: set) -> TpRegion:
-    solver = _Solver(taken)
+def _ways_of(heads: int | None, tp_size: int | None) -> int:
+    if tp_size is None or heads is None or heads % tp_size == 0 or tp_size % heads != 0:
+        return 0
+    return heads
+
+
+def _pieces(node: fx.Node, dim: int) -> list[tuple[int, int, fx.Node]]:
+    """(start, stop, reader) of the slices (and constant single-index reads) of ``node`` along ``dim``."""
+    pieces = []
+    for user in node.users:
+        if user.op != "call_function" or user.args[0] is not node:
+            continue
+        if op_name(user) == "slice":
+            d, start, stop = slice_bounds(user)
+            if d == dim and (len(user.args) < 5 or user.args[4] == 1):
+                pieces.append((start, stop, user))
+        elif op_name(user) == "index" and len(user.args[1]) == dim + 1 and all(
+                t is None for t in user.args[1][:dim]):
+            value = constant_value(user.args[1][dim]) if isinstance(user.args[1][dim], fx.Node) else None
+            if value is not None and value.numel() == 1:
+                at = int(value) % shape_of(node)[dim]
+                pieces.append((at, at + 1, user))
+    return sorted(pieces, key=lambda t: t[:2])
+
+
+def _seed_blocks(seed: fx.Node, tp_size: int | None) -> tuple[tuple[int, int], ...]:
+    """Unequal blocks of a fused projection, read by slices of its feature dim (Phi-3's [q | k | v]) or of
+    the heads dim it is viewed into (Falcon's multi-query [q heads | k | v])."""
+    dim = len(shape_of(seed)) - 1
+    size = shape_of(seed)[dim]
+    candidates = [(seed, dim, 1, None)]
+    for user in seed.users:
+        if user.op == "call_function" and op_name(user) in ("view", "reshape", "_unsafe_view"):
+            out = shape_of(user)
+            if len(out) == len(shape_of(seed)) + 1 and out[dim] * out[dim + 1] == size:
+                candidates.append((user, dim, out[dim + 1], 1))
+    for node, d, unit, heads_per in candidates:
+        pieces = _pieces(node, d)
+        if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape_of(node)[d] or any(
+                a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+            continue
+        return tuple(((stop - start) * unit, _ways_of((stop - start) if heads_per else _heads(n, d, 1), tp_size))
+                     for start, stop, n in pieces)
+    return ()
+
+
+def seed_placement(seed: fx.Node, tp_size: int | None) -> Placement:
+    """A column's output placement: its feature dim, cut as its heads and blocks allow."""
+    dim = len(shape_of(seed)) - 1
+    blocks = _seed_blocks(seed, tp_size)
+    if blocks:
+        return Placement("S", dim, blocks=blocks)
+    chunks = seed_chunks(seed)
+    return Placement("S", dim, chunks, seed_ways(seed, chunks, tp_size))
+
+
+def _solve_from(seeds: list[fx.Node], taken: set, carriers: set, tp_size: int | None) -> TpRegion:
+    solver = _Solver(taken, carriers, tp_size)
     for seed in seeds:
-        solver.add_column(seed, Placement("S", len(shape_of(seed)) - 1, _seed_chunks(seed)))
+        solver.add_column(seed, seed_placement(seed, tp_size))
     region = solver.solve()
     if not region.rows:
         raise NoRule("the shard never meets a row-parallel linear")
+    region.replicated_inputs -= set(region.placements)
     return region
 
 
-def find_tp_regions(gm: fx.GraphModule, *, skip=()) -> list[TpRegion]:
+def _solves_undivided(node: fx.Node, siblings: list, taken: set, carriers: set) -> bool:
+    """Whether the region would shard but for tp not dividing it (then that is the user's error to fix)."""
+    for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
+        try:
+            _solve_from(seeds, taken, carriers, None)
+            return True
+        except NoRule:
+            continue
+    return False
+
+
+def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None,
+                    rejected: dict | None = None) -> list[TpRegion]:
     """Every region that shards cleanly, in graph order; failed candidates are logged and skipped.
 
     Linears in ``skip`` (an LM head the vocabulary pass shards) are neither columns nor rows.
+    ``tp_size``: choose shards that divide evenly over that many ranks (fewer kv heads than tp
+    replicated over tp / kv ranks); a region no choice divides raises :class:`ShardingError`.
+    ``rejected``: a dict that receives {candidate node: why it stays replicated} (autopar.coverage).
     """
     regions: list[TpRegion] = []
     taken: set[fx.Node] = set(skip)
+    carriers = grad_carriers(gm)
     for node in gm.graph.nodes:
-        if node in taken or not is_param_linear(node):
+        proj = projection_of(node) if node not in taken else None
+        if proj is None:
             continue
-        siblings = [u for u in node.args[0].users if is_param_linear(u) and u.args[0] is node.args[0]
-                    and u not in taken] if isinstance(node.args[0], fx.Node) else [node]
+        siblings = [u for u in proj.x.users if (q := projection_of(u)) is not None and q.x is proj.x
+                    and u not in taken]
         region = None
         for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
             try:
-                region = _solve_from(seeds, taken)
+                region = _solve_from(seeds, taken, carriers, tp_size)
                 break
             except NoRule as why:
                 path = get_meta(node, MODULE).path if get_meta(node, MODULE) else node.name
                 reason = why
+        if region is None and isinstance(reason, NotDivisible) and _solves_undivided(node, siblings, taken, carriers):
+            raise ShardingError(str(reason), where=_where(reason.node),
+                                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                                    "(mesh dim 'tp'), or set tp=1")
         if region is None:
             log.warning("tensor parallel: %s (node %s) stays replicated: %s", path, node.name, reason)
+            if rejected is not None:
+                rejected[node] = str(reason)
             continue
         regions.append(region)
         taken.update(region.columns)

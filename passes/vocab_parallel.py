@@ -13,8 +13,16 @@ matrix (``ShardSpec(dim=0)``):
 - **Tied weights** (GPT: one parameter read by the embedding and the head) get one spec, dim 0,
   for both uses; on two pipeline stages both copies hold the same rows, and the runtime's
   shared-gradient sum adds the shards element-wise.
+- **padding_idx** (BERT, OPT, RoBERTa): the rank holding the padding row looks it up as its local
+  padding row, so that row's gradient stays zero, as on one device.
+- **Position tables** (learned positions: indices from ``arange`` or computed from the inputs, as
+  RoBERTa's ``cumsum`` over the padding mask) stay replicated, as Megatron-LM keeps them: a token
+  embedding is one whose indices are a graph input passed through shape-only ops.
+- **Encoder MLM heads** (BERT, RoBERTa: dense, norm, then a decoder tied to the word embeddings):
+  the decoder is the vocabulary head, its bias sharded with it; the dense before the norm stays
+  replicated (as in Megatron-LM's BERT head: its output feeds a norm over the hidden dim).
 
-A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean reduction, no
+A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean or sum reduction, no
 class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
 classes as a token embedding has rows. Anything else stays replicated with a warning naming why;
 an embedding tied to a replicated head stays replicated too. A vocabulary that does not divide
@@ -54,6 +62,7 @@ __all__ = ["VocabParallel", "find_vocab_parallel", "shard_vocab_parallel", "modu
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
+_REDUCTIONS = {1: "mean", 2: "sum"}  # at::Reduction: a sum is what a loss dividing by num_items_in_batch takes
 
 
 @dataclass
@@ -103,18 +112,55 @@ def _reads_input(node: fx.Node) -> bool:
     return False
 
 
-def _token_embeddings(gm: fx.GraphModule) -> list[fx.Node]:
+# ops that carry token ids unchanged (a graph input reaches a token embedding only through these)
+_ID_OPS = frozenset(("view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze", "to", "_to_copy",
+                     "clone", "contiguous", "alias", "detach", "long", "int", "expand", "slice", "getitem"))
+
+
+def _computed_by(indices: fx.Node) -> str | None:
+    """The first op that computes ``indices`` from the inputs (positions), or None for token ids as given."""
+    node = indices
+    while node.op == "call_function" and op_name(node) in _ID_OPS:
+        node = node.args[0]
+    if node.op == "placeholder":
+        return None
+    return op_name(node) if node.op == "call_function" else node.op
+
+
+def _reject(rejected: dict | None, node: fx.Node, why: str) -> None:
+    """Log that ``node`` stays replicated and record why in ``rejected`` (autopar.coverage reads it)."""
+    log.warning("tensor parallel: %s stays replicated (node %s): %s", module_path(node), node.name, why)
+    if rejected is not None:
+        rejected[node] = why
+
+
+def _position_reason(node: fx.Node) -> str | None:
+    """Why ``node`` is a position table (its indices are not token ids), or None for a token embedding."""
+    indices = node.args[1]
+    if not _reads_input(indices):
+        return "a position or type table (constant indices, not token ids): replicated, as in Megatron-LM"
+    op = _computed_by(indices)
+    if op is not None:
+        return f"a position or type table (indices computed by aten.{op}, not token ids): replicated, as in Megatron-LM"
+    return None
+
+
+def _token_embeddings(gm: fx.GraphModule, rejected: dict | None = None) -> list[fx.Node]:
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.embedding.default:
             continue
-        weight, indices = node.args[0], node.args[1]
-        if not _is_param(weight) or not _reads_input(indices):
-            continue  # position tables (indices from arange) stay replicated: small, and no gain
-        if _arg(node, 2, "padding_idx", -1) != -1 or _arg(node, 3, "scale_grad_by_freq", False) \
-                or _arg(node, 4, "sparse", False):
-            log.warning("tensor parallel: embedding %s stays replicated: padding_idx, scale_grad_by_freq "
-                        "and sparse are not supported on a vocabulary shard", module_path(node))
+        if not _is_param(node.args[0]):
+            continue
+        position = _position_reason(node)
+        if position is not None:  # small, read whole by every rank: no gain from sharding it
+            log.info("tensor parallel: embedding %s stays replicated: %s", module_path(node), position)
+            if rejected is not None:
+                rejected[node] = position
+            continue
+        if _arg(node, 3, "scale_grad_by_freq", False) or _arg(node, 4, "sparse", False):
+            _reject(rejected, node, "scale_grad_by_freq and sparse embeddings are not supported on a vocabulary "
+                                    "shard")
             continue
         found.append(node)
     return found
@@ -128,8 +174,8 @@ def _loss_reason(node: fx.Node) -> str | None:
     """Why ``cross_entropy_loss`` cannot run on vocabulary shards, or None when it can."""
     if _arg(node, 2, "weight", None) is not None:
         return "cross_entropy_loss has class weights"
-    if _arg(node, 3, "reduction", _MEAN) != _MEAN:
-        return "cross_entropy_loss reduction is not 'mean'"
+    if _arg(node, 3, "reduction", _MEAN) not in _REDUCTIONS:
+        return "cross_entropy_loss reduction is neither 'mean' nor 'sum'"
     if _arg(node, 5, "label_smoothing", 0.0) != 0.0:
         return f"cross_entropy_loss uses label_smoothing={_arg(node, 5, 'label_smoothing', 0.0)}"
     if len(shape_of(node.args[0])) != 2:
@@ -170,7 +216,7 @@ def _trace_head(linear: fx.Node) -> VocabParallel:
     return vp
 
 
-def _find_head(gm: fx.GraphModule, vocab_sizes: set[int]) -> VocabParallel | None:
+def _find_head(gm: fx.GraphModule, vocab_sizes: set[int], rejected: dict | None = None) -> VocabParallel | None:
     """The last parameter linear before the loss (or, without one, before the output)."""
     has_loss = any(n.op == "call_function" and op_name(n) == "cross_entropy_loss" for n in gm.graph.nodes)
     for node in reversed(list(gm.graph.nodes)):
@@ -181,12 +227,10 @@ def _find_head(gm: fx.GraphModule, vocab_sizes: set[int]) -> VocabParallel | Non
         try:
             vp = _trace_head(node)
         except _Reject as why:
-            log.warning("tensor parallel: LM head %s (node %s) stays replicated: %s",
-                        module_path(node), node.name, why)
+            _reject(rejected, node, f"LM head: {why}")
             return None
         if has_loss and not vp.losses:
-            log.warning("tensor parallel: LM head %s (node %s) stays replicated: its logits reach the "
-                        "graph output but no cross_entropy_loss", module_path(node), node.name)
+            _reject(rejected, node, "LM head: its logits reach the graph output but no cross_entropy_loss")
             return None
         return vp if vp.losses or vp.outputs else None
     return None
@@ -204,55 +248,57 @@ def _reaches_loss(node: fx.Node) -> bool:
     return False
 
 
-def _divisible(vp: VocabParallel, *, tp_size: int, vocab_sizes: set[int], strict: bool) -> VocabParallel:
+def _divisible(vp: VocabParallel, *, tp_size: int, vocab_sizes: set[int], strict: bool,
+               rejected: dict | None = None) -> VocabParallel:
     """Drop what does not divide by tp: a classifier head always, a vocabulary unless ``strict``."""
     classes = shape_of(vp.head)[-1] if vp.head is not None else 0
     if classes % tp_size and (classes not in vocab_sizes or not strict):
         what = f"vocabulary of {classes} does" if classes in vocab_sizes else f"{classes} classes do"
-        log.warning("tensor parallel: head %s stays replicated: its %s not divide by tp=%d (pad the "
-                    "vocabulary to a multiple of tp to shard it)", module_path(vp.head), what, tp_size)
+        _reject(rejected, vp.head, f"head: its {what} not divide by tp={tp_size} (pad the vocabulary to a "
+                                   "multiple of tp to shard it)")
         weight = vp.head.args[1]
         vp = VocabParallel(embeddings=[e for e in vp.embeddings if e.args[0] is not weight])
     kept = []
     for emb in vp.embeddings:
         rows = shape_of(emb.args[0])[0]
         if rows % tp_size and not strict:
-            log.warning("tensor parallel: embedding %s stays replicated: its vocabulary of %d does not divide by "
-                        "tp=%d (pad it to a multiple of tp to shard it)", module_path(emb), rows, tp_size)
+            _reject(rejected, emb, f"embedding: its vocabulary of {rows} does not divide by tp={tp_size} (pad it "
+                                   "to a multiple of tp to shard it)")
             continue
         kept.append(emb)
     vp.embeddings = kept
     return vp
 
 
-def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None, strict: bool = False) -> VocabParallel:
+def find_vocab_parallel(gm: fx.GraphModule, *, tp_size: int | None = None, strict: bool = False,
+                        rejected: dict | None = None) -> VocabParallel:
     """The token embeddings and LM head of ``gm`` that shard on the vocabulary (may be empty).
 
     With ``tp_size``, whatever does not divide by tp stays replicated with a warning, except a
     vocabulary when ``strict`` (the user asked for ``vocab_parallel=True``): that raises
     :class:`ShardingError` when the pass shards it. A classifier head (no token embedding has
-    its width) never raises.
+    its width) never raises. ``rejected`` receives {node: why it stays replicated} (autopar.coverage).
     """
-    embeddings = _token_embeddings(gm)
+    embeddings = _token_embeddings(gm, rejected)
     vocab_sizes = {shape_of(e.args[0])[0] for e in embeddings}
-    vp = _find_head(gm, vocab_sizes) or VocabParallel()
+    vp = _find_head(gm, vocab_sizes, rejected) or VocabParallel()
     head_weight = vp.head.args[1] if vp.head is not None else None
     for emb in embeddings:
         weight = emb.args[0]
-        others = [u for u in weight.users if u is not emb]
+        others = [u for u in weight.users if u is not emb and u not in embeddings]  # (T5: encoder and decoder)
         if any(u is not vp.head or u.args[1] is not weight for u in others):
-            log.warning("tensor parallel: embedding %s stays replicated: its weight %s is also read by %s, "
-                        "which is not a vocabulary-parallel head", module_path(emb), weight.target,
-                        [module_path(u) for u in others])
+            _reject(rejected, emb, f"embedding: its weight {weight.target} is also read by "
+                                   f"{[module_path(u) for u in others]}, which is not a vocabulary-parallel head")
             continue
         vp.embeddings.append(emb)
     if vp.head is not None and head_weight is not None:
         tied_to_replicated = [u for u in head_weight.users if u is not vp.head and u not in vp.embeddings]
         if tied_to_replicated:
-            log.warning("tensor parallel: LM head %s stays replicated: its weight is also read by %s",
-                        module_path(vp.head), [module_path(u) for u in tied_to_replicated])
+            _reject(rejected, vp.head, f"LM head: its weight is also read by "
+                                       f"{[module_path(u) for u in tied_to_replicated]}")
             vp.head, vp.chain, vp.losses, vp.outputs = None, {}, [], []
-    return _divisible(vp, tp_size=tp_size, vocab_sizes=vocab_sizes, strict=strict) if tp_size else vp
+    return _divisible(vp, tp_size=tp_size, vocab_sizes=vocab_sizes, strict=strict,
+                      rejected=rejected) if tp_size else vp
 
 
 # -- the rewrite --------------------------------------------------------------------------------
@@ -274,6 +320,9 @@ def _check_vocab(weight: fx.Node, user: fx.Node, tp_size: int) -> int:
 def _shard_embedding(gm: fx.GraphModule, emb: fx.Node, *, start: int, end: int, tp_size: int, name: str):
     """Masked lookup of rows [start, end), zeros elsewhere, then an all-reduce (TpReduce)."""
     weight, idx = emb.args[0], emb.args[1]
+    padding = _arg(emb, 2, "padding_idx", -1)
+    # the padding row's gradient stays zero: the rank holding it looks it up as its local padding row
+    local_padding = padding - start if start <= padding < end else -1
     gm.add_submodule(name, TpReduce(axis="tp", size=tp_size))
     g = gm.graph
 
@@ -286,7 +335,7 @@ def _shard_embedding(gm: fx.GraphModule, emb: fx.Node, *, start: int, end: int, 
         outside = op("vocab_outside", aten.bitwise_or.Tensor, below, above)
         shifted = op("vocab_shifted", aten.sub.Scalar, idx, start)
         local = op("vocab_local_ids", aten.masked_fill.Scalar, shifted, outside, 0)
-        lookup = op("vocab_lookup", aten.embedding.default, weight, local)
+        lookup = op("vocab_lookup", aten.embedding.default, weight, local, *([local_padding] if padding != -1 else []))
         mask = op("vocab_mask", aten.unsqueeze.default, outside, -1)
         partial = op("vocab_partial", aten.masked_fill.Scalar, lookup, mask, 0.0)
         reduced = g.call_module(name, (partial,))
@@ -312,7 +361,8 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         name = f"vocab_cross_entropy_{i}" if i else "vocab_cross_entropy"
         ignore = _arg(loss, 4, "ignore_index", -100)
         gm.add_submodule(name, VocabParallelCrossEntropy(axis="tp", size=tp_size, vocab_start=start, vocab_end=end,
-                                                         ignore_index=ignore))
+                                                         ignore_index=ignore,
+                                                         reduction=_REDUCTIONS[_arg(loss, 3, "reduction", _MEAN)]))
         with g.inserting_before(loss):
             new = g.call_module(name, (loss.args[0], loss.args[1]))
         _copy_meta(new, loss)

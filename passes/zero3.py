@@ -37,17 +37,15 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
 from autopar.passes.pipeline_split import StageGraph
-from autopar.runtime.schedules.registry import schedule_names, splits_backward
+from autopar.runtime.schedules.registry import splits_backward
 from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
 
-__all__ = ["shard_parameters_zero3", "zero3_groups", "check_zero3", "SPLIT_BACKWARD_SCHEDULES"]
-
-SPLIT_BACKWARD_SCHEDULES = tuple(n for n in schedule_names() if splits_backward(n))
+__all__ = ["shard_parameters_zero3", "zero3_groups", "check_zero3"]
 
 
 def check_zero3(options) -> None:
     """Refuse option combinations ZeRO-3 cannot run: split backward computes weight gradients apart."""
-    if options.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if splits_backward(options.schedule):
         raise PlanError(f"zero_stage=3 does not combine with the split-backward schedule {options.schedule!r}: "
                         f"its W action computes full weight gradients outside the graph's reduce-scatter",
                         where="compile(zero_stage=3, schedule=...)",

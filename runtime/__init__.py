@@ -1,0 +1,59 @@
+"""autopar's runtime: one rank's program, in the order a training step runs it (installed as ``autopar.runtime``).
+
+The runtime reads ``autopar.passes`` (graph names, node meta), ``autopar.errors`` and
+``autopar.plan_model``, never the compiler (tests/test_import_graph.py). ``schedules/`` is its own
+package: schedules as data, generators, the validator and the simulator.
+
+The ops the passes insert into graphs::
+
+    collectives.py        differentiable tp/sp collectives as visible call_module nodes
+    tp_ops.py             tensor-parallel ops that communicate inside their computation
+    tp_rng.py             per-tp-rank random streams (Megatron's tracker)
+    p2p.py                send/recv nodes between stages, and the channel they run over
+    zero3_ops.py          ZeRO-3's gather/free nodes
+    moe_ops.py            MoE dispatch/combine all-to-all nodes, and the dp-mean of router statistics
+
+Building a rank's program::
+
+    rank_context.py       MeshInfo, AxisGroup, RankContext (groups, deadline, log), the ProgramState Protocol
+    comm_guard.py         a deadline on every collective, and the error naming a missed one
+    comm_audit.py         counted dp collectives, and the bytes ZeRO's theory predicts
+    materialize.py        a meta-built model's tensors made real, only the pieces this rank holds
+    init_replay.py        the model's own initialisers replayed module by module (a filler)
+    mixed_precision.py    bf16 compute, fp32 masters and gradients
+    zero.py               the optimizer, its state sharded over dp (ZeRO-1/2/3)
+    index_guard.py        token ids and positions range-checked before any stage reads them
+    item_count.py         the model's own loss: each microbatch's share of the step's label tokens
+    moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edp
+    rank_parts.py         build_parts: this rank's stages, channel, parameters and optimizer
+    program_surface.py    what every program kind shares: batches, forward only, weights, checkpoints
+
+Running a step::
+
+    program.py            RankProgram: the synchronous schedules' train_step
+    executor.py           runs this rank's schedule actions on its stage graphs
+    ddp_buckets.py        DDP's gradient buckets, reduced while backward runs
+    grad_sync.py          gradient sync over dp and across stages (tied weights)
+    tp_grad_sync.py       replicated parameters read on sequence shards: grads summed over tp
+    numerics.py           a NaN/inf stops the step on every rank before the optimizer steps
+    clip.py               clipping by the global norm over every shard and axis
+    async_pipeline.py     AsyncProgram: PipeDream, 2BW, PipeMare as one endless stream
+    weight_versions.py    an asynchronous stage's weight versions and pending updates
+    async_emulation.py    the asynchronous rules emulated in one process (the tests' reference)
+    data_parallel.py      DataParallelProgram: the rank-0 baseline
+
+The weights out and back in::
+
+    state.py              the program's weights gathered into one single-device state_dict
+    rank_tensors.py       what this rank holds of the single-device model, and how it is cut
+    checkpoint_layout.py  layouts, pieces, split and join
+    checkpoint_files.py   the folder per step, the latest pointer, the manifest, atomic publish
+    rng_state.py          each rank's random state, restored or re-derived
+    checkpoint.py         checkpoints that reshard: save on one mesh, load on another
+
+Measuring and seeing::
+
+    memory_probe.py       bytes a rank holds, activations saved for backward
+    model_state.py        measured model-state memory of one rank
+    trace.py              every rank's events as a Chrome trace and a timeline, and the bubble
+"""

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from autopar.errors import PlanError
+from autopar.passes.graph_names import user_name
 from autopar.runtime.schedules.staleness import StalenessRule
 from autopar.runtime.weight_versions import corrected_weights, update_velocity
 
@@ -45,7 +46,6 @@ class StageLayout:
 
 def stage_layout(plan_result) -> StageLayout:
     """The layout of an :func:`autopar.plan` result (its tp rank 0 graphs)."""
-    from autopar.lowering import user_name
     stages: dict[str, set[int]] = {}
     for stage in plan_result.lowered[0].stages:
         for target in stage.param_names:
@@ -185,7 +185,7 @@ def emulate(model: nn.Module, *, rule: StalenessRule, layout: StageLayout, batch
             if rule.closes_update(i):
                 emulator.update(rule.update_of(i))
             i += 1
-        losses.append(float(torch.tensor(batch_losses).mean()))
+        losses.append(float(torch.tensor(batch_losses, device="cpu").mean()))
     final = {n: p.detach() for names, live in zip(emulator.owned, emulator.live) for n, p in zip(names, live)}
     state = {}
     for name, value in model.state_dict().items():

@@ -41,7 +41,8 @@ from torch.func import functional_call
 from autopar.errors import PlanError
 from autopar.runtime.executor import ActionEvent
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
-from autopar.runtime.program import RankProgram
+from autopar.runtime.p2p import P2PNode
+from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.schedules.action import Action, ActionKind
 from autopar.runtime.schedules.asynchronous import stream_segment
 from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
@@ -58,6 +59,11 @@ class _Proxy:
     def __init__(self, channel, microbatch: int, replay: dict | None = None):
         self.channel, self.microbatch, self.replay = channel, microbatch, replay
         self.received: dict[int, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """The channel's device: receive nodes build their anchors on it."""
+        return self.channel.device
 
     def send(self, tensor, *, stage, edge, microbatch, is_grad):
         if self.replay is None or is_grad:  # a recompute does not send its activations again
@@ -80,7 +86,7 @@ class _Proxy:
 @contextlib.contextmanager
 def _bound(stage, channel):
     """Point the stage's send/recv nodes at ``channel`` for the duration."""
-    nodes = [m for m in stage.gm.modules() if hasattr(m, "bind") and hasattr(m, "edge")]
+    nodes = [m for m in stage.gm.modules() if isinstance(m, P2PNode)]
     before = [m.channel for m in nodes]
     for m in nodes:
         m.channel = channel
@@ -100,11 +106,13 @@ def _roots(stage, out, scale: int):
     return tokens, [torch.ones_like(t) for t in tokens]
 
 
-class AsyncProgram(RankProgram):
-    """A :class:`RankProgram` whose pipeline runs one endless stream; see the module doc."""
+class AsyncProgram(ProgramSurface):
+    """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
-    def __init__(self, *, options=None, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
+        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm`` is not applied here
+        (each stage steps on its own clock); ``parts``: as :class:`ProgramSurface` builds them."""
+        super().__init__(**parts)
         rule = self.schedule.staleness
         if options is not None and rule.kind == "pipemare":
             rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
@@ -153,13 +161,20 @@ class AsyncProgram(RankProgram):
                     fix="use 'pipedream_2bw' (it sums the copies' gradients once per batch), a synchronous "
                         "schedule, or a model without tied weights (e.g. llama_tiny)")
 
+    @torch.no_grad()
+    def __call__(self, *inputs):
+        """Forward only on the live weights: the model's output for this rank's batch, on every rank."""
+        return self._forward_only(inputs)
+
     # -- the stream ------------------------------------------------------------------------
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Feed one batch into the running pipeline; returns its global mean loss (every rank)."""
+    def train_step(self, *inputs, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one batch (tensors, or the dict batch compiled on) into the running pipeline; returns its
+        global mean loss (every rank). The model's own loss counts label tokens per update (docs/hf.md)."""
         if not self.captured.has_loss:
-            raise PlanError("this program was compiled without a loss_fn", where="train_step",
-                            fix="pass loss_fn= (and example_target=) to autopar.compile")
-        batches = self._microbatches(tuple(inputs) + (target,))
+            raise PlanError("this program was compiled without a loss", where="train_step",
+                            fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
         first = self._fed
@@ -297,7 +312,7 @@ class AsyncProgram(RankProgram):
 
     def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The batch's mean loss from the last stage, averaged over dp, on every rank."""
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.info.device)
         if self.plan.mesh.dp > 1:
             self.comm_guard.run("all_reduce", dist.all_reduce, loss, group=self.info.groups["dp"],
                                 purpose="the batch's loss (mean over dp)")

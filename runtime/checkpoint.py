@@ -32,7 +32,7 @@ from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint_layout import Layout, join, piece_key, split
 from autopar.runtime.rank_tensors import Held, held_tensors
 from autopar.runtime import rng_state
-from autopar.validation import check_checkpoint_path, check_state_dict
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_full_state_dict", "agree_on_error"]
 
@@ -80,7 +80,7 @@ def _entry(held_layout: Layout, kind: str, dtype: torch.dtype, aliases=()) -> di
             "aliases": list(aliases), "checksums": {}}
 
 
-def _optimizer_pieces(program, by_name: dict[str, Held], state: dict, entries: dict) -> None:
+def _optimizer_pieces(program: ProgramState, by_name: dict[str, Held], state: dict, entries: dict) -> None:
     """Add the optimizer state of the parameters this rank steps (keys ``optim/<name>/<state>``)."""
     for name, values in program.optimizer.named_state().items():
         held = by_name[name]
@@ -103,7 +103,7 @@ def _optimizer_pieces(program, by_name: dict[str, Held], state: dict, entries: d
             state[piece] = value
 
 
-def _pieces_to_save(program) -> tuple[dict, dict]:
+def _pieces_to_save(program: ProgramState) -> tuple[dict, dict]:
     """(DCP state dict of this rank's pieces, manifest entries with their checksums)."""
     state, entries, by_name = {}, {}, {}
     for held in held_tensors(program):
@@ -141,7 +141,7 @@ def _gather(obj) -> list:
     return out
 
 
-def _manifest(program, parts: list) -> dict:
+def _manifest(program: ProgramState, parts: list) -> dict:
     groups = next((g for _, g in parts if g), [])
     return {"format": files.FORMAT, "step": program.step_count, "model": program.plan.model_name,
             "mesh": program.plan.mesh.model_dump(), "plan": program.plan.model_dump_json(),
@@ -153,7 +153,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def save_checkpoint(program, root: str) -> str:
+def save_checkpoint(program: ProgramState, root: str) -> str:
     """Save ``program`` (weights, buffers, optimizer state, step) under ``root``; returns the step folder."""
     step, rank = program.step_count, _rank()
     tmp = files.tmp_dir_for(root, step)
@@ -203,7 +203,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _check_fits(program, manifest: dict, held: list[Held]) -> CheckpointError | None:
+def _check_fits(program: ProgramState, manifest: dict, held: list[Held]) -> CheckpointError | None:
     """Names and shapes of the checkpoint against the program (every rank checks what it holds)."""
     saved = {b.removeprefix("model/"): e for b, e in manifest["tensors"].items() if b.startswith("model/")}
     saved_names = {a for name, e in saved.items() for a in (e.get("aliases") or [name])}
@@ -237,14 +237,14 @@ def _find(manifest: dict, base_names) -> tuple[str, dict] | None:
     return None
 
 
-def _request(program, manifest: dict, held: list[Held]) -> tuple[dict, dict, dict]:
+def _request(program: ProgramState, manifest: dict, held: list[Held]) -> tuple[dict, dict, dict]:
     """(DCP request of the pieces to read, {held name: (base, entry)}, {param: {state: (base, entry)}})."""
     request: dict = {}
 
     def want(base: str, entry: dict, keys) -> None:
         layout = Layout.from_json(entry["layout"])
         for key in keys:
-            request[key] = torch.empty(layout.piece_shape(), dtype=_dtype(entry["dtype"]))
+            request[key] = torch.empty(layout.piece_shape(), dtype=_dtype(entry["dtype"]), device="cpu")  # host staging
 
     params = {}
     for h in held:
@@ -276,7 +276,7 @@ def _request(program, manifest: dict, held: list[Held]) -> tuple[dict, dict, dic
     return request, params, states
 
 
-def _random(program, manifest: dict, request: dict) -> None:
+def _random(program: ProgramState, manifest: dict, request: dict) -> None:
     """Restore this rank's generators (same mesh) or re-derive them (another mesh); rng_state.py."""
     saved = manifest.get("rng")
     if not saved:
@@ -347,7 +347,7 @@ def _cut(full: torch.Tensor, h: Held) -> torch.Tensor:
     return split(full, h.layout, tp_index=h.tp_index, z_index=h.z_index)
 
 
-def _apply(program, manifest: dict, held: list[Held], request: dict, params: dict, states: dict) -> None:
+def _apply(program: ProgramState, manifest: dict, held: list[Held], request: dict, params: dict, states: dict) -> None:
     with torch.no_grad():
         for h in held:
             base, entry = params[h.name]
@@ -370,9 +370,9 @@ def _apply(program, manifest: dict, held: list[Held], request: dict, params: dic
     program.step_count = int(manifest["step"])
 
 
-def load_checkpoint(program, path: str) -> int:
+def load_checkpoint(program: ProgramState, path: str) -> int:
     """Load a checkpoint (a root's latest, or one step folder) into ``program``; returns its step."""
-    check_checkpoint_path(path)  # a str or os.PathLike (autopar/validation.py)
+    files.check_checkpoint_path(path)  # a str or os.PathLike (runtime/checkpoint_files.py)
     folder = manifest = None
     error = None
     try:
@@ -401,9 +401,9 @@ def load_checkpoint(program, path: str) -> int:
 
 
 # -- single-device state dicts ------------------------------------------------------------------------
-def load_full_state_dict(program, state_dict: dict) -> None:
+def load_full_state_dict(program: ProgramState, state_dict: dict) -> None:
     """Set the weights (and buffers) from a single-device ``state_dict``; the optimizer is left as it is."""
-    check_state_dict(state_dict)  # a mapping of str -> tensor (autopar/validation.py)
+    files.check_state_dict(state_dict)  # a mapping of str -> tensor (runtime/checkpoint_files.py)
     held = held_tensors(program)
     missing = sorted(h.name for h in held if not any(a in state_dict for a in h.aliases))
     unexpected = sorted(set(state_dict) - set(program.state_keys))

@@ -21,13 +21,16 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Mapping
 
 import torch
+import torch.nn as nn
 
 from autopar.errors import CheckpointError
 
-__all__ = ["fsync_path", "MANIFEST", "FORMAT", "step_dir_name", "tmp_dir_for", "resolve", "latest_step_dir", "publish",
-           "read_manifest", "write_manifest", "checksum", "remove_quietly"]
+__all__ = ["check_checkpoint_path", "check_state_dict", "fsync_path", "MANIFEST", "FORMAT", "step_dir_name",
+           "tmp_dir_for", "resolve", "latest_step_dir", "publish", "read_manifest", "write_manifest", "checksum",
+           "remove_quietly"]
 
 MANIFEST = "autopar.json"
 FORMAT = "autopar-checkpoint/1"
@@ -131,3 +134,32 @@ def read_manifest(folder: str) -> dict:
         raise CheckpointError(f"{path} is not an autopar checkpoint manifest ({FORMAT})", where=folder,
                               fix="load a checkpoint written by autopar's save_checkpoint")
     return manifest
+
+
+# -- what a user hands to a load, checked before anything is read (autopar/validation.py re-exports) --
+def _kind(value) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+
+
+def check_checkpoint_path(path) -> None:
+    """A checkpoint path is a str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"a checkpoint path must be a str or os.PathLike, got {_kind(path)}",
+                              where="load_checkpoint(path=...)",
+                              fix="pass the folder save_checkpoint wrote (its root, or one step folder)")
+
+
+def check_state_dict(state_dict) -> None:
+    """A single-device state_dict: a mapping of str -> tensor."""
+    if isinstance(state_dict, nn.Module):
+        raise CheckpointError(f"load_full_state_dict was given the module {type(state_dict).__name__}, not its "
+                              "state_dict", where="load_full_state_dict(state_dict=...)",
+                              fix="pass model.state_dict()")
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointError(f"a state_dict must be a mapping of str -> tensor, got {_kind(state_dict)}",
+                              where="load_full_state_dict(state_dict=...)", fix="pass model.state_dict()")
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"state_dict entry {key!r} is a {_kind(value)}, not a tensor keyed by name",
+                                  where="load_full_state_dict(state_dict=...)",
+                                  fix="pass model.state_dict() (or torch.load of a saved one)")

@@ -96,7 +96,7 @@ def split(full: torch.Tensor, layout: Layout, *, tp_index: int, z_index: int) ->
         local = shard_tensor(full, ShardSpec(dim=dim, chunks=chunks), rank=tp_index, size=size)
     if layout.z3:
         block = layout.piece_shape()[0]
-        flat = torch.zeros(block * layout.z3, dtype=local.dtype)
+        flat = torch.zeros(block * layout.z3, dtype=local.dtype, device=local.device)
         flat[:local.numel()] = local.reshape(-1)
         local = flat[z_index * block:(z_index + 1) * block]
     return local.clone()

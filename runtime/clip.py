@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import issue
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_gradients"]
 
@@ -40,7 +41,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
 def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
                      stage_to_pp: list[int], owned: set[str] | None, group=None, guard=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
-    squares = torch.zeros((), dtype=torch.float64)
+    squares = torch.zeros((), dtype=torch.float64, device=named[0][1].device if named else None)
     for name, p in named:
         if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
                                                owned=owned):
@@ -64,7 +65,7 @@ def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: flo
     return total
 
 
-def clip_program_gradients(program, *, max_norm: float) -> torch.Tensor:
+def clip_program_gradients(program: ProgramState, *, max_norm: float) -> torch.Tensor:
     """Clip a RankProgram's gradients (after gradient sync, before the step); returns the global norm."""
     plan, names = program.plan, {n for n, _ in program.named_params}
     owners = program.optimizer.owner_of() if hasattr(program.optimizer, "owner_of") else None

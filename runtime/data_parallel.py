@@ -16,6 +16,7 @@ overlap backward (:mod:`autopar.runtime.ddp_buckets`). Only pp=1 is supported.
 
 ``train_step`` and ``program(...)`` take the *global* batch (only dp rank 0's copy is read);
 ``program.shard_batch(t)`` returns ``t`` unchanged, so code written for the other modes runs as is.
+The entry that lowers the model without its loss is :func:`autopar.data_parallel.compile_data_parallel`.
 """
 from __future__ import annotations
 
@@ -25,60 +26,26 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.errors import PlanError
-from autopar.lowering import lower
 from autopar.runtime import comm_audit as comm
-from autopar.runtime.program import RankProgram
-from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.program_surface import ProgramSurface
 
-__all__ = ["DataParallelProgram", "compile_data_parallel"]
+__all__ = ["DataParallelProgram"]
 
 log = logging.getLogger(__name__)
 
 
-def _check(info, opts, loss_fn) -> None:
-    if info.shape.pp > 1:
-        raise PlanError(f"data_parallel='dataparallel' runs one pipeline stage, but the mesh has pp={info.shape.pp}",
-                        where="compile(data_parallel='dataparallel')",
-                        fix="use pp=1, or data_parallel='ddp' (the default), which composes with pp")
-    if loss_fn is None:
-        raise PlanError("data_parallel='dataparallel' is a training baseline and needs a loss",
-                        where="compile(data_parallel='dataparallel')", fix="pass loss_fn= and example_target=")
-    if "zero_stage" in opts.model_fields_set and opts.zero_stage != 0:
-        raise PlanError(f"zero_stage={opts.zero_stage} does not apply to data_parallel='dataparallel' "
-                        f"(rank 0 holds the whole optimizer)", where="compile(zero_stage=...)",
-                        fix="drop zero_stage, or use data_parallel='ddp' for ZeRO")
-    if opts.num_microbatches not in (None, 1):
-        raise PlanError("data_parallel='dataparallel' runs the batch in one pass",
-                        where=f"compile(num_microbatches={opts.num_microbatches})", fix="drop num_microbatches")
+class DataParallelProgram(ProgramSurface):
+    """This rank's parts run as DataParallel: everything through dp rank 0 (see the module docstring)."""
 
-
-def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
-                          plan=None) -> "DataParallelProgram":
-    """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
-    _check(info, opts, loss_fn)
-    opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
-    lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    loss_fn=None, options=opts, plan=plan)
-    schedule = build_schedule("gpipe", num_ranks=1, num_microbatches=1, num_virtual=1)
-    return DataParallelProgram(lowered=lowered, info=info, schedule=schedule, optimizer_factory=optimizer_factory,
-                               state_keys=tuple(model.state_dict().keys()), p2p_timeout_s=opts.p2p_timeout_s,
-                               loss_fn=loss_fn)
-
-
-class DataParallelProgram(RankProgram):
-    """This rank's share of a DataParallel program (see the module docstring)."""
-
-    def __init__(self, *, loss_fn, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *, loss_fn, **parts):
+        super().__init__(**parts)
         self.loss_fn = loss_fn
-        self.size = self.plan.mesh.dp
-        self.dp_group, self.root = self.info.groups["dp"], self.info.axis_ranks["dp"][0]
-        self.is_root = self.info.coords["dp"] == 0
+        dp = self.ctx.axis("dp")
+        self.size, self.dp_group, self.root, self.is_root = dp.size, dp.group, dp.ranks[0], dp.index == 0
         (self.stage,) = self.stages.values()
 
-    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole batch: DataParallel's rank 0 scatters it itself."""
+    def shard_batch(self, tensor):
+        """The whole batch (a tensor or a dict batch): DataParallel's rank 0 scatters it itself."""
         return tensor
 
     # -- the collectives, each one counted --------------------------------------------------
@@ -123,8 +90,10 @@ class DataParallelProgram(RankProgram):
         named = dict(zip(self.captured.input_names, local))
         return self.stage.gm(*[named[n] for n in self.stage.input_names])
 
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch (read on dp rank 0); returns the mean loss, every rank."""
+    def train_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch (tensors or a dict batch, read on dp rank 0); returns the
+        mean loss, every rank."""
+        inputs = self._batch(inputs, None, "train_step")  # a dict batch: its tensors in the graph's order
         self.events, t0 = [], time.perf_counter()
         self.comm_log.reset()
         self.optimizer.zero_grad()
@@ -137,7 +106,7 @@ class DataParallelProgram(RankProgram):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         gathered = [self._gather(t.detach(), "output_gather") for t in tensors]
         start = time.perf_counter()
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.info.device)
         grads = [None] * len(tensors)
         if self.is_root:
             full = [g.requires_grad_() for g in gathered]
@@ -159,8 +128,9 @@ class DataParallelProgram(RankProgram):
         return loss
 
     @torch.no_grad()
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs):
         """Forward only on the global batch (read on dp rank 0); every rank returns the whole output."""
+        inputs = self._batch(inputs, None, "program(...)")
         self._replicate()
         flat = pytree.tree_flatten(self._local_forward(inputs))[0]
         result = []
@@ -168,7 +138,7 @@ class DataParallelProgram(RankProgram):
             if isinstance(x, torch.Tensor):
                 whole = self._gather(x, "output_gather")
                 if whole is None:
-                    whole = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype)
+                    whole = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
                 comm.broadcast(whole, src=self.root, purpose="output_broadcast", **self._c())
                 x = whole
             result.append(x)

@@ -31,6 +31,7 @@ import torch
 
 from autopar.errors import RuntimeCommError
 from autopar.runtime import comm_audit as comm
+from autopar.runtime.rank_context import AxisGroup
 
 __all__ = ["GradBuckets", "Bucket", "plan_buckets"]
 
@@ -73,13 +74,13 @@ def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], *, bucket_bytes: i
 class GradBuckets:
     """Bucketed dp reduction of ``named`` parameters' gradients, overlapped with backward if ``overlap``."""
 
-    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], *, group, dp_ranks: list[int],
-                 dp_rank: int, bucket_bytes: int, owners: dict[str, int] | None = None,
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], *, dp: AxisGroup,
+                 bucket_bytes: int, owners: dict[str, int] | None = None,
                  keep_unowned: bool = True, overlap: bool = True, uses: dict[str, int] | None = None,
                  comm_log: comm.CommLog | None = None, current_action: Callable[[], str] = lambda: "",
                  purpose: str = "grad"):
         self.params = dict(named)
-        self.group, self.dp_ranks, self.dp_rank, self.size = group, dp_ranks, dp_rank, len(dp_ranks)
+        self.group, self.dp_ranks, self.dp_rank, self.size = dp.group, list(dp.ranks), dp.index, dp.size
         self.keep_unowned = keep_unowned
         self.comm_log, self.current_action, self.purpose = comm_log, current_action, purpose
         self.buckets = plan_buckets(list(named), bucket_bytes=bucket_bytes, owners=owners)

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import issue
-from autopar.runtime.comm_audit import CommLog
 from autopar.runtime.comm_guard import CommGuard
 from autopar.runtime.ddp_buckets import GradBuckets
+from autopar.runtime.rank_context import RankContext
+from autopar.runtime.moe_groups import sync_expert_gradients
 
 __all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
 
@@ -93,23 +94,25 @@ def sum_shared_gradients(shared: list[tuple[torch.nn.Parameter, list[int]]], *, 
 class GradientSync:
     """This rank's gradient synchronisation, as the plan's data-parallel mode and ZeRO stage ask."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, shared: list, plan, info,
-                 owners: dict[str, int] | None, uses: dict[str, int], comm_log: CommLog | None = None,
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, ctx: RankContext, shared: list,
+                 plan, owners: dict[str, int] | None, uses: dict[str, int],
                  current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = ()):
-        self.shared, self.info = shared, info
-        self.guard = comm_log.guard if comm_log is not None else None
+        self.shared, self.info, self.guard = shared, ctx.info, ctx.guard
         self.zero3_runtimes = zero3_runtimes
         self._t0 = time.perf_counter()
         mode = getattr(plan, "data_parallel", "ddp")
         self.active = plan.mesh.dp > 1 and mode == "ddp" and plan.zero_stage != 3
         self.buckets = self.post = None
+        self.experts = []
         if not self.active:
             return
         shared_ids = {id(p) for p, _ in shared}
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
-        common = dict(group=info.groups["dp"], dp_ranks=info.axis_ranks["dp"], dp_rank=info.coords["dp"],
-                      bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
-                      keep_unowned=plan.zero_stage <= 1, comm_log=comm_log, current_action=current_action)
+        experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/moe_groups.py)
+        self.experts = [p for n, p in named_params if n in experts]
+        named_params = [(n, p) for n, p in named_params if n not in experts]
+        common = dict(dp=ctx.axis("dp"), bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
+                      keep_unowned=plan.zero_stage <= 1, comm_log=ctx.comm_log, current_action=current_action)
         self.buckets = GradBuckets([(n, p) for n, p in named_params if id(p) not in shared_ids],
                                    overlap=True, uses=uses, **common)
         self.post = GradBuckets([(n, p) for n, p in named_params if id(p) in shared_ids],
@@ -125,6 +128,9 @@ class GradientSync:
         """Wait for the overlapped reductions; sum tied weights across stages; reduce those over dp."""
         if self.active:
             self.buckets.finish()
+        if self.experts:
+            sync_expert_gradients(self.experts, group=self.info.groups["edp"], size=len(self.info.axis_ranks["edp"]),
+                                  dp=self.info.shape.dp, guard=self.guard)
         for runtime in self.zero3_runtimes:
             runtime.drain()
         sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"], guard=self.guard)

@@ -41,7 +41,8 @@ def graph_has_bounds(gm) -> bool:
 class IndexGuard:
     """This rank's checks: (stage, input, bound) of each bounded input its stages read."""
 
-    def __init__(self, stages: dict, *, active: bool):
+    def __init__(self, stages: dict, *, active: bool, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)  # where the agreement's flag is all-reduced (NCCL: the GPU)
         self.active = active  # any rank checks something: then every rank takes part in agree()
         self.checks = []
         seen = set()
@@ -77,7 +78,7 @@ class IndexGuard:
             return
         if not self.active:
             return
-        flag = torch.tensor([0.0 if problem is None else 1.0])
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=self.device)
         guard.run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None,
                   purpose="the index range check (runtime/index_guard.py)")
         if flag.item() == 0:

@@ -97,13 +97,19 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
             seen.add(id(tensor))
             name = _user_name(target)
             spec = plan.param_shards.get(name) if is_param else None
+            if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
+                raise PlanError(f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection "
+                                "with fewer kv heads than query heads): a meta-built model cannot materialise it yet",
+                                where=f"parameter {name}",
+                                fix="build the model on a real device, or compile with tensor_parallel=False")
             shape = list(z3.get(target, tuple(tensor.shape)))
+            ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
             if spec is not None:
-                shape[spec.dim] *= plan.mesh.tp
-            layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
+                shape[spec.dim] *= ways
+            layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
                             z3=plan.mesh.dp if target in z3 else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
-                              tp_index=coords["tp"], z_index=coords["dp"], dtype=tensor.dtype,
+                              tp_index=coords["tp"] * ways // plan.mesh.tp, z_index=coords["dp"], dtype=tensor.dtype,
                               kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad))
     return slots
 
@@ -121,8 +127,11 @@ def _check_piece(slot: Slot, value, where: str) -> torch.Tensor:
 
 
 def materialize_rank(gms: list[fx.GraphModule], *, plan, coords: dict[str, int], fill: Filler,
-                     device: torch.device | str = "cpu") -> list[Slot]:
-    """Replace every meta tensor of ``gms`` by the real piece ``fill`` gives for it, on ``device``."""
+                     device: torch.device | str = "cpu", masters: dict | None = None) -> list[Slot]:
+    """Replace every meta tensor of ``gms`` by the real piece ``fill`` gives for it, on ``device``.
+
+    ``masters``: filled with each parameter's piece in fp32 before it is cast to the graph's dtype
+    (bf16 graphs: the fp32 masters the runtime steps, :class:`~autopar.runtime.mixed_precision.MasterWeights`)."""
     slots = rank_slots(gms, plan=plan, coords=coords)
     if not slots:
         return slots
@@ -130,7 +139,10 @@ def materialize_rank(gms: list[fx.GraphModule], *, plan, coords: dict[str, int],
     pieces = fill(slots)
     real: dict[str, torch.Tensor] = {}
     for slot in slots:
-        value = _check_piece(slot, pieces.get(slot.name), where).to(device=device, dtype=slot.dtype)
+        piece = _check_piece(slot, pieces.get(slot.name), where)
+        if masters is not None and slot.kind == "param" and piece.is_floating_point():
+            masters[slot.name] = piece.to(device=device, dtype=torch.float32)
+        value = piece.to(device=device, dtype=slot.dtype)
         real[slot.name] = nn.Parameter(value, requires_grad=slot.requires_grad) if slot.kind == "param" else value
     by_id: dict[int, torch.Tensor] = {}
     for gm in gms:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime.rank_context import ProgramState
+
 __all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations"]
 
 
@@ -97,7 +99,7 @@ class _Counter:
                 self.total += t.untyped_storage().nbytes()
 
 
-def held_state_bytes(program) -> StateBytes:
+def held_state_bytes(program: ProgramState) -> StateBytes:
     """Bytes of every storage ``program`` holds for parameters, masters, gradients, optimizer state, buffers."""
     params, masters, grads, state, buffers = _Counter(), _Counter(), _Counter(), _Counter(), _Counter()
     compute = [p for gm in program.graphs.values() for p in gm.parameters()]

@@ -2,8 +2,8 @@
 
 The design is Megatron's (bf16 model, fp32 "main" parameters and gradients):
 
-- **Capture in bf16.** :func:`low_precision_copy` gives the compiler a copy of the model whose
-  floating parameters and buffers are bf16, so the captured graph is the model as bf16 code:
+- **Capture in bf16.** :func:`autopar.passes.low_precision.low_precision_copy` gives the compiler a
+  copy of the model whose floating parameters and buffers are bf16, so the captured graph is the model as bf16 code:
   a deliberate ``x.float()`` stays fp32 and ``.type_as(x)`` becomes bf16. The stage graphs then
   hold bf16 *compute* parameters and send bf16 activations between stages.
 - **fp32 masters.** :func:`fp32_masters` cuts this rank's fp32 masters from the user's original
@@ -33,44 +33,19 @@ the optimizer's state on the masters where it steps it (``docs/memory.md``).
 """
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 
 import torch
 import torch.nn as nn
 
-from autopar.errors import PlanError
+from autopar.passes.graph_names import user_name
 
-__all__ = ["COMPUTE_DTYPES", "low_precision_copy", "fp32_masters", "MasterWeights", "zero3_block",
+__all__ = ["COMPUTE_DTYPES", "fp32_masters", "MasterWeights", "zero3_block",
            "masters_for_rank"]
 
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def low_precision_copy(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A copy of ``model`` with floating parameters and buffers in ``dtype``; the original is untouched."""
-    memo: dict[int, object] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if id(tensor) in memo or not tensor.is_floating_point():
-            continue
-        if tensor.dtype not in (torch.float32, dtype):
-            raise PlanError(f"precision='bf16' expects an fp32 model, found a {tensor.dtype} tensor",
-                            where="the model's parameters/buffers",
-                            fix="build the model in fp32 (autopar keeps fp32 masters itself) or use precision='fp32'")
-        low = tensor.detach().to(dtype)
-        memo[id(tensor)] = nn.Parameter(low, requires_grad=tensor.requires_grad) if isinstance(
-            tensor, nn.Parameter) else low
-    low_model = copy.deepcopy(model, memo)
-    low_model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype))
-    return low_model
-
-
-def _cast_inputs(module: nn.Module, args: tuple, *, dtype: torch.dtype) -> tuple:
-    """Floating inputs enter the bf16 model as bf16 (a visible cast at the start of the graph)."""
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def fp32_masters(model: nn.Module, targets: list[str], *, param_shards: dict, tp_rank: int,
@@ -92,7 +67,7 @@ def zero3_block(tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
     """ZeRO-3's layout of ``tensor`` on dp rank ``rank``: flattened, zero-padded to a multiple of size, block rank."""
     flat = tensor.reshape(-1)
     per = -(-flat.numel() // size)
-    padded = torch.zeros(per * size, dtype=tensor.dtype)
+    padded = torch.zeros(per * size, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()] = flat
     return padded[rank * per: (rank + 1) * per].clone()
 
@@ -109,10 +84,11 @@ class MasterWeights:
         self.pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self.slots: set[str] = set()
         self._handles = []
-        no_values = torch.full((), float("nan"))  # what every gradient slot "holds": 4 bytes in all
+        no_values: dict[torch.device, torch.Tensor] = {}  # what every gradient slot "holds": 4 bytes a device
         for name, compute in named_compute:
             if stepped is not None and compute.requires_grad and name not in stepped:
-                master = nn.Parameter(no_values.expand(compute.shape), requires_grad=True)
+                empty = no_values.setdefault(compute.device, torch.full((), float("nan"), device=compute.device))
+                master = nn.Parameter(empty.expand(compute.shape), requires_grad=True)
                 self.slots.add(name)
             else:
                 source = masters.get(name)
@@ -120,7 +96,7 @@ class MasterWeights:
                     log.warning("no fp32 original of the same size for %s: its master starts from the bf16 value",
                                 name)
                     source = compute.detach().float()
-                master = nn.Parameter(source.reshape(compute.shape).to(torch.float32).clone(),
+                master = nn.Parameter(source.reshape(compute.shape).to(device=compute.device, dtype=torch.float32).clone(),
                                       requires_grad=compute.requires_grad)
             self.pairs.append((name, compute, master))
             if compute.requires_grad:
@@ -179,7 +155,6 @@ def _move_grad(compute: torch.Tensor, master: nn.Parameter) -> None:
 def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, torch.Tensor]:
     """fp32 masters of every parameter of this rank's stages, from the user's fp32 model, cut as the
     program holds them (tensor-parallel shards; ZeRO-3's flat 1/N blocks of the parameters it shards)."""
-    from autopar.lowering import user_name
     from autopar.runtime.zero3_ops import zero3_targets
 
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]

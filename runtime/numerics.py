@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import NumericsError
-from autopar.lowering import user_name
+from autopar.passes.graph_names import user_name
 from autopar.runtime.index_guard import index_error
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["all_finite", "local_nonfinite", "check_finite"]
 
@@ -48,7 +49,7 @@ def _first_nonfinite_loss(results: dict, last) -> str | None:
     return None
 
 
-def _first_nonfinite_grad(program) -> str | None:
+def _first_nonfinite_grad(program: ProgramState) -> str | None:
     stage_of = {user_name(t): s for s, st in sorted(program.stages.items()) for t in st.param_names}
     for name, p in program.named_params:
         if p.grad is not None and not torch.isfinite(p.grad).all():
@@ -57,7 +58,7 @@ def _first_nonfinite_grad(program) -> str | None:
     return None
 
 
-def local_nonfinite(program, results: dict) -> str | None:
+def local_nonfinite(program: ProgramState, results: dict) -> str | None:
     """What this rank found non-finite (the first loss, else the first gradient), or None.
 
     The common case (all finite) costs one fused check over the losses and gradients together
@@ -71,7 +72,7 @@ def local_nonfinite(program, results: dict) -> str | None:
     return _first_nonfinite_loss(results, last) or _first_nonfinite_grad(program)
 
 
-def check_finite(program, results: dict, *, index_problem: str | None = None) -> None:
+def check_finite(program: ProgramState, results: dict, *, index_problem: str | None = None) -> None:
     """Raise NumericsError on every rank if any rank's loss or gradients hold a NaN or inf.
 
     ``index_problem``: what this rank's index guard found before the schedule ran
@@ -81,7 +82,8 @@ def check_finite(program, results: dict, *, index_problem: str | None = None) ->
     found = local_nonfinite(program, results)
     step = program.step_count + 1
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0])
+        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0],
+                            device=program.info.device)
         program.comm_guard.run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None,
                                purpose="the non-finite and index checks (runtime/numerics.py)")
         if flag.sum().item() == 0:

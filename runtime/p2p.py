@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
 
-__all__ = ["P2PChannel", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
+__all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 
 log = logging.getLogger(__name__)
 _MB_BITS = 12
@@ -35,8 +35,9 @@ class P2PChannel:
     """One rank's pipeline transfers: stage->rank map, pending sends, local hand-overs."""
 
     def __init__(self, *, rank: int, stage_to_rank: dict[int, int], group=None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu"):
         self.rank = rank
+        self.device = torch.device(device)  # where received activations and gradients land
         self.stage_to_rank = dict(stage_to_rank)
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -62,7 +63,7 @@ class P2PChannel:
         src = self.stage_to_rank[stage]
         key = (src, _tag(edge, microbatch, is_grad))
         if src != self.rank and key not in self._posted:
-            buffer = torch.empty(shape, dtype=dtype)
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
             self._posted[key] = (dist.irecv(buffer, src, group=self.group, tag=key[1]), buffer)
 
     def expect_gradient(self, shape, dtype, *, stage: int, edge: int, microbatch: int, my_stage: int) -> None:
@@ -150,7 +151,9 @@ class _RecvFn(torch.autograd.Function):
         return None, None
 
 
-class _P2PNode(nn.Module):
+class P2PNode(nn.Module):
+    """A send or recv node of a stage graph: one edge between two stages, run over the bound channel."""
+
     def __init__(self, *, edge: int, src_stage: int, dst_stage: int, shape, dtype, requires_grad):
         super().__init__()
         self.edge, self.src_stage, self.dst_stage = edge, src_stage, dst_stage
@@ -173,7 +176,7 @@ class _P2PNode(nn.Module):
                 f"dtype={self.dtype}, grad={self.requires_grad}")
 
 
-class SendActivation(_P2PNode):
+class SendActivation(P2PNode):
     """Send a value to a later stage; returns a scalar token whose backward receives the grad."""
 
     def forward(self, x):
@@ -188,7 +191,7 @@ class SendActivation(_P2PNode):
         return x.new_zeros(())
 
 
-class RecvActivation(_P2PNode):
+class RecvActivation(P2PNode):
     """Receive a value from an earlier stage; its backward sends the gradient back."""
 
     def receive(self) -> torch.Tensor:
@@ -200,12 +203,12 @@ class RecvActivation(_P2PNode):
         if self.requires_grad and torch.is_grad_enabled():
             if self.grad_by_executor:
                 return self.receive().requires_grad_()
-            anchor = torch.zeros((), requires_grad=True)
+            anchor = torch.zeros((), requires_grad=True, device=self._require_channel().device)
             return _RecvFn.apply(anchor, self)
         return self.receive()
 
     def meta_forward(self):
-        return torch.empty(self.shape, dtype=self.dtype)
+        return torch.empty(self.shape, dtype=self.dtype, device="cpu")  # shape propagation runs on fake CPU tensors
 
 
 def forward_receives(gm) -> list[RecvActivation]:
@@ -216,4 +219,4 @@ def forward_receives(gm) -> list[RecvActivation]:
 def p2p_nodes(gm) -> list:
     """The send and recv call_module nodes of a stage graph."""
     return [n for n in gm.graph.nodes if n.op == "call_module"
-            and isinstance(gm.get_submodule(n.target), _P2PNode)]
+            and isinstance(gm.get_submodule(n.target), P2PNode)]

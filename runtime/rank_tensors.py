@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.lowering import user_name
+from autopar.errors import CheckpointError
+from autopar.passes.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["Held", "held_tensors", "model_buffers"]
 
@@ -32,7 +34,7 @@ class Held:
 
 
 # -- what this rank holds -----------------------------------------------------------------------
-def _zero3_shapes(program) -> dict[str, tuple[int, ...]]:
+def _zero3_shapes(program: ProgramState) -> dict[str, tuple[int, ...]]:
     """{single-device name: tp-local shape} of the parameters held as flat ZeRO-3 shards (by name, so
     their fp32 masters under bf16, flat blocks too, are found as well)."""
     from autopar.runtime.zero3_ops import ZeroGather
@@ -45,7 +47,7 @@ def _zero3_shapes(program) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_buffers(program) -> list[tuple[str, torch.Tensor]]:
+def model_buffers(program: ProgramState) -> list[tuple[str, torch.Tensor]]:
     """(single-device name, tensor) of the persistent buffers this rank's stages read (BatchNorm stats)."""
     seen, out = set(), []
     for stage in program.stages.values():
@@ -61,21 +63,29 @@ def model_buffers(program) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def held_tensors(program) -> list[Held]:
+def held_tensors(program: ProgramState) -> list[Held]:
     """Every parameter and persistent buffer this rank holds, with its layout."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shapes(program)
     held = []
     for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
         spec = plan.param_shards.get(name)
+        if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
+            raise CheckpointError(
+                f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection with fewer "
+                "kv heads than query heads): checkpoints and weight files cannot lay it out yet",
+                where=f"parameter {name}, rank {program.info.rank}",
+                fix="use full_state_dict() to take the weights out, or tensor_parallel=False / a tp that keeps "
+                    "the fused projection in equal blocks")
         local = z3.get(name, tuple(p.shape))
         shape = list(local)
+        ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
         if spec is not None:
-            shape[spec.dim] *= plan.mesh.tp
+            shape[spec.dim] *= ways
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
-        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, plan.mesh.tp) if spec else None,
+        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
                         z3=plan.mesh.dp if name in z3 else None)
-        held.append(Held(aliases[0], aliases, p, layout, coords["tp"], coords["dp"], "param"))
+        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, coords["dp"], "param"))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
     return held

@@ -30,13 +30,14 @@ import logging
 import torch
 
 from autopar.runtime.tp_rng import TpRngTracker, tp_rng_seed
+from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["random_pieces", "restore_random", "reseed_random", "derived_seed", "same_layout", "rng_manifest"]
 
 log = logging.getLogger(__name__)
 
 
-def _trackers(program) -> list[TpRngTracker]:
+def _trackers(program: ProgramState) -> list[TpRngTracker]:
     """This rank's tp trackers, in stage order (one per stage graph that has sharded random ops)."""
     found, seen = [], set()
     for _, stage in sorted(program.stages.items()):
@@ -52,7 +53,7 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def random_pieces(program, rank: int) -> dict[str, torch.Tensor]:
+def random_pieces(program: ProgramState, rank: int) -> dict[str, torch.Tensor]:
     """``{checkpoint key: state}`` of this rank's generators (keys ``rng/rank<r>/...``)."""
     base = f"rng/rank{rank}"
     pieces = {f"{base}/cpu": torch.get_rng_state()}
@@ -66,20 +67,20 @@ def random_pieces(program, rank: int) -> dict[str, torch.Tensor]:
     return pieces
 
 
-def rng_manifest(program, world_size: int) -> dict:
+def rng_manifest(program: ProgramState, world_size: int) -> dict:
     """What a load needs to decide between restoring and re-deriving (rank 0's view)."""
     mesh = program.plan.mesh
     return {"seed": int(torch.initial_seed()), "world_size": world_size,
             "mesh": [mesh.dp, mesh.pp, mesh.tp]}
 
 
-def same_layout(saved: dict | None, program, world_size: int) -> bool:
+def same_layout(saved: dict | None, program: ProgramState, world_size: int) -> bool:
     """Whether the saved per-rank states map 1:1 onto this job's ranks."""
     mesh = program.plan.mesh
     return bool(saved) and saved.get("world_size") == world_size and saved.get("mesh") == [mesh.dp, mesh.pp, mesh.tp]
 
 
-def restore_random(program, pieces: dict[str, torch.Tensor], rank: int) -> None:
+def restore_random(program: ProgramState, pieces: dict[str, torch.Tensor], rank: int) -> None:
     """Put back this rank's saved generator states (``pieces`` as :func:`random_pieces` named them)."""
     base = f"rng/rank{rank}"
     torch.set_rng_state(pieces[f"{base}/cpu"])
@@ -100,7 +101,7 @@ def derived_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # torch seeds are < 2**64; keep it positive
 
 
-def reseed_random(program, *, seed: int, step: int, tp_rank: int) -> int:
+def reseed_random(program: ProgramState, *, seed: int, step: int, tp_rank: int) -> int:
     """Seed every generator of this rank from ``derived_seed(seed, step)`` (see the module doc); returns it."""
     new = derived_seed(seed, step)
     torch.manual_seed(new)  # the CPU generator and, when CUDA is there, every device's

@@ -6,7 +6,8 @@
 1. local max over the shard, all-reduce MAX: the global max ``m`` of each row;
 2. ``sum(exp(x - m))`` over the shard and the target's shifted logit ``x[t] - m`` (non-zero only
    on the rank that owns ``t``), in one all-reduce SUM of both rows;
-3. ``loss = log(sum_exp) - (x[t] - m)``, averaged over rows whose target is not ``ignore_index``.
+3. ``loss = log(sum_exp) - (x[t] - m)``, averaged (or summed: ``reduction="sum"``) over rows whose target
+   is not ``ignore_index``.
 
 Backward needs no communication: ``(softmax - onehot(t)) / num_valid`` on the local shard.
 
@@ -26,14 +27,94 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
+from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
+                                         reduce_scatter_dim)
 
-__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear"]
+__all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
+           "TpGroupGradSum", "local_shard"]
+
+
+def local_shard(x: torch.Tensor, *, dim: int, chunks: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``x`` on ``dim`` (``chunks`` equal blocks, each cut in ``size``), a new tensor.
+
+    In a graph it cuts a value without a gradient (a mask, ALiBi slopes) that a region reads sharded.
+    """
+    blocks = x.chunk(chunks, dim=dim) if chunks > 1 else (x,)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+class TpGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over tp.
+
+    Sits on a replicated value read inside a tensor-parallel region other than through a column
+    (a q/k norm's weight read on this rank's heads): each rank's gradient of it is partial.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def forward(self, x):
+        return _CopyToRegion.apply(x, self._require_group(), self.guard, f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        return [Comm("backward", "all_reduce", in_bytes)]
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, rank, size, group, guard, purpose):
+        ctx.args = (dim, blocks, rank, size, group, guard, purpose)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, blocks, rank, size, group, guard, purpose = ctx.args
+        grad = grad.contiguous().clone()
+        offset = 0
+        for local, parts in blocks:
+            if parts:
+                piece = grad.narrow(dim, offset, local)
+                slots = grad.new_zeros((parts, *piece.shape))
+                slots[rank * parts // size] = piece
+                issue("all_reduce", dist.all_reduce, slots, group=group, guard=guard, purpose=purpose)
+                piece.copy_(slots[rank * parts // size])
+            offset += local
+        return grad, None, None, None, None, None, None, None
+
+
+class TpGroupGradSum(GraphCollective):
+    """Identity forward; backward sums the gradient over the ranks holding the same piece.
+
+    A parameter block cut in ``parts`` < tp pieces (a kv head replicated over tp / parts ranks, rank
+    r holding piece ``r * parts // tp``) gets a partial gradient on each rank (its query heads
+    only). ``blocks``: (local size, parts) along ``dim``, parts 0 for a block cut tp ways (no sum).
+    One all-reduce over tp of ``parts`` slots per such block, each rank writing its own, sums every
+    group at once.
+    """
+
+    kind = "all_reduce(backward)"
+
+    def __init__(self, *, axis: str, size: int, dim: int, blocks, rank: int):
+        super().__init__(axis=axis, size=size)
+        self.dim = dim
+        self.blocks = tuple(tuple(b) for b in blocks)
+        self.rank = rank
+
+    def forward(self, x):
+        return _GroupSum.apply(x, self.dim, self.blocks, self.rank, self.size, self._require_group(), self.guard,
+                               f"the backward of {self.purpose}")
+
+    def comm(self, in_bytes, out_bytes):
+        total = sum(local for local, _ in self.blocks) or 1
+        return [Comm("backward", "all_reduce", in_bytes * local * parts // total)
+                for local, parts in self.blocks if parts]
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, size={self.size}, dim={self.dim}, blocks={list(self.blocks)}"
 
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, ignore_index, group, guard, purpose):
+    def forward(ctx, logits, target, vocab_start, ignore_index, group, guard, purpose, reduction="mean"):
         ctx.dtype = logits.dtype
         logits = logits.float()  # low-precision logits: sum the exponentials in fp32, as Megatron does
         local_vocab = logits.shape[-1]
@@ -49,7 +130,7 @@ class _VocabParallelCE(torch.autograd.Function):
         issue("all_reduce", dist.all_reduce, sums, group=group, guard=guard, purpose=f"the sums of {purpose}")
         sum_exp, target_logit = sums[0], sums[1]
         valid = target != ignore_index
-        count = valid.sum()
+        count = valid.sum() if reduction == "mean" else torch.ones((), dtype=torch.long, device=valid.device)
         loss = (((sum_exp.log() - target_logit) * valid).sum() / count).to(ctx.dtype)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place: the only thing backward needs
         ctx.save_for_backward(exp, local_target, owned & valid, valid, count)
@@ -61,14 +142,16 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax.clone()
         g.scatter_add_(-1, local_target.unsqueeze(-1), -hit.to(g.dtype).unsqueeze(-1))
         g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(-1))
-        return g.to(ctx.dtype), None, None, None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int,
                                  ignore_index: int = -100, group=None, guard=None,
-                                 purpose: str = "the vocab-parallel cross-entropy") -> torch.Tensor:
-    """Mean cross-entropy of ``logits[N, local_vocab]`` (classes from ``vocab_start``) against ``target[N]``."""
-    return _VocabParallelCE.apply(logits, target, vocab_start, ignore_index, group, guard, purpose)
+                                 purpose: str = "the vocab-parallel cross-entropy",
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Mean (or ``reduction="sum"``) cross-entropy of ``logits[N, local_vocab]`` (classes from ``vocab_start``)
+    against ``target[N]``."""
+    return _VocabParallelCE.apply(logits, target, vocab_start, ignore_index, group, guard, purpose, reduction)
 
 
 class VocabParallelCrossEntropy(GraphCollective):
@@ -76,16 +159,18 @@ class VocabParallelCrossEntropy(GraphCollective):
 
     kind = "all_reduce(max)+all_reduce(sum), forward"
 
-    def __init__(self, *, axis: str, size: int, vocab_start: int, vocab_end: int, ignore_index: int = -100):
+    def __init__(self, *, axis: str, size: int, vocab_start: int, vocab_end: int, ignore_index: int = -100,
+                 reduction: str = "mean"):
         super().__init__(axis=axis, size=size)
         self.vocab_start = vocab_start
         self.vocab_end = vocab_end
         self.ignore_index = ignore_index
+        self.reduction = reduction  # "sum": a loss that divides by num_items_in_batch itself
 
     def forward(self, logits, target):
         return vocab_parallel_cross_entropy(logits, target, vocab_start=self.vocab_start,
                                             ignore_index=self.ignore_index, group=self._require_group(),
-                                            guard=self.guard, purpose=self.purpose)
+                                            guard=self.guard, purpose=self.purpose, reduction=self.reduction)
 
     def meta_forward(self, logits, target):
         return logits.new_empty(())
@@ -96,7 +181,8 @@ class VocabParallelCrossEntropy(GraphCollective):
 
     def extra_repr(self) -> str:
         return (f"axis={self.axis!r}, size={self.size}, vocab=[{self.vocab_start}, {self.vocab_end}), "
-                f"ignore_index={self.ignore_index}")
+                f"ignore_index={self.ignore_index}"
+                + (f", reduction={self.reduction!r}" if self.reduction != "mean" else ""))
 
 
 class _GatherLinears(torch.autograd.Function):

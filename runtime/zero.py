@@ -26,6 +26,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.runtime import comm_audit as comm
+from autopar.runtime.rank_context import AxisGroup
 
 __all__ = ["ShardedOptimizer", "partition_params", "stepped_here", "ELEMENTWISE", "check_elementwise"]
 
@@ -73,24 +74,29 @@ class ShardedOptimizer:
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  factory: Callable[[list], torch.optim.Optimizer], *, zero_stage: int,
-                 dp_group, dp_ranks: list[int], dp_rank: int, comm_log: comm.CommLog | None = None,
-                 publish: Callable[[], None] | None = None, synced: dict[str, torch.Tensor] | None = None):
+                 dp: AxisGroup, comm_log: comm.CommLog | None = None,
+                 publish: Callable[[], None] | None = None, synced: dict[str, torch.Tensor] | None = None,
+                 local: frozenset[str] = frozenset()):
         """``publish`` runs after the local step, before the owners' broadcast (mixed precision rounds the
         masters into the compute copies there); ``synced`` are the tensors the owners broadcast, by name
-        (default: the parameters; the bf16 compute copies under mixed precision)."""
-        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        (default: the parameters; the bf16 compute copies under mixed precision). ``local``: parameters every
+        rank steps itself, outside the dp partition (MoE experts split over ep: runtime/moe_groups.py)."""
+        named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        steps_all = [(n, p) for n, p in named_params if n in local]
+        self.named = [(n, p) for n, p in named_params if n not in local]
         self.publish = publish
         self.zero_stage = zero_stage
-        self.dp_group, self.dp_ranks, self.dp_rank = dp_group, dp_ranks, dp_rank
+        self.dp_group, self.dp_ranks, self.dp_rank = dp.group, list(dp.ranks), dp.index
         self.comm_log = comm_log
-        sharded = zero_stage in (1, 2) and len(dp_ranks) > 1
-        self.owners = partition_params(self.named, len(dp_ranks)) if sharded else [[n for n, _ in self.named]]
+        sharded = zero_stage in (1, 2) and dp.size > 1
+        self.owners = partition_params(self.named, dp.size) if sharded else [[n for n, _ in self.named]]
+        self.named += steps_all
         by_name = dict(self.named)
-        mine = self.owners[dp_rank] if sharded else self.owners[0]
+        mine = (self.owners[dp.index] if sharded else self.owners[0]) + [n for n, _ in steps_all]
         self.local_names = mine
         self.sharded = sharded
         self.optimizer = factory([by_name[n] for n in mine]) if mine else None
-        if zero_stage == 3 and len(dp_ranks) > 1 and self.optimizer is not None:
+        if zero_stage == 3 and dp.size > 1 and self.optimizer is not None:
             check_elementwise(self.optimizer)
         self._by_name = by_name
         self._synced = synced

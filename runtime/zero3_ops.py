@@ -166,7 +166,7 @@ class ZeroGather(GraphCollective):
         return _Gather.apply(self, *shards)
 
     def meta_forward(self, *shards):
-        return tuple(torch.empty(s, dtype=self.dtype) for s in self.shapes)
+        return tuple(torch.empty(s, dtype=self.dtype, device=shards[0].device if shards else "cpu") for s in self.shapes)
 
     def extra_repr(self) -> str:
         return f"axis='dp', size={self.size}, params={len(self.targets)}"

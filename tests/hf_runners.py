@@ -70,19 +70,16 @@ def meta_train(case, mesh) -> dict:
 def padded_batches(case):
     """Dict batches as a data collator makes them: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding).
 
-    Right padding of 0..3 tokens; every two consecutive rows pad 3 tokens together, so each microbatch
-    of an even number of rows carries the same number of label tokens (see docs/api.md: the model's own
-    loss is a mean over each microbatch's label tokens).
+    Right padding of a different length on every row (a random order of 0, 1, 2, ... tokens):
+    microbatches and dp slices carry different numbers of label tokens, which the model's own loss
+    must count over the whole step (``num_items_in_batch``, docs/hf.md).
     """
     g = torch.Generator().manual_seed(99)
-    pads = [0, 3, 1, 2, 2, 1, 3, 0] * (case.batch // 8 + 1)
     out = []
     for _ in range(case.steps):
         ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=g)
-        mask = torch.ones(case.batch, case.seq, dtype=torch.long)
-        for row in range(case.batch):
-            if pads[row]:
-                mask[row, case.seq - pads[row]:] = 0
+        pads = torch.randperm(case.batch, generator=g) % (case.seq - 1)
+        mask = (torch.arange(case.seq) < (case.seq - pads).unsqueeze(1)).long()
         ids = ids.masked_fill(mask == 0, 0)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out
@@ -91,7 +88,8 @@ def padded_batches(case):
 def _train_reference(case, model, step) -> dict:
     opt = _optimizer(case)(list(model.parameters()))
     losses = []
-    for batch in (padded_batches(case) if dict(case.extra).get("dict") else _batches(case)):
+    extra = dict(case.extra)
+    for batch in (padded_batches(case) if extra.get("dict") or extra.get("dict_loss_fn") else _batches(case)):
         opt.zero_grad()
         loss = step(model, batch)
         loss.backward()
@@ -100,8 +98,15 @@ def _train_reference(case, model, step) -> dict:
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def _without_labels(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
 def hf_loop_reference(case) -> dict:
-    """HF's own single-device loop: ``loss = model(**batch).loss`` (dict cases) or the logits loss."""
+    """HF's own single-device loop: ``loss = model(**batch).loss`` (dict cases) or the logits loss
+    (``dict_loss_fn``: the dict batch less its labels, the labels as the logits loss's target)."""
+    if dict(case.extra).get("dict_loss_fn"):
+        return _train_reference(case, _build(case), lambda m, b: logits_loss(m(**_without_labels(b)), b["labels"]))
     if dict(case.extra).get("dict"):
         return _train_reference(case, _build(case), lambda m, b: m(**b).loss)
     return _train_reference(case, _build(case), lambda m, b: logits_loss(m(b[0]), b[1]))
@@ -114,7 +119,13 @@ def hf_train(case, mesh) -> dict:
     extra = dict(case.extra)
     model = _build(case, device="meta" if extra.get("meta") else None)
     common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
-    if extra.get("dict"):
+    if extra.get("dict_loss_fn"):  # a dict batch (no labels) and a loss_fn reading the ModelOutput's logits
+        data = padded_batches(case)
+        program = autopar.compile(model, mesh, example_inputs=_without_labels(data[0]), loss_fn=logits_loss,
+                                  example_target=data[0]["labels"], **common)
+        losses = [program.train_step(program.shard_batch(_without_labels(b)), target=program.shard_batch(b["labels"]))
+                  .item() for b in data]
+    elif extra.get("dict"):
         data = padded_batches(case)
         program = autopar.compile(model, mesh, example_inputs=data[0], **common)
         losses = [program.train_step(program.shard_batch(b)).item() for b in data]
@@ -125,3 +136,25 @@ def hf_train(case, mesh) -> dict:
         losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     return {"losses": losses, "state": program.full_state_dict(), "use_cache": model.config.use_cache,
             "sharded": sorted(program.plan.param_shards)}
+
+
+def shifted_mean_loss(output, target):
+    """A causal LM's loss written out: logits at i predict token i + 1, a mean over the labels not -100."""
+    return F.cross_entropy(output.logits[:, :-1].flatten(0, 1).float(), target[:, 1:].flatten(), ignore_index=-100)
+
+
+def own_loss_against_loss_fn(case, mesh) -> dict:
+    """The same family and padded data compiled twice on ``mesh``: a dict batch on the model's own loss,
+    and positional inputs with :func:`shifted_mean_loss`; both runs' losses and weights (after a flush)."""
+    import autopar
+    data = padded_batches(case)
+    common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+    program = autopar.compile(_build(case), mesh, example_inputs=data[0], **common)
+    own = [program.train_step(program.shard_batch(b)).item() for b in data]
+    own_state = program.full_state_dict()
+    program = autopar.compile(_build(case), mesh, example_inputs=(data[0]["input_ids"], data[0]["attention_mask"]),
+                              loss_fn=shifted_mean_loss, example_target=data[0]["labels"], **common)
+    positional = [program.train_step(program.shard_batch(b["input_ids"]), program.shard_batch(b["attention_mask"]),
+                                     target=program.shard_batch(b["labels"])).item() for b in data]
+    return {"losses": own, "state": own_state,
+            "reference": {"losses": positional, "state": program.full_state_dict()}}

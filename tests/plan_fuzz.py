@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.plan_model import SCHEDULE_NAMES, MeshShape, Plan
+from autopar.plan_model import MeshShape, Plan
+from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["Scenario", "scenarios", "check_scenario", "cached_capture", "MISTAKES", "TIMEOUT_S"]
 
@@ -166,7 +167,7 @@ def scenarios(draw) -> Scenario:
     seq = draw(st.sampled_from([4, 8])) if name == "lm" else 16
     options = {}
     if draw(st.booleans()):
-        options["schedule"] = draw(st.sampled_from(SCHEDULE_NAMES))
+        options["schedule"] = draw(st.sampled_from(schedule_names()))
     if draw(st.booleans()):
         options["num_microbatches"] = draw(st.sampled_from([1, 2, 3, 4, 8]))
     if draw(st.booleans()):

@@ -7,6 +7,7 @@ steps and gathers every rank's events for the measured-versus-simulated bubble.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,7 @@ SYNC_CASES = [
     _case("gpt_tiny", (1, 2, 1), "zb_h2", 4),
     _case("llama_tiny", (1, 2, 1), "zb_v", 2),
     _case("gpt_tiny", (1, 2, 1), "chimera", 2),
+    _case("gpt_tiny", (1, 2, 1), "chimera", 2, recompute="full"),  # recompute on both replicas' stage graphs
     _case("gpt_tiny", (1, 4, 1), "interleaved_1f1b", 4, layers=6),
     _case("llama_tiny", (1, 4, 1), "zb_v", 4, layers=6),
     _case("llama_tiny", (1, 4, 1), "chimera", 4),
@@ -114,7 +116,13 @@ ASYNC_CASES = [
 TRACE_CASE = Case(model="gpt_tiny", mesh=(1, 2, 1), kind="schedule_runners:trace_run", steps=6, batch=16, seq=64,
                   optimizer="adam", options=(("schedule", "1f1b"), ("num_microbatches", 4)),
                   overrides=(("hidden", 128), ("num_layers", 4)))
-ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES  # TRACE_CASE runs alone, in the timing test that reads it
+#: a transformers model's dict batches on its own loss under PipeDream (an update per microbatch: the label
+#: tokens are counted per update), against positional inputs with the same loss written as a loss_fn
+ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_loss_against_loss_fn", steps=3,
+                         options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
+if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
+    ASYNC_DICT_CASES = []
+ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
 
 
 @functools.lru_cache(maxsize=None)

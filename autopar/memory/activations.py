@@ -32,6 +32,7 @@ from autopar.passes.meta_keys import TENSOR, get_meta
 from autopar.passes.recompute import Recompute
 from autopar.runtime.collectives import GraphCollective
 from autopar.runtime.memory_probe import SavedLedger
+from autopar.runtime.p2p import P2PNode, SendActivation
 from autopar.runtime.schedules.action import ActionKind
 
 __all__ = ["StageActivations", "stage_activations", "peak_bytes"]
@@ -71,8 +72,8 @@ class _FakeRun(fx.Interpreter):
         module = self.fetch_attr(target)
         if isinstance(module, Recompute):
             return self._region(module, args)
-        if hasattr(module, "edge"):  # p2p
-            if type(module).__name__ == "SendActivation":
+        if isinstance(module, P2PNode):
+            if isinstance(module, SendActivation):
                 return args[0].new_zeros(())
             out = torch.empty(module.shape, dtype=module.dtype)
             return out.requires_grad_() if module.requires_grad else out

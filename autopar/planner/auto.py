@@ -9,25 +9,24 @@ table, the rejected candidates with reasons, and why the first choice won.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from autopar.errors import PlanError
-from autopar.options import CompileOptions
-from autopar.plan_model import MESH_AXES, MeshShape, PipelinePlan, Plan
+from autopar.options import CompileOptions, resolve_plan
+from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
 from autopar.planner.cost_model import Estimate
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
 from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.runtime.schedules.registry import default_stages_per_rank
 
 __all__ = ["PlannerReport", "choose_plan", "plan_for_compile", "optimizer_kind", "plan_from_estimate", "search_space"]
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_VIRTUAL = {"interleaved_1f1b": 2, "looped_bfs": 2, "zb_v": 2}
-
 
 @dataclass
 class PlannerReport:
@@ -94,7 +93,7 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
     """The search space left once the explicitly given options and mesh degrees are pinned."""
     space = SearchSpace(**{axis: (pinned[axis],) for axis in MESH_AXES if axis in pinned})
     if "schedule" in options:
-        v = options.get("num_virtual") or _DEFAULT_VIRTUAL.get(options["schedule"], 1)
+        v = default_stages_per_rank(options["schedule"], options.get("num_virtual"))
         space = _replace(space, schedules=((options["schedule"], v),))
     elif options.get("num_virtual"):
         space = _replace(space, schedules=tuple((n, options["num_virtual"]) for n, v in space.schedules if v > 1))
@@ -115,19 +114,16 @@ def _replace(space: SearchSpace, **kw) -> SearchSpace:
 def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: CompileOptions) -> Plan:
     """The Plan the compiler lowers for the chosen candidate (it fills in shards and shared weights)."""
     c = best.candidate
-    chunks = profile.chunks[c.tp]
-    stages = c.pp * c.num_virtual
-    return Plan(model_name=profile.model_name, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
-                global_batch_size=profile.global_batch,
-                pipeline=PipelinePlan(schedule=c.schedule, num_microbatches=c.num_microbatches,
-                                      num_virtual=c.num_virtual, stage_starts=tuple(chunks[i].unit for i in c.cuts)),
-                tp_regions=profile.regions.get(c.tp, ()) if c.tp > 1 else (),
-                vocab_parallel=profile.vocab.get(c.tp, ()) if c.tp > 1 else (),
-                sequence_parallel=options.sequence_parallel and c.tp > 1,
-                zero_stage=c.zero_stage, data_parallel=options.data_parallel, bucket_mb=options.bucket_mb,
-                capture=options.capture, num_parameters=profile.num_parameters,
-                recompute=(c.recompute,) * stages if c.recompute != "none" else (),
-                precision=profile.precision)
+    chosen = options.model_copy(update={"schedule": c.schedule, "num_microbatches": c.num_microbatches,
+                                        "num_virtual": c.num_virtual, "zero_stage": c.zero_stage,
+                                        "recompute": c.recompute, "precision": profile.precision})
+    plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
+                        batch=profile.global_batch, model_name=profile.model_name,
+                        num_parameters=profile.num_parameters)
+    starts = tuple(profile.chunks[c.tp][i].unit for i in c.cuts)
+    return Plan(**{**dict(plan), "pipeline": plan.pipeline.model_copy(update={"stage_starts": starts}),
+                   "tp_regions": profile.regions.get(c.tp, ()) if c.tp > 1 else (),
+                   "vocab_parallel": profile.vocab.get(c.tp, ()) if c.tp > 1 else ()})
 
 
 def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_target, mode: str = "auto",
@@ -135,18 +131,19 @@ def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_targ
     """Profile ``model``, search the plans for ``cluster`` and return the report of the fastest that fits."""
     if mode != "auto":
         raise PlanError(f"unknown plan mode {mode!r}", where="plan=", fix="pass plan='auto' or a Plan")
-    if loss_fn is None or example_target is None:
+    own_loss = loss_fn is None and isinstance(example_inputs, Mapping) and "labels" in example_inputs
+    if not own_loss and (loss_fn is None or example_target is None):
         raise PlanError("plan='auto' plans training and needs the loss", where="plan='auto'",
-                        fix="pass loss_fn= and example_target=")
+                        fix="pass loss_fn= and example_target=, or a dict batch with labels (the model's own loss)")
     options = dict(options or {})
     world, pinned = _pinned_degrees(mesh_shape, cluster)
     base = get_cluster(cluster) if cluster is not None else local_cluster()
     world = world or base.world_size
     sized = base.for_world(world)
+    opts = CompileOptions(**options)  # (an unknown option or schedule is refused before the search space)
     space = search_space(options, pinned)
     tps = [t for t in range(1, sized.devices_per_node + 1)
            if sized.devices_per_node % t == 0 and world % t == 0 and (space.tp is None or t in space.tp)]
-    opts = CompileOptions(**options)
     profile = profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target,
                             tp_degrees=tps, options=opts)
     result = search(profile, sized, world=world, space=space, optimizer=optimizer)

@@ -67,7 +67,7 @@ def _pins(args: argparse.Namespace) -> dict:
 
 def _run_plan(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.cli import _unpack, load_target, parse_mesh
+    from autopar.cli_args import load_target, parse_mesh, unpack_target as _unpack
     from autopar.planner.cluster import get_cluster
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -135,7 +135,7 @@ def _like(old: torch.Tensor, shape, dtype, *, vocab, seed: int) -> torch.Tensor:
 
 def _override_inputs(kwargs: dict, args: argparse.Namespace) -> dict:
     """The target's inputs replaced as --input-shape / --input-dtype / --vocab say (the target resized too)."""
-    from autopar.cli import _DTYPES
+    from autopar.cli_args import DTYPES as _DTYPES
 
     if not (args.input_shape or args.input_dtype or args.vocab):
         return kwargs
@@ -170,8 +170,8 @@ def _describe(t) -> str:
 
 def add_plan_command(sub) -> None:
     """Register ``autopar plan`` on the CLI's subparsers."""
-    from autopar.cli import _DTYPES, positive_int
-    from autopar.plan_model import SCHEDULE_NAMES
+    from autopar.cli_args import DTYPES as _DTYPES, positive_int
+    from autopar.runtime.schedules.registry import schedule_names
 
     p = sub.add_parser("plan", help="let the planner choose a plan and print its ranked table and reasons",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,7 +182,7 @@ def add_plan_command(sub) -> None:
                    help="cluster preset or Cluster JSON file (default: this machine, uncalibrated)")
     p.add_argument("--nodes", type=positive_int, default=None, metavar="N", help="nodes of the cluster preset")
     p.add_argument("--mesh", default=None, help="pin some degrees, e.g. tp=8 (others are searched)")
-    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES, metavar="NAME", help="pin the schedule")
+    p.add_argument("--schedule", default=None, choices=schedule_names(), metavar="NAME", help="pin the schedule")
     p.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=None, metavar="N",
                    help="pin the microbatch count")
     p.add_argument("--virtual", type=positive_int, default=None, metavar="V", help="pin stages per pp rank")

@@ -36,19 +36,18 @@ import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autopar.errors import PlanError, ScheduleError
+from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
 from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
 from autopar.planner.cluster import Cluster, Device
-from autopar.planner.pipeline_bound import COVERED_SCHEDULES, pipeline_lower_bound
+from autopar.planner.pipeline_bound import pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
-from autopar.runtime.schedules.registry import build_schedule, schedule_names, splits_backward
+from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
-__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of", "SPLIT_BACKWARD"]
+__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of"]
 
-SPLIT_BACKWARD = tuple(n for n in schedule_names() if splits_backward(n))  # the registry's
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
 
@@ -104,17 +103,10 @@ class _Shape:
 
 
 def _closed_form(name: str, pp: int, m: int, v: int):
-    """Stage placement and in-flight peaks of the common families, without building the schedule."""
-    if name == "1f1b" and m < pp:
-        raise ScheduleError(f"1f1b needs num_microbatches >= {pp}, got {m}")
-    if name == "interleaved_1f1b" and m % pp:
-        raise ScheduleError(f"interleaved_1f1b needs num_microbatches to be a multiple of {pp}, got {m}")
-    stages = range(pp * v)
-    owner = tuple(s if s < pp else 2 * pp - 1 - s for s in stages) if name == "zb_v" else tuple(s % pp for s in stages)
-    counts = {"1f1b": [min(pp - q, m) for q in range(pp)], "gpipe": [m] * pp,
-              "zb_h1": [min(pp, m)] * pp, "zb_h2": [min(2 * pp - 1, m)] * pp, "zb_v": [min(2 * pp, 2 * m)] * pp,
-              "interleaved_1f1b": [min(m * v, 2 * (pp - q - 1) + (v - 1) * pp + 1) for q in range(pp)]}[name]
-    return _Shape(owner, name in SPLIT_BACKWARD), tuple(counts)
+    """Stage placement and in-flight peaks from the family's closed form, without building the schedule."""
+    form = family(name).closed_form
+    counts = form.peaks(pp, m, v)
+    return _Shape(form.placement(pp, v), splits_backward(name)), tuple(counts)
 
 
 @lru_cache(maxsize=16)
@@ -131,16 +123,15 @@ def schedule_of(name: str, pp: int, m: int, v: int):
     represented by that one (same stage placement, same peaks); GPipe holds all ``m``. Deep
     pipelines of the common families use their closed forms instead (no action list).
     """
-    if pp > 8 and name in ("1f1b", "gpipe", "zb_h1", "zb_h2", "zb_v", "interleaved_1f1b"):
+    row = family(name)
+    if pp > 8 and row.closed_form is not None:
         return _closed_form(name, pp, m, v)
-    short = m if m <= 2 * pp else 2 * pp
-    if name == "1f1b" and m < pp:
-        short = m  # let the generator refuse it
+    short = m if m <= 2 * pp else 2 * pp  # (fewer microbatches than ranks: the generator refuses or runs them)
     schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
     split = schedule.split_backward
     counts = tuple(peak_bytes(row, {s: 1 for s in range(schedule.num_stages)}, split_backward=split)
                    for row in schedule.actions)
-    if name == "gpipe":
+    if row.peak_grows:
         counts = tuple(c * m // short for c in counts)
     return schedule, counts
 
@@ -307,7 +298,7 @@ class CostModel:
             t = self.table(c.tp, self._b(c), c.recompute, device, self._contention(c))
             for k in range(4):
                 out[k].append(t[hi][k] - t[lo][k])
-            if c.schedule in SPLIT_BACKWARD and s > 0:  # the first stage runs its backward whole (executor)
+            if splits_backward(c.schedule) and s > 0:  # the first stage runs its backward whole (executor)
                 out[2][-1] += device.split_backward_overhead * (out[1][-1] + out[2][-1])
         return out
 
@@ -350,7 +341,7 @@ class CostModel:
         (:func:`~autopar.runtime.schedules.shared_cores.simulate_shared_cores`).
         """
         k = self._contention(c)
-        split = c.schedule in SPLIT_BACKWARD
+        split = splits_backward(c.schedule)
         cores = None
         if k > 1 and c.pp > 1:
             switch = self.cluster.shared_core_switch_s
@@ -362,7 +353,7 @@ class CostModel:
             if cores is not None:
                 return simulate_shared_cores(full, costs=costs, cores=cores)
             return simulate(full, costs=costs).step_time
-        if c.schedule not in COVERED_SCHEDULES:  # no bound proven for it: the trivial one
+        if not family(c.schedule).bounded:  # no bound proven for it: the trivial one
             return 0.0
         return pipeline_lower_bound(owner=owner, forward=fwd, backward=bwd, weight=wgt, p2p=p2p,
                                     num_microbatches=c.num_microbatches, split_backward=split, cores=cores)

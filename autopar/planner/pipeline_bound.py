@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autopar.runtime.schedules.registry import family, schedule_names
+
 __all__ = ["COVERED_SCHEDULES", "pipeline_lower_bound", "relaxed_bound"]
 
-COVERED_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v")
+COVERED_SCHEDULES = tuple(n for n in schedule_names() if family(n).bounded)  # the registry's Family.bounded
 
 
 def pipeline_lower_bound(*, owner: Sequence[int], forward: Sequence[float], backward: Sequence[float],

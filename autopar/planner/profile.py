@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.lowering import Captured, capture_and_annotate, shard_captured, user_name
 from autopar.memory.activations import stage_activations
 from autopar.memory.states import ParamEntry, rank_params
-from autopar.options import CompileOptions
+from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.collective_audit import audit_collectives
 from autopar.passes.meta_keys import COST, TENSOR, get_meta
 from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
@@ -172,7 +173,7 @@ def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:
 
 def _capture(model, *, example_inputs, loss_fn, example_target, options: CompileOptions):
     """Capture at one sample per microbatch (all samples when batch statistics forbid splitting)."""
-    batch = example_inputs[0].shape[0]
+    batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
                                       "recompute": "none", "zero_stage": 0})
     try:
@@ -188,21 +189,24 @@ def _capture(model, *, example_inputs, loss_fn, example_target, options: Compile
 
 def _shard(cap: Captured, tp: int):
     """The graph as tp rank 0 of ``tp`` runs it (a vocabulary tp does not divide stays whole, as lowering does)."""
-    sharded = dataclasses.replace(cap, mesh=MeshShape(dp=cap.mesh.dp, tp=tp))
+    p = cap.plan
+    plan = resolve_plan(cap.options, given=None, mesh=MeshShape(dp=p.mesh.dp, tp=tp), batch=p.global_batch_size,
+                        model_name=p.model_name, num_parameters=p.num_parameters)
     with torch.random.fork_rng(devices=[]):
-        gm, _, regions, vocab = shard_captured(sharded, tp_rank=0)
-    return gm, regions, vocab
+        state, vocab = shard_captured(dataclasses.replace(cap, plan=plan), tp_rank=0)
+    return state.gm, state.region_plans, vocab
 
 
 def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
                   options: CompileOptions | None = None) -> ModelProfile:
     """Chunk costs of ``model`` for each tp degree (those that cannot shard go to ``tp_errors``)."""
     options = options or CompileOptions()
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not isinstance(example_inputs, Mapping):  # a dict batch stays one (keyword inputs)
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cap, b0, stats = _capture(model, example_inputs=example_inputs, loss_fn=loss_fn,
                               example_target=example_target, options=options)
-    profile = ModelProfile(model_name=cap.model_name, num_parameters=cap.num_parameters,
-                           global_batch=cap.batch, precision=cap.precision, sample_batch=b0,
+    profile = ModelProfile(model_name=cap.plan.model_name, num_parameters=cap.plan.num_parameters,
+                           global_batch=cap.plan.global_batch_size, precision=cap.plan.precision, sample_batch=b0,
                            batch_statistics=stats, template=cap.template.path if cap.template else None)
     for tp in sorted(set(tp_degrees)):
         try:

@@ -31,16 +31,17 @@ from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import SPLIT_BACKWARD, Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
+from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.planner.stage_cuts import memory_fits, weighted_cuts
+from autopar.runtime.schedules.registry import planner_schedules, splits_backward
 
-__all__ = ["SearchSpace", "SearchResult", "search", "explain", "format_table", "TIE"]
+__all__ = ["SearchSpace", "SearchResult", "search", "TIE"]
 
 log = logging.getLogger(__name__)
 
-_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("gpipe", 1), ("zb_v", 2))
+_SCHEDULES = planner_schedules()  # the registry's (runtime/schedules/registry.py: Family.searched)
 GiB = 2**30
 TIE = 0.01  # simulated times within 1% of each other rank the simpler plan first
 
@@ -222,7 +223,7 @@ class _Frontier:
         """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
         space, profile, cluster = self.space, self.profile, self.cluster
         zero = max(space.zero_stages) if c.dp > 1 else 0
-        if zero == 3 and c.schedule in SPLIT_BACKWARD:  # (ZeRO-3 gathers are not split into B and W)
+        if zero == 3 and splits_backward(c.schedule):  # (ZeRO-3 gathers are not split into B and W)
             zero = max([z for z in space.zero_stages if z < 3], default=3)
         frugal = replace(c, zero_stage=zero, recompute="full" if "full" in space.recompute else space.recompute[-1])
         try:
@@ -257,10 +258,10 @@ class _Frontier:
 
 def constraint(c: Candidate) -> str | None:
     """Why the runtime refuses ``c``'s combination of schedule, ZeRO stage and recomputation, if it does."""
-    if c.zero_stage == 3 and c.dp > 1 and c.schedule in SPLIT_BACKWARD:
+    if c.zero_stage == 3 and c.dp > 1 and splits_backward(c.schedule):
         return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
                 f"graph's reduce-scatter")
-    if c.recompute == "selective" and c.schedule in SPLIT_BACKWARD:
+    if c.recompute == "selective" and splits_backward(c.schedule):
         return f"selective recompute does not combine with {c.schedule}: its W action walks each recomputed region " \
                f"a second time"
     return None
@@ -273,7 +274,7 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
     devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
     tables = [model.table(c.tp, b, "none", d, k) for d in devices.values()]
-    split = c.schedule in SPLIT_BACKWARD
+    split = splits_backward(c.schedule)
     work = path = 0.0
     for i in range(model.profile.num_chunks):
         f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
@@ -458,15 +459,3 @@ def _memory_reason(e: Estimate) -> str:
     return (f"needs {fmt_bytes(e.memory)} on its fullest rank, has {fmt_bytes(e.capacity)} "
             f"(activations {fmt_bytes(e.memory_parts.get('activations', 0))}, "
             f"optimizer state {fmt_bytes(e.memory_parts.get('optimizer', 0))})")
-
-
-def explain(result: SearchResult) -> list[str]:
-    """Why the best candidate won (:func:`autopar.planner.reasons.explain`)."""
-    from autopar.planner.reasons import explain as reasons_explain
-    return reasons_explain(result)
-
-
-def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> str:
-    """The ranked table (:func:`autopar.planner.reasons.format_table`)."""
-    from autopar.planner.reasons import format_table as reasons_table
-    return reasons_table(result, top=top, rejected=rejected)

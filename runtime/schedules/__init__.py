@@ -6,7 +6,7 @@
     0.2727
 """
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
-from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
+from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
 from autopar.runtime.schedules.deps import dependencies
 from autopar.runtime.schedules.dualpipe import dualpipev
@@ -15,7 +15,7 @@ from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
 from autopar.runtime.schedules.naive import naive
 from autopar.runtime.schedules.one_f_one_b import one_f_one_b
-from autopar.runtime.schedules.registry import build_schedule, schedule_names
+from autopar.runtime.schedules.registry import ASYNC_SCHEDULES, build_schedule, schedule_names
 from autopar.runtime.schedules.simulator import Event, SimResult, StageCosts, simulate
 from autopar.runtime.schedules.staleness import StalenessRule
 from autopar.runtime.schedules.validator import validate

@@ -36,9 +36,7 @@ from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.one_f_one_b import _rank_actions
 from autopar.runtime.schedules.staleness import StalenessRule
 
-__all__ = ["pipedream", "pipedream_2bw", "pipemare", "stream_segment", "ASYNC_SCHEDULES"]
-
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare")
+__all__ = ["pipedream", "pipedream_2bw", "pipemare", "stream_segment"]
 
 
 def _stream(name: str, p: int, total: int, rule: StalenessRule) -> Schedule:

@@ -1,14 +1,20 @@
-"""Build a schedule by name: the one place that knows every schedule family and its options.
+"""Every schedule family in one table: its generator and the facts the rest of autopar reads.
+
+Nothing outside this module lists family names: the lowering asks :func:`family` whether a
+schedule splits backward or replicates stages, the planner which families it searches and which
+have closed forms, options and the Plan which names are valid.
 
     >>> build_schedule("1f1b", num_ranks=2, num_microbatches=4).name
     '1f1b'
     >>> schedule_names()  # doctest: +NORMALIZE_WHITESPACE
     ('naive', 'gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zb_h2', 'zb_v', 'dualpipev',
      'dualpipe', 'chimera', 'pipedream', 'pipedream_2bw', 'pipemare')
-    >>> splits_backward("dualpipev"), default_stages_per_rank("zb_v")
-    (True, 2)
+    >>> splits_backward("dualpipev"), default_stages_per_rank("zb_v"), default_stages_per_rank("looped_bfs")
+    (True, 2, 2)
     >>> schedule_names(asynchronous=False)[-1]
     'chimera'
+    >>> family("zb_v").closed_form.placement(2, 2), family("1f1b").closed_form.bubble(4, 8, 1)
+    ((0, 1, 1, 0), 0.2727272727272727)
 
 """
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import NamedTuple
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Schedule
-from autopar.runtime.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
+from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
 from autopar.runtime.schedules.dualpipe import dualpipe, dualpipev
 from autopar.runtime.schedules.gpipe import gpipe
@@ -30,70 +36,146 @@ from autopar.runtime.schedules.one_f_one_b import one_f_one_b
 from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
 
-__all__ = ["build_schedule", "schedule_names", "splits_backward", "default_stages_per_rank", "model_replicas"]
+__all__ = ["Family", "ClosedForm", "family", "build_schedule", "schedule_names", "splits_backward",
+           "default_stages_per_rank", "planner_schedules", "ASYNC_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Family(NamedTuple):
-    """A generator, the stages per rank (``num_virtual``) it accepts, and whether it splits backward."""
+class ClosedForm(NamedTuple):
+    """A family's figures without building its action list (the planner's deep pipelines).
+
+    ``placement(pp, v)``: ``stage_to_rank``; ``peaks(pp, m, v)``: per rank, the microbatches whose
+    activations it holds at its peak (ScheduleError where the generator would refuse ``m``);
+    ``bubble(pp, m, v)``: the mean idle share of a step when every stage's F, B and W take equal
+    time, for ``m >= 2·pp`` (interleaved: a multiple of pp), the published formulas.
+    """
+
+    placement: Callable[[int, int], tuple[int, ...]]
+    peaks: Callable[[int, int, int], tuple[int, ...]]
+    bubble: Callable[[int, int, int], float]
+
+
+class Family(NamedTuple):
+    """One schedule family: its generator and what every other module reads of it."""
 
     build: Callable[..., Schedule]
-    fixed: int | None  # the only num_virtual accepted, or None when it is an option
-    minimum: int = 1  # for an option: the least num_virtual
-    default: int | None = None  # for an option: used when num_virtual is not given
+    stages_per_rank: int = 1  # num_virtual when none is given (per replica): compile, plan and build_schedule
+    fixed: bool = True  # stages_per_rank is the only num_virtual accepted; else it is an option >= minimum
+    minimum: int = 1
     split_backward: bool = False  # B (input gradient) and W (weight gradient) run apart
-    compile_virtual: int | None = None  # for an option: what compile uses when num_virtual is not given
-    replicas: int = 1  # model replicas the stages form (two pipelines in opposite directions: 2)
+    asynchronous: bool = False  # weight updates without a flush (an endless stream, runtime/async_pipeline.py)
+    replicas: int = 1  # model replicas the stages come in (Chimera: a second pipeline the other way)
+    peak_grows: bool = False  # in-flight peak grows with every microbatch (else steady by 2·pp microbatches)
+    bounded: bool = False  # planner/pipeline_bound.py's lower bound holds (one replica, one F, B, W each)
+    closed_form: ClosedForm | None = None
+    searched: int | None = None  # its place in the planner's default search (None: only when asked for)
 
 
-_FAMILIES: Mapping[str, _Family] = types.MappingProxyType({
-    "naive": _Family(naive, fixed=1),
-    "gpipe": _Family(gpipe, fixed=1),
-    "1f1b": _Family(one_f_one_b, fixed=1),
-    "interleaved_1f1b": _Family(interleaved_1f1b, fixed=None, minimum=2, compile_virtual=2),
-    # (the generator's own default is the classic one stage per rank; compile loops twice)
-    "looped_bfs": _Family(looped_bfs, fixed=None, minimum=1, default=1, compile_virtual=2),
-    "zb_h1": _Family(zb_h1, fixed=1, split_backward=True),
-    "zb_h2": _Family(zb_h2, fixed=1, split_backward=True),
-    "zb_v": _Family(zb_v, fixed=2, split_backward=True),
-    "dualpipev": _Family(dualpipev, fixed=2, split_backward=True),
-    "dualpipe": _Family(dualpipe, fixed=1, split_backward=True, replicas=2),  # one stage per rank per replica
-    "chimera": _Family(chimera, fixed=1, replicas=2),  # one stage per rank in each of its two replicas
-    "pipedream": _Family(pipedream, fixed=1),
-    "pipedream_2bw": _Family(pipedream_2bw, fixed=1),
-    "pipemare": _Family(pipemare, fixed=1),
+def _in_order(pp: int, v: int) -> tuple[int, ...]:
+    return tuple(s % pp for s in range(pp * v))
+
+
+def _v_shape(pp: int, v: int) -> tuple[int, ...]:
+    return tuple(s if s < pp else 2 * pp - 1 - s for s in range(pp * v))
+
+
+def _one_f_one_b_peaks(pp: int, m: int, v: int) -> tuple[int, ...]:
+    if m < pp:
+        raise ScheduleError(f"1f1b needs num_microbatches >= {pp}, got {m}")
+    return tuple(min(pp - q, m) for q in range(pp))
+
+
+def _interleaved_peaks(pp: int, m: int, v: int) -> tuple[int, ...]:
+    if m % pp:
+        raise ScheduleError(f"interleaved_1f1b needs num_microbatches to be a multiple of {pp}, got {m}")
+    return tuple(min(m * v, 2 * (pp - q - 1) + (v - 1) * pp + 1) for q in range(pp))
+
+
+def _fill(work: int):
+    """The bubble ``(p - 1) / (work·m + p - 1)`` of a pipeline whose only idle time is its fill and drain."""
+    return lambda pp, m, v: (pp - 1) / (work * v * m + pp - 1)
+
+
+_GPIPE = ClosedForm(_in_order, lambda pp, m, v: (m,) * pp, _fill(1))
+_ONE_F_ONE_B = ClosedForm(_in_order, _one_f_one_b_peaks, _fill(1))
+_INTERLEAVED = ClosedForm(_in_order, _interleaved_peaks, _fill(1))
+_ZB_H1 = ClosedForm(_in_order, lambda pp, m, v: (min(pp, m),) * pp, _fill(3))
+_ZB_H2 = ClosedForm(_in_order, lambda pp, m, v: (min(2 * pp - 1, m),) * pp, _fill(3))
+_ZB_V = ClosedForm(_v_shape, lambda pp, m, v: (min(2 * pp, 2 * m),) * pp, lambda pp, m, v: (pp - 1) / (6 * m + pp - 1))
+
+_FAMILIES: Mapping[str, Family] = types.MappingProxyType({
+    "naive": Family(naive, bounded=True),
+    "gpipe": Family(gpipe, peak_grows=True, bounded=True, closed_form=_GPIPE, searched=3),
+    "1f1b": Family(one_f_one_b, bounded=True, closed_form=_ONE_F_ONE_B, searched=0),
+    "interleaved_1f1b": Family(interleaved_1f1b, stages_per_rank=2, fixed=False, minimum=2, bounded=True,
+                               closed_form=_INTERLEAVED, searched=1),
+    "looped_bfs": Family(looped_bfs, stages_per_rank=2, fixed=False, bounded=True),
+    "zb_h1": Family(zb_h1, split_backward=True, bounded=True, closed_form=_ZB_H1, searched=2),
+    "zb_h2": Family(zb_h2, split_backward=True, bounded=True, closed_form=_ZB_H2),
+    "zb_v": Family(zb_v, stages_per_rank=2, split_backward=True, bounded=True, closed_form=_ZB_V, searched=4),
+    "dualpipev": Family(dualpipev, stages_per_rank=2, split_backward=True),
+    "dualpipe": Family(dualpipe, split_backward=True, replicas=2),  # one stage per rank in each of two replicas
+    "chimera": Family(chimera, replicas=2),  # one stage per rank in each of its two replicas
+    "pipedream": Family(pipedream, asynchronous=True),
+    "pipedream_2bw": Family(pipedream_2bw, asynchronous=True),
+    "pipemare": Family(pipemare, asynchronous=True),
 })
+
+ASYNC_SCHEDULES = tuple(n for n, f in _FAMILIES.items() if f.asynchronous)
+SPLIT_BACKWARD_SCHEDULES = tuple(n for n, f in _FAMILIES.items() if f.split_backward)
 
 
 def schedule_names(*, asynchronous: bool = True) -> tuple[str, ...]:
     """Every name :func:`build_schedule` accepts (only the synchronous ones if ``asynchronous=False``)."""
-    return tuple(n for n in _FAMILIES if asynchronous or n not in ASYNC_SCHEDULES)
+    return tuple(n for n, f in _FAMILIES.items() if asynchronous or not f.asynchronous)
 
 
-def _family(name: str) -> _Family:
-    family = _FAMILIES.get(name)
-    if family is None:
+def family(name: str) -> Family:
+    """The table row of schedule ``name``; ScheduleError naming the known ones otherwise."""
+    row = _FAMILIES.get(name)
+    if row is None:
         raise ScheduleError(f"unknown schedule {name!r}", where="schedule=", fix=f"use one of {', '.join(schedule_names())}")
-    return family
+    return row
+
+
+def planner_schedules() -> tuple[tuple[str, int], ...]:
+    """(name, stages per rank) of the families the planner searches by default, in its order."""
+    searched = sorted((f.searched, n) for n, f in _FAMILIES.items() if f.searched is not None)
+    return tuple((n, _FAMILIES[n].stages_per_rank) for _, n in searched)
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` runs backward as B (input gradient) and W (weight gradient) apart."""
-    return _family(name).split_backward
-
-
-def model_replicas(name: str) -> int:
-    """How many copies of the model schedule ``name`` runs (Chimera and DualPipe: 2, one per direction)."""
-    return _family(name).replicas
+    return family(name).split_backward
 
 
 def default_stages_per_rank(name: str, requested: int | None = None) -> int:
-    """Stages per pp rank compile uses for ``name``: ``requested`` if given, else the family's own."""
-    if requested is not None:
-        return requested
-    family = _family(name)
-    return family.fixed if family.fixed is not None else family.compile_virtual
+    """Stages per pp rank of ``name``: ``requested`` if given, else the family's own (one default for all)."""
+    return family(name).stages_per_rank if requested is None else requested
+
+
+def _check_virtual(name: str, row: Family, num_virtual) -> int:
+    if row.fixed:
+        if num_virtual not in (None, row.stages_per_rank):
+            others = "interleaved_1f1b or looped_bfs"
+            if row.stages_per_rank == 2:
+                others = "zb_h1 or zb_h2 for one stage per rank, interleaved_1f1b for more"
+            raise ScheduleError(
+                f"schedule {name!r} runs exactly {row.stages_per_rank} stage(s) per rank, got num_virtual={num_virtual}",
+                where=f"schedule {name!r}, num_virtual={num_virtual}",
+                fix=f"drop num_virtual (or pass {row.stages_per_rank}), or use {others} for other stage counts",
+            )
+        return row.stages_per_rank
+    virtual = row.stages_per_rank if num_virtual is None else num_virtual
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < row.minimum:
+        other = ", or use '1f1b' for one stage per rank" if row.minimum > 1 else ""
+        raise ScheduleError(
+            f"schedule {name!r} needs num_virtual >= {row.minimum} stages per rank, got {num_virtual!r}",
+            where=f"schedule {name!r}, num_virtual={num_virtual!r}",
+            fix=f"pass num_virtual={row.minimum} or more{other}",
+        )
+    return virtual
 
 
 def build_schedule(
@@ -101,32 +183,15 @@ def build_schedule(
 ) -> Schedule:
     """The ``name`` schedule for ``num_ranks`` ranks, ``num_microbatches`` microbatches.
 
-    ``num_virtual`` is the number of stages per rank (per replica, for ``chimera``). ``None`` means
-    the family's own: 1, or 2 for ``zb_v``, which only has a V of two; ``interleaved_1f1b`` needs
-    it given, at least 2. The asynchronous schedules build a stream of one batch here; see
-    :mod:`autopar.runtime.schedules.asynchronous` for longer streams.
+    ``num_virtual`` is the number of stages per rank (per replica, for ``chimera``); ``None`` means
+    the family's own (:attr:`Family.stages_per_rank`: 2 for ``interleaved_1f1b``, ``looped_bfs``,
+    ``zb_v`` and ``dualpipev``, else 1), as compile and plan use it. The asynchronous schedules build a
+    stream of one batch here; see :mod:`autopar.runtime.schedules.asynchronous` for longer streams.
     """
-    family = _family(name)
-    if family.fixed is not None:
-        if num_virtual not in (None, family.fixed):
-            others = "interleaved_1f1b or looped_bfs" if family.fixed == 1 else "interleaved_1f1b"
-            if family.fixed == 2:
-                others = "zb_h1 or zb_h2 for one stage per rank, interleaved_1f1b for more"
-            raise ScheduleError(
-                f"schedule {name!r} runs exactly {family.fixed} stage(s) per rank, got num_virtual={num_virtual}",
-                where=f"schedule {name!r}, num_virtual={num_virtual}",
-                fix=f"drop num_virtual (or pass {family.fixed}), or use {others} for other stage counts",
-            )
-        logger.debug("building %s for %s ranks, %s microbatches", name, num_ranks, num_microbatches)
-        return family.build(num_ranks=num_ranks, num_microbatches=num_microbatches)
-    virtual = family.default if num_virtual is None else num_virtual
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < family.minimum:
-        other = ", or use '1f1b' for one stage per rank" if name == "interleaved_1f1b" else ""
-        raise ScheduleError(
-            f"schedule {name!r} needs num_virtual >= {family.minimum} stages per rank, got {num_virtual!r}",
-            where=f"schedule {name!r}, num_virtual={num_virtual!r}",
-            fix=f"pass num_virtual={family.minimum} or more{other}",
-        )
+    row = family(name)
+    virtual = _check_virtual(name, row, num_virtual)
     logger.debug("building %s for %s ranks, %s microbatches, %s stages per rank",
                  name, num_ranks, num_microbatches, virtual)
-    return family.build(num_ranks=num_ranks, num_microbatches=num_microbatches, num_virtual=virtual)
+    if row.fixed:
+        return row.build(num_ranks=num_ranks, num_microbatches=num_microbatches)
+    return row.build(num_ranks=num_ranks, num_microbatches=num_microbatches, num_virtual=virtual)

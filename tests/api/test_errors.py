@@ -122,10 +122,17 @@ def test_heads_not_divisible_by_tp_is_a_sharding_error():
 
 
 def test_kv_heads_not_divisible_by_tp_is_a_sharding_error():
+    """3 kv heads on tp=2: neither divides the other, so no rank can hold whole kv heads."""
     with pytest.raises(autopar.ShardingError) as info:
-        _plan(build_model("llama_tiny"), {"tp": 4})  # 2 kv heads
-    _check(info, autopar.ShardingError, what="has size 2, not divisible by tp=4", where="module model.layers.0.attn",
+        _plan(build_model("llama_tiny", num_heads=6, num_kv_heads=3, hidden=48), {"tp": 2})
+    _check(info, autopar.ShardingError, what="has size 3, not divisible by tp=2", where="module model.layers.0.attn",
            fix="kv heads")
+
+
+def test_fewer_kv_heads_than_tp_are_replicated_not_refused():
+    result = _plan(build_model("llama_tiny"), {"tp": 4})  # 2 kv heads, each held by 2 of the 4 ranks
+    shards = result.plan.param_shards
+    assert shards["layers.0.attn.k_proj.weight"].parts == 2 and shards["layers.0.attn.q_proj.weight"].parts == 0
 
 
 def test_hidden_not_divisible_by_tp_is_a_sharding_error():

@@ -119,7 +119,8 @@ def test_diff_marks_inserted_collectives_and_sends(result, diff_rank1):
 
 
 def test_diff_shows_shard_shapes_and_view_sizes(diff_rank1):
-    assert re.search(r"^~ model_blocks_0_attn_qkv_weight = param .*\n\s+shape \(96, 32\) -> \(48, 32\)$",
+    assert re.search(r"^~ model_blocks_0_attn_qkv_weight = param .*\n\s+shape \(96, 32\) -> \(48, 32\)"
+                     r"\s+placement S\(0,chunks=3\)$",
                      diff_rank1, flags=re.M)
     assert re.search(r"^~ view = aten.view\(getitem, \[1, 32, 4, 8\]\)\n\s+now aten.view\(getitem, \[1, 32, 2, 8\]\)",
                      diff_rank1, flags=re.M)

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import autopar  # noqa: E402
 from autopar.models.hf import HF_RAW, build_hf_raw  # noqa: E402
 from autopar.passes.devices import graph_devices  # noqa: E402
+from autopar.passes.item_count import ItemCount  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "mistral", "qwen3", "mixtral", "bert", "phi3", "gemma")
 
@@ -86,11 +87,35 @@ def test_dict_batch_keyword_inputs_and_the_models_own_loss():
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     result = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=batch)
     captured = result.captured.captured
-    assert captured.input_names == ("input_ids", "attention_mask", "labels") and captured.has_loss
+    # the step's label-token count: one more input, counted after the causal LM's shift (passes/item_count.py)
+    assert captured.input_names == ("input_ids", "attention_mask", "labels", "num_items_in_batch")
+    assert captured.has_loss and captured.keywords == ("input_ids", "attention_mask", "labels")
+    assert captured.item_count == ItemCount(labels="labels", shift=1)
+    last = result.lowered[0].stages[-1]
+    assert "num_items_in_batch" in last.input_names  # the loss's stage reads it
     assert _sharded_share(model, result) >= 0.95
     inference = autopar.plan(model, {"pp": 2}, example_inputs={"input_ids": ids, "attention_mask": mask})
     assert not inference.captured.captured.has_loss
     assert "CausalLMOutputWithPast" in str(inference.captured.captured.out_spec)  # the ModelOutput as it is
+
+
+def test_a_loss_that_ignores_the_count_gets_no_count_input():
+    """BERT's masked-LM loss is torch's own mean: its forward takes **kwargs but never reads the count."""
+    model = build_hf_raw("bert", device="meta")
+    ids = torch.randint(1, 128, (4, 8))
+    labels = ids.masked_fill(torch.rand(4, 8, generator=torch.Generator().manual_seed(0)) < 0.5, -100)
+    captured = autopar.plan(model, {"pp": 1}, example_inputs={"input_ids": ids, "labels": labels}).captured.captured
+    assert captured.input_names == ("input_ids", "labels") and captured.item_count is None and captured.has_loss
+
+
+def test_a_count_in_the_batch_is_refused():
+    from autopar.errors import CaptureError
+    model = build_hf_raw("llama", device="meta")
+    ids = torch.randint(1, 128, (4, 8))
+    with pytest.raises(CaptureError, match="counts the step's label tokens itself") as info:
+        autopar.plan(model, {"pp": 1}, example_inputs={"input_ids": ids, "labels": ids,
+                                                       "num_items_in_batch": torch.full((4,), 32)})
+    assert "drop 'num_items_in_batch'" in info.value.fix
 
 
 def test_labels_without_a_model_loss_is_refused():
@@ -139,3 +164,31 @@ def test_dict_batch_with_a_non_tensor_entry_is_refused():
         autopar.plan(model, {"tp": 1}, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long),
                                                         "return_dict": True})
     assert "return_dict" in info.value.where
+
+
+def test_dataparallel_baseline_refuses_the_models_own_loss(one_rank_mesh):
+    """The rank-0 baseline computes the loss from gathered outputs: a labels batch without loss_fn is refused."""
+    from autopar.errors import PlanError
+    model = build_hf_raw("llama")
+    ids = torch.randint(1, 128, (4, 8))
+    with pytest.raises(PlanError, match="cannot train on the loss the model computes") as info:
+        autopar.compile(model, one_rank_mesh, example_inputs={"input_ids": ids, "labels": ids},
+                        data_parallel="dataparallel")
+    assert "data_parallel='ddp'" in info.value.fix
+
+
+def test_plan_auto_on_a_dict_batch_and_the_models_own_loss(one_rank_mesh):
+    """The planner profiles the model's own loss on a dict batch (no loss_fn), for a planned world and
+    for compile, whose step's loss is HF's own on the whole padded batch."""
+    import copy
+    ids = torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(8) < torch.tensor([[8], [5], [7], [2]])).long()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    planned = autopar.plan(build_hf_raw("llama", device="meta"), 4, example_inputs=batch, plan="auto")
+    assert planned.plan.mesh.world_size == 4 and planned.captured.captured.item_count is not None
+    torch.manual_seed(0)
+    model = build_hf_raw("llama")
+    reference = copy.deepcopy(model)(**batch).loss
+    program = autopar.compile(model, one_rank_mesh, example_inputs=batch, plan="auto", num_microbatches=2,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    torch.testing.assert_close(program.train_step(batch), reference, rtol=1e-5, atol=0)

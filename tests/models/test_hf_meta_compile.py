@@ -22,7 +22,7 @@ from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
 from autopar.runtime.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
-from hf_runners import cpu_reference, hf_loop_reference, logits_loss  # noqa: E402
+from hf_runners import cpu_reference, hf_loop_reference, logits_loss, padded_batches  # noqa: E402
 
 # families whose construction draws only through reset_parameters and post_init (GPT-2's Conv1D
 # draws in __init__ itself: its meta build gets the library's distribution, not the CPU build's draws)
@@ -95,10 +95,17 @@ _CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:meta_train", over
 
 
 # HF models as users hold them: library defaults (use_cache=True) with a logits loss, and dict batches
-# with labels and padding on the model's own loss (built on meta), against HF's own single-device loop
+# with labels and padding on the model's own loss (built on meta), against HF's own single-device loop;
+# the padding differs between microbatches and dp slices (num_items_in_batch counts the whole step)
+_DICT = (("dict", True),)
 _HF_CASES = [Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train"),
-             Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=(("dict", True), ("meta", True))),
-             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=(("dict", True),))]
+             Case(model="llama", mesh=(1, 2, 2), kind="hf_runners:hf_train", extra=_DICT + (("meta", True),)),
+             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=_DICT),
+             Case(model="llama", mesh=(2, 2, 1), kind="hf_runners:hf_train", extra=_DICT,
+                  options=(("schedule", "1f1b"),)),
+             # the DataParallel baseline on a dict batch, its loss_fn computed on rank 0 over the whole batch
+             Case(model="llama", mesh=(2, 1, 2), kind="hf_runners:hf_train", extra=(("dict_loss_fn", True),),
+                  options=(("data_parallel", "dataparallel"),))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,5 +138,40 @@ def test_hf_model_as_users_hold_it_trains_equal_to_hf_single_device_loop(case):
     result = _results()[case]
     assert_equivalent(case, result, hf_loop_reference(case))
     assert result["use_cache"] is True  # the user's config is left as it was
+    if case.mesh[2] == 1:
+        return
     projections = [n for n in result["sharded"] if n.endswith(("q_proj.weight", "o_proj.weight", "down_proj.weight"))]
     assert len(projections) == 3 * 2, result["sharded"]  # every attention and MLP projection, both layers
+    assert "lm_head.weight" in result["sharded"]  # on vocabulary shards, the loss's sum too (num_items_in_batch)
+
+
+def test_padding_differs_between_microbatches_and_dp_slices():
+    """The dict cases' data: each microbatch of each dp slice holds its own number of label tokens."""
+    for case in _HF_CASES[1:4]:
+        dp, pp, _ = case.mesh
+        rows = case.batch // (dp * 2 * pp)  # the default microbatch count: 2 x pp
+        for batch in padded_batches(case):
+            counts = [int((batch["labels"][r:r + rows, 1:] != -100).sum()) for r in range(0, case.batch, rows)]
+            per_mb = len(counts) // dp
+            per_slice = [sum(counts[k * per_mb:(k + 1) * per_mb]) for k in range(dp)]
+            assert len(set(counts)) > 1 and len(set(per_slice)) == dp, (counts, per_slice)
+
+
+def test_meta_built_model_trains_in_bf16_as_the_cpu_build(one_rank_mesh):
+    """precision='bf16': a meta-built model's fp32 masters are its materialised pieces, so it steps
+    exactly as the same family built on CPU under the same seed (same masters, same bf16 copies)."""
+    batch = padded_batches(Case(steps=2, batch=4, seq=8))
+
+    def run(device):
+        torch.manual_seed(0)
+        model = build_hf_raw("llama", device=device)
+        program = autopar.compile(model, one_rank_mesh, example_inputs=batch[0], precision="bf16",
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+        assert program.mixed is not None
+        return [program.train_step(b).item() for b in batch], program.full_state_dict()
+
+    (meta_losses, meta_state), (cpu_losses, cpu_state) = run("meta"), run(None)
+    assert meta_losses == cpu_losses
+    assert meta_state.keys() == cpu_state.keys()
+    for name, value in cpu_state.items():
+        assert value.dtype == meta_state[name].dtype and torch.equal(meta_state[name], value), name

@@ -82,13 +82,15 @@ def test_batchnorm_with_frozen_statistics_plans_on_dp():
 
 
 def test_unshardable_patterns_warn_naming_the_node(caplog):
-    """GPT-2's Conv1D is addmm with a (in, out) weight: no tensor-parallel rule, so it stays
-    replicated, with a warning per node; BERT's MLM head stops at a layer_norm."""
+    """GPT-2's Conv1D is addmm with a (in, out) weight: a projection, sharded on the weight's dim 1
+    (columns) and 0 (rows) without a warning; BERT's MLM head stops at a layer_norm."""
     model, x, y = _example("hf_gpt2")
     with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
-        autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
-    text = caplog.text
-    assert "transformer.h.0.attn.c_attn (node addmm" in text and "no tensor-parallel rule" in text
+        result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
+    assert "c_attn" not in caplog.text and "c_fc" not in caplog.text
+    shards = result.plan.param_shards
+    assert shards["transformer.h.0.attn.c_attn.weight"].dim == 1 and shards["transformer.h.0.mlp.c_proj.weight"].dim == 0
+    assert shards["transformer.h.0.attn.c_attn.weight"].chunks == 3  # fused [q | k | v]
     caplog.clear()
     model, x, y = _example("hf_bert")
     with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):

@@ -196,9 +196,9 @@ def _plan(name, tp, **overrides):
 
 def test_llama_kv_heads_not_divisible_by_tp_raise_sharding_error():
     with pytest.raises(autopar.ShardingError) as info:
-        _plan("llama_tiny", 4)  # 4 query heads but 2 kv heads
+        _plan("llama_tiny", 2, num_heads=6, num_kv_heads=3, hidden=48)  # 3 kv heads: neither divides the other
     err = info.value
-    assert "view" in err.what and "size 2" in err.what and "tp=4" in err.what
+    assert "view" in err.what and "size 3" in err.what and "tp=2" in err.what
     assert "model.layers.0.attn" in err.where and "node view_1" in err.where  # the k_proj head view
     assert "kv heads" in err.fix and "tp" in err.fix
 

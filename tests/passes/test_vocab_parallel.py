@@ -156,3 +156,31 @@ def test_classifier_head_shards_only_when_its_classes_divide(tp, head_sharded, c
                               example_target=y)
     assert result.plan.vocab_parallel == (("emb", "head") if head_sharded else ("emb",))
     assert ("its 10 classes do not divide by tp=4" in caplog.text) != head_sharded
+
+
+class _Padded(torch.nn.Module):
+    """An embedding with a padding row (as BERT's, OPT's) and a learned position table."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(16, 8, padding_idx=5)
+        self.pos = torch.nn.Embedding(4, 8)
+        self.out = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, x):
+        return self.out(self.tok(x) + self.pos(torch.arange(x.shape[1])))
+
+
+def test_padding_row_is_the_local_padding_row_of_the_rank_holding_it():
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4))
+    result = autopar.plan(_Padded(), {"tp": 2}, example_inputs=(x,), example_target=y,
+                          loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+    assert result.plan.param_shards["tok.weight"] == ParamShard(dim=0)
+    assert "pos.weight" not in result.plan.param_shards  # a position table stays replicated
+    paddings = []
+    for tp_rank in (0, 1):
+        gm = result.lowered[tp_rank].stages[0].gm
+        [lookup] = [n for n in gm.graph.nodes if n.name == "vocab_lookup"]
+        paddings.append(lookup.args[2] if len(lookup.args) > 2 else None)
+    assert paddings == [5, -1]  # rows 0..7 on rank 0 hold the padding row 5; rank 1 has none

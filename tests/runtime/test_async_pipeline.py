@@ -16,7 +16,7 @@ from autopar.runtime.async_emulation import StageLayout, emulate
 from autopar.runtime.schedules import StageCosts, StalenessRule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, stream_segment
 from equivalence import ATOL, RTOL, build, make_optimizer
-from schedule_runners import ASYNC_CASES, results
+from schedule_runners import ASYNC_CASES, ASYNC_DICT_CASES, results
 
 
 def _emulate(case, result, rule=None):
@@ -52,6 +52,16 @@ def test_distributed_run_is_the_emulated_staleness_rule(case):
     pp_of = [(rank // case.mesh[2]) % case.mesh[1] for rank in range(case.world_size)]
     assert all(held <= predicted[pp_of[rank]] for rank, held in enumerate(result["peak_versions"]))
     assert max(result["peak_versions"]) == max(predicted)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ASYNC_DICT_CASES, ids=lambda c: c.name())
+def test_dict_batches_on_the_models_own_loss_count_label_tokens_per_update(case):
+    """PipeDream updates after every microbatch: each microbatch's own label tokens divide its loss
+    sum, so a dict batch on the model's own loss trains as positional inputs with a mean loss_fn."""
+    from equivalence import assert_equivalent
+    result = results(case.world_size)[case]
+    assert_equivalent(case, result, result.get("reference", {}))
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])

@@ -23,7 +23,8 @@ import autopar
 from equivalence import Case, assert_equivalent, batches, build, make_optimizer
 from memory_harness import ALL, MEMORY, PRECISION, ROUND_TRIP, results
 from autopar.runtime.clip import clip_grad_norm, counted_here
-from autopar.runtime.mixed_precision import MasterWeights, low_precision_copy
+from autopar.passes.low_precision import low_precision_copy
+from autopar.runtime.mixed_precision import MasterWeights
 
 LOSS_RTOL = 1e-2
 UPDATE_RTOL = 0.10

@@ -232,7 +232,6 @@ def test_interleaved_needs_a_multiple_of_ranks():
         ("pipedream_3bw", {}, "unknown schedule 'pipedream_3bw'", "naive, gpipe, 1f1b, interleaved_1f1b"),
         ("zb_v", dict(num_virtual=3), "exactly 2 stage", "drop num_virtual"),
         ("1f1b", dict(num_virtual=2), "exactly 1 stage", "interleaved_1f1b or looped_bfs"),
-        ("interleaved_1f1b", {}, "needs num_virtual >= 2", "use '1f1b'"),
         ("interleaved_1f1b", dict(num_virtual=1), "needs num_virtual >= 2", "num_virtual=2"),
         ("looped_bfs", dict(num_virtual=0), "needs num_virtual >= 1", "num_virtual=1"),
         ("gpipe", dict(num_ranks=0), "num_ranks must be an int >= 1", "num_ranks=1"),
@@ -250,7 +249,8 @@ def test_registry_rejects_wrong_combinations_with_a_fix(name, kwargs, message, f
 def test_registry_defaults():
     assert build_schedule("zb_v", num_ranks=2, num_microbatches=4, num_virtual=2).num_stages == 4
     assert build_schedule("zb_v", num_ranks=2, num_microbatches=4).num_stages == 4
-    assert build_schedule("looped_bfs", num_ranks=2, num_microbatches=4).num_stages == 2
+    assert build_schedule("looped_bfs", num_ranks=2, num_microbatches=4).num_stages == 4  # compile's default too
+    assert build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=4).num_stages == 4
     assert build_schedule("gpipe", num_ranks=2, num_microbatches=4, num_virtual=1).num_stages == 2
 
 

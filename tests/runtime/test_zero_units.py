@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
-from autopar.mesh import MeshInfo
+from autopar.runtime.rank_context import AxisGroup, MeshInfo
 from autopar.options import CompileOptions
 from autopar.plan_model import MeshShape
 from autopar.runtime.comm_audit import CommLog, theory_bytes
@@ -35,7 +35,7 @@ def test_bf16_masters_are_kept_where_the_optimizer_steps(zero_stage):
     seen = set()
     for rank in range(3):
         opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
-                               dp_group=None, dp_ranks=[0, 1, 2], dp_rank=rank)
+                               dp=AxisGroup(group=None, ranks=(0, 1, 2), index=rank))
         mine = stepped_here(named, zero_stage=zero_stage, dp_size=3, dp_rank=rank)
         assert mine == set(opt.stepped_names()) and not mine & seen
         seen |= mine
@@ -63,11 +63,11 @@ def test_comm_log_sums_by_purpose():
 def test_zero3_refuses_non_elementwise_optimizers():
     check_elementwise(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
     with pytest.raises(PlanError, match="zero_stage=2"):
-        ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=3, dp_group=None,
-                         dp_ranks=[0, 1], dp_rank=0)
+        ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=3,
+                         dp=AxisGroup(group=None, ranks=(0, 1), index=0))
     # ZeRO-1/2 own whole parameters: any optimizer is fine
-    ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=2, dp_group=None,
-                     dp_ranks=[0, 1], dp_rank=0)
+    ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=2,
+                     dp=AxisGroup(group=None, ranks=(0, 1), index=0))
 
 
 def _info(pp: int) -> MeshInfo:
@@ -80,7 +80,7 @@ def _info(pp: int) -> MeshInfo:
     (_info(1), {"num_microbatches": 2}, "one pass"),
 ])
 def test_dataparallel_refuses_what_it_cannot_run(info, options, match):
-    from autopar.runtime.data_parallel import compile_data_parallel
+    from autopar.data_parallel import compile_data_parallel
     opts = CompileOptions(data_parallel="dataparallel", **options)
     with pytest.raises(PlanError, match=match):
         compile_data_parallel(torch.nn.Linear(2, 2), info=info, opts=opts, example_inputs=(torch.zeros(2, 2),),
@@ -89,7 +89,7 @@ def test_dataparallel_refuses_what_it_cannot_run(info, options, match):
 
 
 def test_dataparallel_needs_a_loss():
-    from autopar.runtime.data_parallel import compile_data_parallel
+    from autopar.data_parallel import compile_data_parallel
     with pytest.raises(PlanError, match="needs a loss"):
         compile_data_parallel(torch.nn.Linear(2, 2), info=_info(1), opts=CompileOptions(data_parallel="dataparallel"),
                               example_inputs=(torch.zeros(2, 2),), example_target=None, loss_fn=None,

@@ -1,13 +1,14 @@
-"""Chimera's runtime side: the stage graphs of a second model replica, and where its losses end.
+"""Chimera's stage replication: the stage graphs of a second model replica, and where its losses end.
 
 The schedule (:mod:`autopar.runtime.schedules.chimera`) numbers the down replica's stages
 ``0 .. P-1`` and the up replica's ``P .. 2P-1`` (stage ``P + k`` runs part ``k``).
 :func:`replicate_stages` builds the up replica's graphs from the down replica's: the same graph
 code and the same weight objects (so a rank that holds both replicas of a part keeps one copy
 and accumulates both gradients in it), with each send/recv re-addressed to the replica's stages.
-Lowering then lists every weight as held by two stages, and the runtime sums the two replicas'
-gradients of each part after the backward (an exchange between the two ranks holding them,
-:func:`autopar.runtime.grad_sync.sum_shared_gradients`), so both copies stay equal.
+It runs after the pipeline split. Lowering then lists every weight as held by two stages, and the
+runtime sums the two replicas' gradients of each part after the backward (an exchange between the
+two ranks holding them, :func:`autopar.runtime.grad_sync.sum_shared_gradients`), so both copies
+stay equal.
 ::
 
     stages = replicate_stages(split_pipeline(gm, num_stages=P), num_replicas=2)   # 2P stage graphs

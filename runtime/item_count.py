@@ -1,0 +1,58 @@
+"""The label-token count of a step, for a model's own loss that divides its sum by it (``num_items_in_batch``).
+
+A step of ``m`` microbatches on each of ``dp`` replicas reduces its microbatch losses by their
+mean (the executor scales each backward by 1/m, the dp gradient sync averages), as a loss that
+is itself a mean needs. A loss that sums over its label tokens and divides by ``count`` (what
+``transformers`` models do with ``num_items_in_batch``) then equals one device's loss over the
+whole batch, ``sum / N``, when ``count = N / (m · dp)``, with ``N`` the non-ignored labels of all
+microbatches on all replicas: the mean over ``m · dp`` microbatches of ``sum_i · m · dp / N`` is
+``sum / N``, and so are the gradients. This is ``transformers.Trainer``'s own convention with
+``average_tokens_across_devices`` (the global count, and the loss scaled by the number of
+processes whose gradients DDP averages). ``N`` comes from one all-reduce of one count per update
+over dp; every pp and tp rank of a replica reads the same batch and counts the same.
+
+An update that takes fewer microbatches than the step (PipeDream and PipeMare update after each
+one) counts per update: ``per_update`` microbatches, ``count = N_update / (per_update · dp)``.
+
+Example (one process, no dp)::
+
+    >>> import torch
+    >>> from autopar.passes.item_count import ItemCount
+    >>> batches = [{"labels": torch.tensor([[1, 2, -100]])}, {"labels": torch.tensor([[3, 4, 5]])}]
+    >>> add_item_counts(batches, ItemCount(labels="labels", shift=1), per_update=2)
+    >>> [float(b["num_items_in_batch"]) for b in batches]   # 1 + 2 label tokens after the shift, / 2 microbatches
+    [1.5, 1.5]
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.passes.item_count import ItemCount
+
+__all__ = ["add_item_counts", "count_labels"]
+
+
+def count_labels(labels: torch.Tensor, spec: ItemCount) -> torch.Tensor:
+    """The label tokens of one microbatch that the model's loss counts (int64, 0-dim)."""
+    kept = labels[..., spec.shift:] if spec.shift else labels
+    return (kept != spec.ignore_index).sum()
+
+
+def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int = 1,
+                    dp_group=None, guard=None) -> None:
+    """Set ``microbatch[spec.input]`` to its update's global count / (``per_update`` · ``dp_size``), in place.
+
+    Collective over ``dp_group`` when ``dp_size > 1`` (``guard``: the program's
+    :class:`~autopar.runtime.comm_guard.CommGuard`, which bounds the wait and names the rank).
+    """
+    assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
+    counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
+    per = counts.view(-1, per_update).sum(dim=1)
+    if dp_size > 1:
+        guard.run("all_reduce", dist.all_reduce, per, group=dp_group,
+                  purpose="the step's label tokens (num_items_in_batch, summed over dp)")
+    values = per.double() / (per_update * dp_size)
+    device = microbatches[0][spec.labels].device
+    for i, mb in enumerate(microbatches):
+        mb[spec.input] = values[i // per_update].to(torch.float32).to(device)

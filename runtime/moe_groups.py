@@ -1,0 +1,96 @@
+"""Expert parallelism's process groups, expert gradients and the full expert tensors.
+
+The ``ep`` ranks of an expert-parallel group are carved out of the dp axis as contiguous blocks of dp
+indices (dp index ``d`` is ep rank ``d % ep`` of block ``d // ep``), as torchtitan splits its data
+shards into the part inside ep and the part outside it. The dp ranks that hold the same experts
+(same ``d % ep``: ``dp / ep`` of them) form the expert-data-parallel group ``edp``.
+
+Gradients: an expert's gradient on its rank already sums the contributions of every token the ep
+group routed to it (the combine's backward brings them back). So the expert gradient is summed over
+``edp`` and divided by dp, which is the mean over dp of one device's per-rank gradients, the value DDP
+gives every other parameter.
+
+Example::
+
+    >>> ep_layout(dp=4, ep=2)
+    {'ep': [[0, 1], [2, 3]], 'edp': [[0, 2], [1, 3]]}
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import CheckpointError, PlanError
+from autopar.runtime.collectives import issue
+
+__all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters",
+           "refuse_expert_checkpoint", "refuse_meta_experts"]
+
+
+def ep_layout(*, dp: int, ep: int) -> dict[str, list[list[int]]]:
+    """The dp indices of every ep group and every edp group."""
+    blocks = [list(range(g * ep, (g + 1) * ep)) for g in range(dp // ep)]
+    return {"ep": blocks, "edp": [list(range(j, dp, ep)) for j in range(ep)]}
+
+
+def add_expert_groups(info, *, ep: int) -> None:
+    """Create the ep and edp groups (collective: every rank calls it) and add this rank's to ``info``."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (info.rank, dict(info.coords)))
+    by_position: dict[tuple, dict[int, int]] = {}
+    for rank, coords in everyone:
+        by_position.setdefault((coords["pp"], coords["tp"]), {})[coords["dp"]] = rank
+    layout = ep_layout(dp=info.shape.dp, ep=ep)
+    mine = (info.coords["pp"], info.coords["tp"])
+    for axis in ("ep", "edp"):
+        for position in sorted(by_position):
+            for indices in layout[axis]:
+                ranks = [by_position[position][d] for d in indices]
+                group = dist.new_group(ranks)
+                if position == mine and info.coords["dp"] in indices:
+                    info.groups[axis], info.axis_ranks[axis] = group, ranks
+
+
+def sync_expert_gradients(params: list[torch.nn.Parameter], *, group, size: int, dp: int, guard=None) -> None:
+    """Sum the expert gradients over the ``size`` ranks of ``group`` (edp) and divide by ``dp``."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if size > 1:
+            issue("all_reduce", dist.all_reduce, p.grad, group=group, guard=guard,
+                  purpose="the expert gradients over the ranks holding the same experts")
+        p.grad.div_(dp)
+
+
+def full_expert_parameters(named: list, *, experts: tuple[str, ...], group, guard=None) -> list:
+    """``named`` with every expert tensor replaced by all ep ranks' experts (concatenated on dim 0)."""
+    wanted = set(experts)
+    out = []
+    for name, p in named:
+        if name in wanted:
+            local = p.detach().contiguous()
+            size = dist.get_world_size(group)
+            buf = local.new_empty((size * local.shape[0],) + tuple(local.shape[1:]))
+            issue("all_gather", dist.all_gather_single, buf, local, group=group, guard=guard,
+                  purpose="the expert tensors for the full state dict")
+            p = buf
+        out.append((name, p))
+    return out
+
+
+def refuse_expert_checkpoint(plan, action: str) -> None:
+    """CheckpointError for ``action`` on a program whose experts are split over ep ranks (not supported yet)."""
+    if plan.expert_parallel > 1:
+        raise CheckpointError(f"{action} is not supported with expert_parallel={plan.expert_parallel} yet: each ep "
+                              "rank holds other experts", where=f"program.{action}",
+                              fix="use program.full_state_dict() to save the weights (it gathers every expert), "
+                                  "or train with expert_parallel=1")
+
+
+def refuse_meta_experts(plan, *, meta: bool) -> None:
+    """PlanError for a meta-built model (or pretrained weights) with experts split over ep (not supported yet)."""
+    if meta and plan.expert_parallel > 1:
+        raise PlanError(f"a meta-built model (or compile(weights=...)) cannot be compiled with expert_parallel="
+                        f"{plan.expert_parallel} yet: the fillers do not cut expert shards",
+                        where="compile(expert_parallel=...)",
+                        fix="build the model on a real device, or use expert_parallel=1")

@@ -1,0 +1,202 @@
+"""What every program kind offers over its parts: reading, batches, the weights, checkpoints.
+
+A program is made of :class:`~autopar.runtime.rank_parts.RankParts` (built once, by
+:func:`~autopar.runtime.rank_parts.build_parts`) and runs them its own way:
+:class:`~autopar.runtime.program.RankProgram` (the synchronous schedules),
+:class:`~autopar.runtime.async_pipeline.AsyncProgram` (a pipeline that never drains) and
+:class:`~autopar.runtime.data_parallel.DataParallelProgram` (everything through dp rank 0).
+:class:`ProgramSurface` holds what they share: the parts as attributes (what
+:class:`~autopar.runtime.rank_context.ProgramState` names, read by checkpoints, the non-finite
+check, clipping and the memory probe), the stage graphs to read, this rank's slice of a batch,
+the full state dict and checkpoints. Each kind adds its ``train_step`` and its forward.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from autopar.errors import PlanError
+from autopar.runtime.executor import run_actions
+from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from autopar.runtime.rank_context import MeshInfo, RankContext
+from autopar.runtime.rank_parts import LoweredStages, build_parts
+from autopar.runtime.rank_tensors import model_buffers
+from autopar.runtime.schedules.action import Schedule
+from autopar.runtime.schedules.forward_only import forward_only
+from autopar.runtime.state import gather_full_state_dict
+from autopar.runtime.zero3_ops import full_parameters
+from autopar.runtime.item_count import add_item_counts
+from autopar.runtime.moe_groups import full_expert_parameters, refuse_expert_checkpoint
+
+__all__ = ["ProgramSurface"]
+
+
+class ProgramSurface:
+    """This rank's parts of the compiled program, and what every way of running them shares."""
+
+    def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
+                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None):
+        """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
+        fills a meta-built model's pieces (runtime/materialize.py)."""
+        self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        # the rank's groups, its collectives' deadline (naming what it is doing) and its dp traffic log
+        self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place)
+        self.parts = parts = build_parts(lowered=lowered, ctx=self.ctx, schedule=schedule,
+                                         optimizer_factory=optimizer_factory, state_keys=state_keys,
+                                         masters=masters, materialize=materialize)
+        self.plan, self.info, self.schedule, self.captured = parts.plan, info, schedule, parts.captured
+        self.state_keys, self.stages, self.stage_ranks = state_keys, parts.stages, parts.stage_ranks
+        self.comm_guard, self.comm_log, self.channel = self.ctx.guard, self.ctx.comm_log, parts.channel
+        self.named_params, self.mixed, self.optimizer = parts.named_params, parts.mixed, parts.optimizer
+        self.index_guard, self.aliases = parts.index_guard, parts.aliases
+        self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
+        self.events: list = []
+        self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
+
+    # -- what a person reads -------------------------------------------------------------
+    @property
+    def graphs(self) -> dict[int, torch.fx.GraphModule]:
+        """This rank's rewritten stage graphs, by stage index."""
+        return {s: st.gm for s, st in sorted(self.stages.items())}
+
+    # -- batches and collectives' errors -----------------------------------------------------
+    def _microbatches(self, tensors: tuple) -> list[dict]:
+        m = self.plan.pipeline.num_microbatches
+        local = self.plan.global_batch_size // self.plan.mesh.dp
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != local:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise PlanError(f"expected this rank's data-parallel batch of {local} rows, got {got}",
+                                where=f"rank {self.info.rank} (dp index {self.info.coords['dp']})",
+                                fix="pass global_batch[dp_index * local:(dp_index + 1) * local]; "
+                                    "program.shard_batch(global_batch) does it")
+        names = self.captured.input_names
+        chunks = [t.chunk(m, dim=0) for t in tensors]
+        return [{name: c[i] for name, c in zip(names, chunks)} for i in range(m)]
+
+    def _batch(self, inputs: tuple, target, where: str) -> tuple:
+        """The graph's inputs in order, from tensors or from one dict batch (its keyword inputs)."""
+        keywords = self.captured.keywords
+        if keywords is not None:
+            if len(inputs) != 1 or not isinstance(inputs[0], dict):
+                raise PlanError("this program was compiled on a dict batch", where=where,
+                                fix=f"pass one dict with the keys {list(keywords)}")
+            missing = [k for k in keywords if k not in inputs[0]]
+            if missing:
+                raise PlanError(f"the batch lacks {missing}", where=where,
+                                fix=f"pass the keys the program was compiled with: {list(keywords)}")
+            inputs = tuple(inputs[0][k] for k in keywords)
+        if self.captured.has_target:
+            if target is None:
+                raise PlanError("this program was compiled with a loss_fn: the step needs its target", where=where,
+                                fix="pass target= (this rank's dp slice of the targets)")
+            inputs = tuple(inputs) + (target,)
+        return tuple(inputs)
+
+    def _count_items(self, batches: list[dict], per_update: int | None = None) -> list[dict]:
+        """The model's own loss divides by the step's label tokens: each microbatch gets its share
+        (runtime/item_count.py; one all-reduce over dp). ``per_update``: microbatches per update (all)."""
+        spec = self.captured.item_count
+        if spec is not None:
+            add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
+                            dp_group=self.info.groups["dp"], guard=self.comm_guard)
+        return batches
+
+    def shard_batch(self, tensor):
+        """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch)."""
+        if isinstance(tensor, dict):
+            return {k: self.shard_batch(v) for k, v in tensor.items()}
+        local = tensor.shape[0] // self.plan.mesh.dp
+        return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
+
+    def _place(self) -> str:
+        """Where this rank is, for a collective's error: its stages and the action or phase running."""
+        if not hasattr(self, "channel"):  # while the parts are being built
+            return "building the program"
+        stages = ", ".join(str(s) for s in sorted(self.stages))
+        doing = f"action {self.channel.action}" if self.phase == "schedule" else self.phase
+        return f"stage {stages}, {doing}"
+
+    def _shared_params(self) -> list:
+        """(parameter, global ranks holding a copy) of the weights tied across pipeline ranks."""
+        shared = []
+        for name, stages in self.plan.shared_params.items():
+            ranks = sorted({self.stage_ranks[s] for s in stages})
+            if self.info.rank in ranks and len(ranks) > 1:
+                shared.append((dict(self.named_params)[name], ranks))
+        return shared
+
+    # -- forward only (RankProgram's and AsyncProgram's ``program(...)``) -----------------------
+    @functools.cached_property
+    def inference_schedule(self) -> Schedule:
+        """Replica 0's stages, depth first, F only (runtime/schedules/forward_only.py)."""
+        return forward_only(self.schedule)
+
+    @property
+    def output_rank(self) -> int:
+        """The rank of the last part's stage: it broadcasts the forward's outputs."""
+        return self.stage_ranks[self.schedule.parts - 1]
+
+    def _forward_only(self, inputs: tuple):
+        """The model's output for this rank's batch, on every rank (call under ``torch.no_grad``)."""
+        batches = self._count_items(self._microbatches(self._batch(inputs, None, "program(...)")
+                                                       if self.captured.keywords else tuple(inputs)))
+        self.phase = "index range check"
+        self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
+                               step="a forward-only call")
+        self.phase = "schedule"
+        actions = self.inference_schedule.actions[self.info.coords["pp"]]
+        results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,
+                              train=False)
+        payload = [None]
+        if results:
+            flat = [pytree.tree_flatten(results[i])[0] for i in sorted(results)]
+            payload = [[torch.cat(parts, dim=0) for parts in zip(*flat)]]
+        if self.plan.mesh.pp > 1:
+            self.phase = "output broadcast"
+            self.comm_guard.call("broadcast_object_list", dist.broadcast_object_list, payload, src=self.output_rank,
+                                 group=self.info.groups["pp"], purpose="the forward's outputs")
+        outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
+        return outputs
+
+    # -- the weights ----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights as the original (single-device) model names them, on every rank."""
+        named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()],
+                                group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        if self.plan.expert_parallel > 1:  # every ep rank's experts (runtime/moe_groups.py)
+            named = full_expert_parameters(list(named), experts=self.plan.expert_params, group=self.info.groups["ep"],
+                                           guard=self.comm_guard)
+        return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
+                                      aliases=self.aliases, keys=self.state_keys)
+
+    def parameter_values(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, value) of every parameter this rank holds, fp32 masters under mixed precision, where
+        ZeRO-1/2 keep a master only on the parameter's owner: the others are fetched (collective over dp)."""
+        if self.mixed is None:
+            return self.named_params
+        return self.optimizer.owners_values(self.named_params)
+
+    # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
+    def save_checkpoint(self, root: str) -> str:
+        """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
+        refuse_expert_checkpoint(self.plan, "save_checkpoint")
+        return save_checkpoint(self, root)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
+        refuse_expert_checkpoint(self.plan, "load_checkpoint")
+        step = load_checkpoint(self, path)
+        if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
+            self.optimizer.publish_parameters()
+        return step
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
+        refuse_expert_checkpoint(self.plan, "load_full_state_dict")
+        load_full_state_dict(self, state_dict)
+        if self.mixed is not None:
+            self.optimizer.publish_parameters()

@@ -1,0 +1,49 @@
+"""The families whose sharding passes/vocab_parallel.py and passes/tp_expert.py add train equal to one
+device: BERT's and RoBERTa's masked-LM heads (word embeddings with padding_idx, a decoder tied to them)
+and Mixtral's and Qwen2-MoE's 3-D fused experts, at tp=2 and at pp=2 x tp=2, each group of cases in
+one spawned process group (tests/equivalence.py). The batches hold the pad ids (0, 1): the padding rows'
+lookups are exercised (their tied decoder rows do get gradients, on one device as here)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
+from hf_runners import hf_loop_reference  # noqa: E402
+
+_NO_DROPOUT = (("hidden_dropout_prob", 0.0), ("attention_probs_dropout_prob", 0.0))  # the encoders' defaults are 0.1
+_OVERRIDES = {"bert": _NO_DROPOUT, "roberta": _NO_DROPOUT, "mixtral": (("use_cache", False),),
+              "qwen2_moe": (("use_cache", False),)}
+_TP2 = [Case(model=name, mesh=(1, 1, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES[name])
+        for name in ("bert", "roberta", "mixtral", "qwen2_moe")] + [
+    Case(model="mixtral", mesh=(1, 1, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES["mixtral"],
+         options=(("sequence_parallel", True),))]  # the experts' f and g become the sequence-parallel ones
+_PP2_TP2 = [Case(model=name, mesh=(1, 2, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES[name])
+            for name in ("bert", "mixtral")]
+# what each family must have sharded (beyond its attention and MLP linears)
+_SHARDED = {
+    "bert": ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"),  # tied: the word embeddings
+    "roberta": ("lm_head.decoder.weight", "lm_head.decoder.bias"),
+    "mixtral": ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"),
+    "qwen2_moe": ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+                  "model.layers.0.mlp.shared_expert.down_proj.weight"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    cases = _TP2 if world == 2 else _PP2_TP2
+    return dict(zip(cases, run_cases(cases)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", _TP2 + _PP2_TP2, ids=lambda c: c.name())
+def test_family_trains_equal_to_one_device(case):
+    result = _results(case.world_size)[case]
+    reference = hf_loop_reference(case)
+    assert_equivalent(case, result, reference)
+    missing = [n for n in _SHARDED[case.model] if n not in result["sharded"]]
+    assert not missing, f"{case.model}: not sharded: {missing} (sharded: {result['sharded']})"

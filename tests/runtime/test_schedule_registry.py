@@ -1,0 +1,126 @@
+"""The schedule registry is the one table of families: nothing else lists them, and its facts hold.
+
+The facts are checked against what they describe: the defaults against compile/plan and
+build_schedule, split backward and asynchrony against the built Schedule, the closed forms
+(placement, in-flight peaks, bubble) against the generator, the memory count and the simulator.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import autopar
+from autopar.memory.activations import peak_bytes
+from autopar.models import build_model, lm_loss
+from autopar.runtime.schedules import StageCosts, simulate
+from autopar.runtime.schedules.registry import (
+    ASYNC_SCHEDULES,
+    build_schedule,
+    default_stages_per_rank,
+    family,
+    planner_schedules,
+    schedule_names,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SOURCES = ("autopar", "passes", "runtime", "models")  # the product (bench/ picks peers to race: not a registry)
+REGISTRY = ROOT / "runtime" / "schedules" / "registry.py"
+# StalenessRule's own kinds ("pipedream", "2bw", "pipemare"): a vocabulary of weight-version rules, not families
+NOT_FAMILY_LISTS = {"runtime/schedules/staleness.py": [["pipedream", "pipemare"]]}
+UNIT = StageCosts(forward=1, backward=1, weight=1)
+
+
+def _family_lists(path: pathlib.Path) -> list[tuple[int, list[str]]]:
+    """(line, names) of every tuple, list, set or dict literal naming two or more families (``__all__`` aside)."""
+    names = set(schedule_names())
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    exports = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in exports or not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            continue
+        items = node.keys if isinstance(node, ast.Dict) else node.elts
+        listed = [e.value for e in items if isinstance(e, ast.Constant) and e.value in names]
+        if len(listed) >= 2:
+            found.append((node.lineno, listed))
+    return found
+
+
+def test_no_module_outside_the_registry_lists_schedule_families():
+    offenders = {str(p.relative_to(ROOT)): [names for _, names in lists] for folder in SOURCES for p in sorted((ROOT / folder).rglob("*.py"))
+                 if p != REGISTRY and (lists := _family_lists(p))}
+    assert offenders == NOT_FAMILY_LISTS
+    assert _family_lists(REGISTRY), "the scan finds the registry's own table"
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_each_family_builds_what_its_row_says(name):
+    row = family(name)
+    schedule = build_schedule(name, num_ranks=2, num_microbatches=4)
+    assert schedule.num_stages == 2 * row.stages_per_rank * row.replicas
+    assert schedule.split_backward == row.split_backward
+    assert (schedule.staleness is not None) == row.asynchronous == (name in ASYNC_SCHEDULES)
+    assert default_stages_per_rank(name) == row.stages_per_rank and default_stages_per_rank(name, 3) == 3
+
+
+@pytest.mark.parametrize("name", [n for n in schedule_names() if family(n).closed_form is not None])
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 6), (4, 8), (4, 12)])
+def test_closed_forms_match_the_built_schedule(name, pp, m):
+    row = family(name)
+    v = row.stages_per_rank
+    schedule = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
+    form = row.closed_form
+    assert form.placement(pp, v) == schedule.stage_to_rank
+    counts = tuple(peak_bytes(r, dict.fromkeys(range(schedule.num_stages), 1), split_backward=schedule.split_backward)
+                   for r in schedule.actions)
+    if v == 1:  # (with several stages per rank the closed form bounds the peak by its largest stage)
+        assert form.peaks(pp, m, v) == counts
+    else:
+        assert all(c <= p * v for c, p in zip(counts, form.peaks(pp, m, v)))
+    assert simulate(schedule, costs=UNIT).mean_bubble == pytest.approx(form.bubble(pp, m, v), abs=1e-9)
+
+
+def test_closed_forms_refuse_what_the_generators_refuse():
+    with pytest.raises(autopar.ScheduleError, match="1f1b needs num_microbatches >= 4"):
+        family("1f1b").closed_form.peaks(4, 2, 1)
+    with pytest.raises(autopar.ScheduleError, match="multiple of 4"):
+        family("interleaved_1f1b").closed_form.peaks(4, 6, 2)
+
+
+def test_the_planner_searches_the_registry_families_in_their_order():
+    assert planner_schedules() == (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("gpipe", 1), ("zb_v", 2))
+    from autopar.planner.auto import search_space
+    assert search_space({"schedule": "looped_bfs"}, {}).schedules == (("looped_bfs", 2),)
+    assert search_space({"schedule": "dualpipev"}, {}).schedules == (("dualpipev", 2),)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (8, 8))
+    return build_model("gpt_tiny", num_layers=4), x
+
+
+# 1f1b, and every family whose stages per rank or replicas differ from one (each plan costs a capture)
+DEFAULTS = [n for n in schedule_names(asynchronous=False)
+            if n == "1f1b" or family(n).stages_per_rank > 1 or family(n).replicas > 1]
+
+
+@pytest.mark.parametrize("name", DEFAULTS)
+def test_plan_uses_the_registry_default_and_builds_the_schedule_once(name, tiny, monkeypatch):
+    import autopar.lowering
+    model, x = tiny
+    built = []
+    real = autopar.lowering.build_schedule
+    monkeypatch.setattr(autopar.lowering, "build_schedule", lambda *a, **k: built.append(a) or real(*a, **k))
+    result = autopar.plan(model, {"pp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=x, schedule=name,
+                          num_microbatches=4, capture="symbolic_trace", ranks=[0])
+    assert len(built) == 1
+    assert result.plan.pipeline.num_virtual == family(name).stages_per_rank
+    expected = build_schedule(name, num_ranks=2, num_microbatches=4)
+    assert result.schedule.stage_to_rank == expected.stage_to_rank
+    assert result.schedule.actions == expected.actions
