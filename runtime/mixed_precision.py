@@ -154,13 +154,19 @@ def _move_grad(compute: torch.Tensor, master: nn.Parameter) -> None:
 
 def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, torch.Tensor]:
     """fp32 masters of every parameter of this rank's stages, from the user's fp32 model, cut as the
-    program holds them (tensor-parallel shards; ZeRO-3's flat 1/N blocks of the parameters it shards)."""
+    program holds them (tensor-parallel shards; this ep rank's experts; ZeRO-3's flat 1/N blocks of the
+    parameters it shards)."""
     from autopar.runtime.zero3_ops import zero3_targets
 
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
     names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))
     shards = {user_name(k): v for k, v in lowered.param_shards.items()}
     masters = fp32_masters(model, names, param_shards=shards, tp_rank=info.coords["tp"], tp_size=info.shape.tp)
+    ep = lowered.plan.expert_parallel
+    if ep > 1:  # MoE experts split over ep ranks of dp: ep rank d % ep holds the d % ep-th block of dim 0
+        experts = set(lowered.plan.expert_params)
+        masters = {n: t.chunk(ep, dim=0)[info.coords["dp"] % ep].clone() if n in experts else t
+                   for n, t in masters.items()}
     if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
         sharded = {user_name(t) for s in mine for t in zero3_targets(s.gm)}
         masters = {n: zero3_block(t, rank=info.coords["dp"], size=info.shape.dp) if n in sharded else t

@@ -144,7 +144,7 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     named = _named_parameters(stages)
     uses = _uses(mine, named)  # by the compute parameters, before masters replace them
     stepped = stepped_here(named, zero_stage=plan.zero_stage, dp_size=info.shape.dp,
-                           dp_rank=info.coords["dp"])  # ZeRO-1/2: masters only where a parameter is stepped
+                           dp_rank=info.coords["dp"], local=frozenset(plan.expert_params))  # ZeRO-1/2: masters only where a parameter is stepped
     mixed = MasterWeights(named, masters, stepped=stepped) if masters is not None else None
     if mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
         named = mixed.named

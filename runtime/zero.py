@@ -49,11 +49,16 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
 
 
 def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dp_size: int,
-                 dp_rank: int) -> set[str] | None:
-    """Names of the trainable parameters dp rank ``dp_rank`` steps under ZeRO-1/2; None when it steps all."""
+                 dp_rank: int, local: frozenset[str] = frozenset()) -> set[str] | None:
+    """Names of the trainable parameters dp rank ``dp_rank`` steps under ZeRO-1/2; None when it steps all.
+
+    ``local`` parameters (MoE experts split over ep) are stepped by every rank that holds them, outside the
+    dp partition, as :class:`ShardedOptimizer` steps them."""
     if zero_stage not in (1, 2) or dp_size == 1:
         return None
-    return set(partition_params([(n, p) for n, p in named if p.requires_grad], dp_size)[dp_rank])
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    shared = [(n, p) for n, p in trainable if n not in local]
+    return set(partition_params(shared, dp_size)[dp_rank]) | {n for n, _ in trainable if n in local}
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:

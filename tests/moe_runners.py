@@ -130,7 +130,9 @@ def train(case: Case, mesh) -> dict:
         refused = None
     except Exception as exc:  # noqa: BLE001 - the type is what the test reads
         refused = f"{type(exc).__name__}: {exc}"
+    from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+            "states": held_state_bytes(program),
             "checkpoint_refused": refused, "dropped": _dropped(program),
             **record, **_expert_record(program),
             "all_to_all": (counted.forward, counted.backward)}

@@ -101,6 +101,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     lowered0 = result.lowered[0]
     stage_to_rank = result.schedule.stage_to_rank
     activations, memo = {}, {}
+    local = frozenset(plan.expert_params)  # MoE experts split over ep: stepped by their holders, outside ZeRO
     for pp in range(shape.pp):
         mine = [s for s in lowered0.stages if stage_to_rank[s.stage] == pp]
         activations[pp] = _activations(result, pp, mine, memo)  # tp ranks share shapes: tp rank 0 stands for all
@@ -109,14 +110,15 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
         for tp in range(shape.tp):
             stages = [s for s in result.lowered[tp].stages if stage_to_rank[s.stage] == pp]
             params, buffers = rank_params(stages)
-            owned = owned_names(params, dp=shape.dp) if zero in (1, 2) and shape.dp > 1 else None
+            owned = owned_names(params, dp=shape.dp, local=local) if zero in (1, 2) and shape.dp > 1 else None
             groups[(pp, tp)] = (params, buffers, owned)
     ranks = {}
     for rank, graphs in result.ranks.items():
         c = graphs.coords
         params, buffers, owned = groups[(c["pp"], c["tp"])]
         states: StateFigures = state_figures(params, buffers, zero_stage=zero, dp=shape.dp, dp_index=c["dp"],
-                                             precision=plan.precision, optimizer=optimizer, owned=owned)
+                                             precision=plan.precision, optimizer=optimizer, owned=owned,
+                                             local=local)
         peak, count, saved = activations[c["pp"]]
         ranks[rank] = RankMemory(rank=rank, coords=dict(c), params=states.params,
                                  master_params=states.master_params, grads=states.grads,

@@ -76,16 +76,18 @@ class _Numel:
         return self.n
 
 
-def owned_names(params: list[ParamEntry], *, dp: int) -> list[list[str]]:
-    """The names each dp rank steps under ZeRO-1/2, partitioned as the runtime partitions them."""
+def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = frozenset()) -> list[list[str]]:
+    """The names each dp rank owns under ZeRO-1/2, partitioned as the runtime partitions them
+    (``local`` parameters, MoE experts split over ep, are outside the partition: every holder steps them)."""
     from autopar.runtime.zero import partition_params
 
-    return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable], dp)
+    return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name not in local], dp)
 
 
 def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dp: int, dp_index: int,
-                  precision: str, optimizer: str, owned: list[list[str]] | None = None) -> StateFigures:
-    """Model-state bytes of the rank at ``dp_index`` holding ``params``."""
+                  precision: str, optimizer: str, owned: list[list[str]] | None = None,
+                  local: frozenset[str] = frozenset()) -> StateFigures:
+    """Model-state bytes of the rank at ``dp_index`` holding ``params`` (``local``: see :func:`owned_names`)."""
     if optimizer not in OPTIMIZER_STATE:
         raise PlanError(f"unknown optimizer kind {optimizer!r}", where="estimate_memory(optimizer=...)",
                         fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
@@ -97,7 +99,7 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
 
     trainable = [p for p in params if p.trainable]
     if zero_stage in (1, 2) and dp > 1:
-        mine = set((owned or owned_names(params, dp=dp))[dp_index])
+        mine = set((owned or owned_names(params, dp=dp, local=local))[dp_index]) | local
         stepped = [p for p in trainable if p.name in mine]
     else:
         stepped = trainable

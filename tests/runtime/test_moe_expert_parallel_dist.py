@@ -32,11 +32,16 @@ LAYERS = 2  # every model here has two MoE layers
 # a capacity factor: 4.0 takes every row (ceil(4 * rows / 4 experts)), 0.5 drops some and counts them
 CAPACITY = {cf: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
                      options=_EP + (("moe_capacity_factor", cf),)) for cf in (4.0, 0.5)}
+# bf16 with its experts split: ZeRO-1 steps the shared parameters' fp32 masters on their owners and every
+# holder steps its experts' masters itself (cut from the fp32 originals), bitwise ZeRO-0's training
+BF16 = {z: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
+                options=(("expert_parallel", 2), ("zero_stage", z), ("num_microbatches", 1), ("precision", "bf16")))
+        for z in (0, 1)}
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) if c.world_size == world]
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) if c.world_size == world]
     return dict(zip(cases, run_cases(cases)))
 
 
@@ -109,3 +114,32 @@ def test_capacity_factor_drops_and_counts():
         assert seen == 3 * LAYERS * 64
         assert seen - dropped <= 3 * LAYERS * 4 * 8 and dropped > 0
     assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.model.startswith("hf_")] + list(BF16.values()),
+                         ids=Case.name)
+def test_model_states_match_the_calculator(case):
+    """Every rank's measured parameters, masters, gradients and optimizer state equal the memory calculator's
+    figures to the byte: the experts count 1/ep per rank and stay outside ZeRO's dp partition."""
+    import autopar
+    from autopar.memory import estimate_memory
+    from autopar.models.moe import moe_loss
+    result = _results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback")
+    first = moe_runners.batches(case)[0]
+    plan = autopar.plan(moe_runners.build(case), case.mesh, example_inputs=(first[0],), loss_fn=moe_loss,
+                        example_target=first[1], **dict(case.options))
+    predicted = estimate_memory(plan, optimizer="momentum")  # make_optimizer's SGD with momentum
+    for rank, seen in enumerate(result["rank_results"]):
+        want = predicted.ranks[rank]
+        for field in ("params", "master_params", "grads", "optimizer"):
+            assert getattr(seen["states"], field) == getattr(want, field), (rank, field)
+
+
+def test_bf16_zero1_with_split_experts_equals_zero0():
+    zero1, zero0 = _results(2)[BF16[1]], _results(2)[BF16[0]]
+    for result in (zero0, zero1):
+        assert "error" not in result, result.get("traceback")
+    assert zero1["losses"] == zero0["losses"]
+    for key, value in zero0["state"].items():
+        assert torch.equal(zero1["state"][key], value), key

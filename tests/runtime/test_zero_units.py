@@ -44,6 +44,22 @@ def test_bf16_masters_are_kept_where_the_optimizer_steps(zero_stage):
     assert stepped_here(named, zero_stage=zero_stage, dp_size=1, dp_rank=0) is None
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_bf16_masters_of_local_experts_are_kept_on_every_holder(zero_stage):
+    """MoE experts split over ep are stepped by every rank that holds them, outside the dp partition: their
+    fp32 masters too (a master set partitioned over every parameter failed the first bf16 step)."""
+    named = _named([30, 20, 10, 5, 5])
+    local = frozenset({"p1", "p3"})
+    shared = set()
+    for rank in range(3):
+        opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
+                               dp=AxisGroup(group=None, ranks=(0, 1, 2), index=rank), local=local)
+        mine = stepped_here(named, zero_stage=zero_stage, dp_size=3, dp_rank=rank, local=local)
+        assert mine == set(opt.stepped_names()) and local <= mine and not (mine - local) & shared
+        shared |= mine - local
+    assert shared == {n for n, _ in named} - local
+
+
 def test_zero3_theory_is_one_and_a_half_ddp():
     ddp = theory_bytes(zero_stage=0, param_bytes=1000, dp=4)
     assert ddp == 1500
