@@ -37,6 +37,7 @@ PLANNED = [
     ("falcon_gqa", 2, "transformer.h"),  # grouped fused qkv per kv head, x @ W.T
     ("falcon_gqa", 4, "transformer.h"),  # ... with 2 kv groups over 4 ranks: each narrows its query heads
     ("falcon_mq", 2, "transformer.h"), ("falcon_mq", 4, "transformer.h"),  # multi-query: [q heads | k | v]
+    ("gpt_bigcode", 2, "transformer.h"), ("gpt_bigcode", 4, "transformer.h"),  # multi-query: [q | k | v] split
 ]
 PARALLEL = {"gptj", "falcon_mq"}  # attention and MLP read one norm's output
 
@@ -122,6 +123,30 @@ def test_multi_query_kv_rows_are_held_by_every_rank():
     gm = result.graph(0)
     sums = [gm.get_submodule(n.target) for n in collective_nodes(gm, TpGroupGradSum)]
     assert all(s.blocks == ((8, 0), (8, 1), (8, 1)) for s in sums) and len(sums) == 2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unequal_split_of_a_fused_multi_query_projection_is_cut_block_by_block(tp):
+    """GPT-BigCode's c_attn [q (32) | k (8) | v (8)] read by split_with_sizes: the q heads over tp, the one
+    k and v head held whole by every rank (its rows' and bias's gradient summed over tp), each rank
+    splitting its own blocks and broadcasting k and v to its query heads only."""
+    _, result = _planned("gpt_bigcode", tp)
+    shards = result.plan.param_shards
+    assert shards["transformer.h.0.attn.c_attn.weight"].blocks == ((32, 0), (8, 1), (8, 1))
+    assert shards["transformer.h.0.attn.c_attn.bias"].blocks == ((32, 0), (8, 1), (8, 1))
+    assert shards["transformer.h.0.attn.c_proj.weight"].dim == 1  # the row: its input dim
+    gm = result.graph(0)
+    splits = [n for n in gm.graph.nodes if n.op == "call_function" and "split_with_sizes" in str(n.target)]
+    assert len(splits) == 2 and all(list(n.args[1]) == [32 // tp, 8, 8] for n in splits)
+    expands = [n for n in gm.graph.nodes if n.op == "call_function" and "expand" in str(n.target)
+               and len(n.args[1]) == 5]  # repeat_kv's (batch, 1, q heads, seq, head_dim): this rank's heads
+    assert len(expands) == 4 and all(n.args[1][2] == 4 // tp for n in expands)
+    sums = [gm.get_submodule(n.target) for n in collective_nodes(gm, TpGroupGradSum)]
+    local = ((32 // tp, 0), (8, 1), (8, 1))  # weight and bias of each layer's c_attn
+    assert len(sums) == 4 and all(s.blocks == local for s in sums)
+    params = dict(gm.named_parameters())
+    assert params["model.transformer.h.0.attn.c_attn.weight"].shape == (32 // tp + 16, 32)  # q rows cut, k, v whole
+    assert params["model.transformer.h.0.attn.c_proj.weight"].shape == (32, 32 // tp)
 
 
 def test_alibi_slopes_are_cut_per_rank_without_communication():
