@@ -155,12 +155,14 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
     assert "local_shard" in code  # each rank its heads' ALiBi biases
 
 
-# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated and fused layouts;
+# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated, fused layouts and
+# multi-query kv heads held whole (Falcon, GPT-BigCode);
 # pp=2 x tp=2 for four of them (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
-                                                       "llama_kv1", "falcon_mq")]
-TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa")] + [
+                                                       "llama_kv1", "falcon_mq", "gpt_bigcode")]
+TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
+                                                       "gpt_bigcode")] + [
     Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")]  # pp=2 x tp=2
 
 
