@@ -130,7 +130,7 @@ def _params_read(node: fx.Node) -> list[str]:
         seen.add(n)
         if n.op == "get_attr":
             out.append(_user(n.target))
-        elif n.op == "call_function" and op_name(n) in ("transpose", "t", "permute", "view", "reshape",
+        elif n.op == "call_function" and op_name(n) in ("transpose", "t", "numpy_T", "permute", "view", "reshape",
                                                          "to", "_to_copy", "select", "getitem", "index"):
             stack.extend(a for a in n.all_input_nodes if a.op == "get_attr" or a.all_input_nodes)
     return out

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
@@ -133,6 +134,9 @@ def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
     if dim % len(shape_of(node.args[0])) != src_p.dim:
         return
     arg = node.args[1]
+    if src_p.blocks:  # unequal blocks: each piece's local size
+        node.args = (node.args[0], local_split_sizes(src_p, arg, tp_size=tp_size), *node.args[2:])
+        return
     ways = src_p.parts or tp_size
     new = [a // ways for a in arg] if isinstance(arg, (list, tuple)) else arg // ways
     node.args = (node.args[0], new, *node.args[2:])

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
+from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
 from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
                                      rule_for, shape_of, slice_bounds, view_dim_map)
@@ -129,6 +130,8 @@ def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
                         math.prod(in_shape[:dim]) == math.prod(out_shape[:out_dim - 1]):
                     return 1  # a single head (multi-query): (..., features) -> (..., 1, head_dim)
                 return out_shape[out_dim] // out_chunks
+        elif name == "unsqueeze" and (found := broadcast_heads(node)) is not None:
+            return found  # broadcast to its query heads (repeat_kv): its kv heads
         elif name in ("split", "split_with_sizes", "chunk") and chunks > 1:
             for piece in user.users:
                 found = _heads(piece, dim, 1, depth + 1)
@@ -146,7 +149,7 @@ def seed_ways(seed: fx.Node, chunks: int, tp_size: int | None) -> int:
 
 
 _BLOCK_OPS = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "slice", "index", "transpose", "permute", "unsqueeze", "t", "numpy_T",
-              *ELEMENTWISE)
+              *SPLITS, "getitem", *ELEMENTWISE)
 
 
 class _Solver:
@@ -325,6 +328,7 @@ def _pieces(node: fx.Node, dim: int) -> list[tuple[int, int, fx.Node]]:
             if value is not None and value.numel() == 1:
                 at = int(value) % shape_of(node)[dim]
                 pieces.append((at, at + 1, user))
+    pieces += split_pieces(node, dim)  # a split into unequal sizes (GPT-BigCode's [q | k | v])
     return sorted(pieces, key=lambda t: t[:2])
 
 
@@ -339,6 +343,8 @@ def _seed_blocks(seed: fx.Node, tp_size: int | None) -> tuple[tuple[int, int], .
             out = shape_of(user)
             if len(out) == len(shape_of(seed)) + 1 and out[dim] * out[dim + 1] == size:
                 candidates.append((user, dim, out[dim + 1], 1))
+        elif user.op == "call_function" and op_name(user) == "unsqueeze" and shape_of(user)[-1] == size:
+            candidates.append((user, dim + 1, 1, None))  # a heads dim made before the blocks are split
     for node, d, unit, heads_per in candidates:
         pieces = _pieces(node, d)
         if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape_of(node)[d] or any(

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
+from autopar.passes.tp_fused_blocks import split_blocks, split_piece, whole_broadcast
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
            "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
@@ -182,6 +183,8 @@ def _merge_inner(node: fx.Node, src: fx.Node, p: Placement) -> Placement:
 def expand(node: fx.Node, placed: dict):
     """Broadcast; a kv head cut ``parts`` ways broadcast on the next dim cuts that dim the rest of the ways."""
     src, p = _anchor(node, placed)
+    if (whole := whole_broadcast(shape_of(src), shape_of(node), p)) is not None:
+        return whole, {src: p}  # one kv head every rank holds, broadcast to its query heads
     offset = len(shape_of(node)) - len(shape_of(src))
     out_dim = p.dim + offset
     if shape_of(node)[out_dim] != shape_of(src)[p.dim]:
@@ -274,6 +277,8 @@ def split(node: fx.Node, placed: dict):
         sizes = list(node.args[1])
     else:
         sizes = [node.args[1]] * math.ceil(size / node.args[1])
+    if p.blocks:  # unequal blocks of a fused projection: each piece holds the blocks it covers
+        return split_blocks(p, node.args[1], where=node.name), {src: p}
     if len(sizes) != p.chunks or len(set(sizes)) != 1:
         raise NoRule(f"{node.name} splits the sharded dim into {len(sizes)} parts, shard has {p.chunks}")
     return _S(p, p.dim, 1), {src: p}
@@ -283,7 +288,8 @@ def getitem(node: fx.Node, placed: dict):
     src = node.args[0]
     if src not in placed:
         raise NoRule(f"{node.name} indexes an unsharded value")
-    return placed[src], {src: placed[src]}
+    piece = split_piece(src, placed[src], node.args[1])
+    return piece or placed[src], {src: placed[src]}
 
 
 def sdpa(node: fx.Node, placed: dict):

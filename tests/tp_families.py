@@ -28,6 +28,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "falcon_gqa": ("FalconConfig", "FalconForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, bos_token_id=0, eos_token_id=0, use_cache=False)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(  # multi-query, c_attn [q | k | v] split
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, multi_query=True, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_DEC, "num_key_value_heads": 2, "head_dim": 8}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**_DEC, "num_key_value_heads": 2, "head_dim": 8,
                                                      "sliding_window": 8, "pad_token_id": 0}),

@@ -58,6 +58,25 @@ def test_reasons_come_from_the_region_finder():
     report = autopar.coverage(Normed(), (torch.randn(4, 8),), tp=2)
     up = report.weight("up.weight")
     assert up.how == "replicated" and up.op == "aten.linear" and "layer_norm" in up.reason
+
+
+def test_a_weight_read_through_x_dot_T_gets_its_candidates_reason():
+    """``x @ W.T`` (Falcon's FalconLinear: ``numpy_T`` then ``matmul``): a rejected candidate's reason is
+    reported for W, not the transpose's "no candidate reads it"."""
+    import torch
+    import torch.nn as nn
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x):
+            return torch.cumsum(x @ self.up.T, dim=-1) @ self.down.T
+
+    report = autopar.coverage(Transposed(), (torch.randn(4, 8),), tp=2)
+    up = report.weight("up")
+    assert up.how == "replicated" and up.op == "aten.matmul" and "cumsum" in up.reason, up
     assert report.share == 0.0
 
 

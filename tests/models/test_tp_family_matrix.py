@@ -25,8 +25,8 @@ FLOORS = {
     "llama": (TARGET, TARGET), "mistral": (TARGET, TARGET), "qwen2": (TARGET, TARGET), "qwen3": (TARGET, TARGET),
     "mixtral": (TARGET, TARGET), "phi3": (TARGET, TARGET), "gemma": (TARGET, TARGET), "gpt2": (TARGET, TARGET),
     "bert": (0.92, 0.92), "gemma2": (TARGET, TARGET), "olmo2": (0.76, 0.76), "gpt_neox": (TARGET, TARGET),
-    "gptj": (TARGET, TARGET), "falcon": (0.79, 0.79), "falcon_new": (TARGET, 0.76), "bloom": (TARGET, TARGET),
-    "opt": (TARGET, TARGET), "gpt_bigcode": (0.78, 0.78), "qwen2_moe": (TARGET, TARGET),
+    "gptj": (TARGET, TARGET), "falcon": (TARGET, TARGET), "falcon_new": (TARGET, TARGET), "bloom": (TARGET, TARGET),
+    "opt": (TARGET, TARGET), "gpt_bigcode": (TARGET, TARGET), "qwen2_moe": (TARGET, TARGET),
     "qwen3_moe": (TARGET, TARGET), "roberta": (0.92, 0.92), "t5": (0.68, 0.68), "bart": (0.88, 0.88),
     "vit": (0.88, 0.87), "clip_vision": (0.88, 0.87), "swin": (0.57, 0.56),
 }

@@ -3,8 +3,8 @@
 :func:`planned` caches ``autopar.plan`` results (planning costs about a second), so tests must
 only read what it returns. :func:`run_forward` runs every stage of one dp replica in this
 process: the tensor-parallel ranks of a stage run in lockstep, node by node, with ``TpReduce``
-summing its input over the ranks and ``TpCopy`` passing its input through (their forward
-semantics); a ``recv_<edge>`` node takes the value the matching ``send_<edge>`` produced.
+summing its input over the ranks and ``TpCopy``, ``TpGradSum`` and ``TpGroupGradSum`` passing their
+input through (their forward semantics); a ``recv_<edge>`` node takes the value the matching ``send_<edge>`` produced.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from autopar.models import build_model, lm_loss
 from autopar.passes.capture import capture
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.p2p import RecvActivation, SendActivation
+from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum
 
 __all__ = ["BATCH", "SEQ", "example_batch", "tiny_model", "captured", "planned", "run_forward", "call_nodes"]
 
@@ -95,7 +96,7 @@ def _lockstep(gms: list[fx.GraphModule], args: list[list[torch.Tensor]], sent: d
             total = sum(i.env[n.args[0]] for i, n in zip(interps, row))
             for i, n in zip(interps, row):
                 i.env[n] = total.clone()
-        elif isinstance(module, TpCopy):
+        elif isinstance(module, (TpCopy, TpGradSum, TpGroupGradSum)):  # identity forward
             for i, n in zip(interps, row):
                 i.env[n] = i.env[n.args[0]]
         elif isinstance(module, RecvActivation):

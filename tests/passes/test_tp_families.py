@@ -37,6 +37,7 @@ PLANNED = [
     ("falcon_gqa", 2, "transformer.h"),  # grouped fused qkv per kv head, x @ W.T
     ("falcon_gqa", 4, "transformer.h"),  # ... with 2 kv groups over 4 ranks: each narrows its query heads
     ("falcon_mq", 2, "transformer.h"), ("falcon_mq", 4, "transformer.h"),  # multi-query: [q heads | k | v]
+    ("gpt_bigcode", 2, "transformer.h"), ("gpt_bigcode", 4, "transformer.h"),  # multi-query: [q | k | v] split
 ]
 PARALLEL = {"gptj", "falcon_mq"}  # attention and MLP read one norm's output
 
@@ -124,18 +125,81 @@ def test_multi_query_kv_rows_are_held_by_every_rank():
     assert all(s.blocks == ((8, 0), (8, 1), (8, 1)) for s in sums) and len(sums) == 2
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unequal_split_of_a_fused_multi_query_projection_is_cut_block_by_block(tp):
+    """GPT-BigCode's c_attn [q (32) | k (8) | v (8)] read by split_with_sizes: the q heads over tp, the one
+    k and v head held whole by every rank (its rows' and bias's gradient summed over tp), each rank
+    splitting its own blocks and broadcasting k and v to its query heads only."""
+    _, result = _planned("gpt_bigcode", tp)
+    shards = result.plan.param_shards
+    assert shards["transformer.h.0.attn.c_attn.weight"].blocks == ((32, 0), (8, 1), (8, 1))
+    assert shards["transformer.h.0.attn.c_attn.bias"].blocks == ((32, 0), (8, 1), (8, 1))
+    assert shards["transformer.h.0.attn.c_proj.weight"].dim == 1  # the row: its input dim
+    gm = result.graph(0)
+    splits = [n for n in gm.graph.nodes if n.op == "call_function" and "split_with_sizes" in str(n.target)]
+    assert len(splits) == 2 and all(list(n.args[1]) == [32 // tp, 8, 8] for n in splits)
+    expands = [n for n in gm.graph.nodes if n.op == "call_function" and "expand" in str(n.target)
+               and len(n.args[1]) == 5]  # repeat_kv's (batch, 1, q heads, seq, head_dim): this rank's heads
+    assert len(expands) == 4 and all(n.args[1][2] == 4 // tp for n in expands)
+    sums = [gm.get_submodule(n.target) for n in collective_nodes(gm, TpGroupGradSum)]
+    local = ((32 // tp, 0), (8, 1), (8, 1))  # weight and bias of each layer's c_attn
+    assert len(sums) == 4 and all(s.blocks == local for s in sums)
+    params = dict(gm.named_parameters())
+    assert params["model.transformer.h.0.attn.c_attn.weight"].shape == (32 // tp + 16, 32)  # q rows cut, k, v whole
+    assert params["model.transformer.h.0.attn.c_proj.weight"].shape == (32, 32 // tp)
+
+
+class _SplitGQA(torch.nn.Module):
+    """A fused [q | k | v] read by split_with_sizes, 2 kv heads broadcast to 4 query heads (repeat_kv)."""
+
+    def __init__(self, d=32, heads=4, kv=2):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv, d // heads
+        self.qkv = torch.nn.Linear(d, d + 2 * kv * self.hd)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split([d, self.kv * self.hd, self.kv * self.hd], dim=-1)
+        q = q.view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv, self.hd).transpose(1, 2)[:, :, None].expand(
+            b, self.kv, self.heads // self.kv, s, self.hd).reshape(b, self.heads, s, self.hd) for t in (k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_fused_gqa_blocks_compute_the_models_output(tp):
+    """The unequal split with 2 kv heads: the kv blocks cut in 2 at tp=4 (each on 2 ranks), evenly at tp=2;
+    the ranks' forward (run in lockstep) gives the model's loss."""
+    from graph_runner import run_forward
+    torch.manual_seed(0)
+    model = _SplitGQA()
+    x, y = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    result = autopar.plan(model, {"tp": tp}, example_inputs=(x,), loss_fn=torch.nn.functional.mse_loss,
+                          example_target=y, num_microbatches=1)
+    kv_parts = 2 if tp == 4 else 0
+    assert result.plan.param_shards["qkv.weight"].blocks == ((32, 0), (16, kv_parts), (16, kv_parts))
+    with torch.no_grad():
+        want = torch.nn.functional.mse_loss(model(x), y)
+    for out in run_forward(result, {"x": x, "target": y}):
+        torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, want, rtol=1e-5, atol=1e-6)
+
+
 def test_alibi_slopes_are_cut_per_rank_without_communication():
     _, result = _planned("bloom", 2)
     code = result.graph(0).code
     assert "local_shard" in code  # each rank its heads' ALiBi biases
 
 
-# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated and fused layouts;
+# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated, fused layouts and
+# multi-query kv heads held whole (Falcon, GPT-BigCode);
 # pp=2 x tp=2 for four of them (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
-                                                       "llama_kv1", "falcon_mq")]
-TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa")] + [
+                                                       "llama_kv1", "falcon_mq", "gpt_bigcode")]
+TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
+                                                       "gpt_bigcode")] + [
     Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")]  # pp=2 x tp=2
 
 
