@@ -72,11 +72,13 @@ def _expert_record(program) -> dict:
     state = sum(t.numel() for n in experts if n in named for t in opt.state.get(named[n], {}).values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0) if opt is not None else 0
     exchanges = {}
-    for stage, gm in program.graphs.items():
+    for stage, gm in program.graphs.items():  # the all-to-alls and the experts' own tp f/g, in graph order
         kinds = [type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"
-                 and isinstance(gm.get_submodule(n.target), (MoeDispatch, MoeCombine))]
+                 and (isinstance(gm.get_submodule(n.target), (MoeDispatch, MoeCombine))
+                      or str(n.target).startswith("tp_expert_"))]
         exchanges[stage] = kinds
     return {"expert_elements": weights, "expert_state_elements": state, "exchanges": exchanges,
+            "expert_shapes": {n: list(named[n].shape) for n in experts if n in named},
             "graph_code": {s: gm.code for s, gm in program.graphs.items()}}
 
 

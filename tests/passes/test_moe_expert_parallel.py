@@ -74,6 +74,14 @@ def test_option_refusals(options, match):
         _plan(build_moe("switch"), 2, **options)
 
 
+def test_sequence_parallel_with_ep_and_tp_is_refused():
+    idx = torch.randint(0, 64, (8, 16))
+    with pytest.raises(PlanError, match="with sequence_parallel is not supported yet") as info:
+        autopar.plan(build_moe("switch"), {"dp": 2, "tp": 2}, example_inputs=(idx,), loss_fn=moe_loss,
+                     example_target=idx, sequence_parallel=True, **EP)
+    assert "drop sequence_parallel" in info.value.fix
+
+
 def test_experts_must_divide():
     with pytest.raises(ShardingError, match="4 experts, not divisible by expert_parallel=8"):
         _plan(build_moe("switch"), 8, expert_parallel=8)

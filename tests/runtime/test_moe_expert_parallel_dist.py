@@ -18,14 +18,16 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp, pp=1, zero=0):
+def _case(model, dp, pp=1, zero=0, tp=1):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
     options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ())
-    return Case(model=model, mesh=(dp, pp, 1), kind="moe_runners:train", options=options)
+    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options)
 
 
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
-         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2)]
+         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
+         # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
+         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch"))]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -61,10 +63,27 @@ def _expert_elements(case) -> int:
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
 def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
-    pp = case.mesh[1]  # each pipeline stage holds its layers' experts
+    _, pp, tp = case.mesh  # each pipeline stage holds its layers' experts, each tp rank a shard of every one
+    share = full // 2 // pp // tp  # ep = 2
     for rank in _results(case.world_size)[case]["rank_results"]:
-        assert rank["expert_elements"] == full // 2 // pp, "expert weights on this rank"
-        assert rank["expert_state_elements"] == full // 2 // pp, "SGD momentum of the experts on this rank"
+        assert rank["expert_elements"] == share, "expert weights on this rank"
+        assert rank["expert_state_elements"] == share, "SGD momentum of the experts on this rank"
+    if tp > 1:  # 1/ep of the experts (dim 0), each one's MLP cut into 1/tp of its columns or rows
+        _expert_shards_are_tp_cut(case, tp)
+
+
+def _expert_shards_are_tp_cut(case, tp: int) -> None:
+    result = _results(case.world_size)[case]
+    shards = json.loads(result["plan"])["param_shards"]
+    full = dict(moe_runners.build(case).named_parameters())
+    for rank in result["rank_results"]:
+        assert set(rank["expert_shapes"]) == set(json.loads(result["plan"])["expert_params"])
+        for name, local in rank["expert_shapes"].items():
+            want = list(full[name].shape)
+            want[0] //= 2
+            assert shards[name]["dim"] in (1, 2), name  # a column or row cut, never the expert dim
+            want[shards[name]["dim"]] //= tp
+            assert local == want, (name, rank["coords"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
@@ -73,7 +92,10 @@ def test_all_to_all_per_layer(case):
     pp = case.mesh[1]
     for rank in result["rank_results"]:
         stage = rank["coords"]["pp"]
-        assert rank["exchanges"] == {stage: ["MoeDispatch", "MoeCombine"] * (LAYERS // pp)}  # graph order, per layer
+        # graph order, per layer; with tp, the experts' f after the dispatch and their g before the combine
+        per_layer = ["MoeDispatch", "MoeCombine"] if case.mesh[2] == 1 else ["MoeDispatch", "TpCopy", "TpReduce",
+                                                                             "MoeCombine"]
+        assert rank["exchanges"] == {stage: per_layer * (LAYERS // pp)}
         # per layer: dispatch + combine in the forward, their conjugates in the backward
         assert rank["all_to_all"] == (2 * LAYERS // pp, 2 * LAYERS // pp)
         assert "moe_dispatch_" in rank["graph_code"][stage]  # visible when the graph is printed
