@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import importlib.util
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -36,10 +39,30 @@ CAPACITY = {cf: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
                      options=_EP + (("moe_capacity_factor", cf),)) for cf in (4.0, 0.5)}
 
 
+# checkpoints of split experts: 2 steps saved on one mesh, step 3 resumed on another (both ways between
+# dp=2 ep=2 x tp=2 and dp=4 ep=4 under ZeRO-1)
+_EP_TP = ((2, 1, 2), _EP)
+_EP4 = ((4, 1, 1), (("expert_parallel", 4), ("zero_stage", 1), ("num_microbatches", 1)))
+
+
+def _ckpt_pair(name, saved_on, resumed_on):
+    extra = (("name", name), ("save_after", 2))
+    return (Case(model="deepseek", mesh=saved_on[0], kind="moe_runners:save", options=saved_on[1], extra=extra),
+            Case(model="deepseek", mesh=resumed_on[0], kind="moe_runners:resume", options=resumed_on[1], extra=extra))
+
+
+CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP)]
+
+
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) if c.world_size == world]
-    return dict(zip(cases, run_cases(cases)))
+    cases = [c for c in CASES + list(CAPACITY.values()) + [c for pair in CKPT for c in pair] if c.world_size == world]
+    root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
+    os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
+    try:
+        return dict(zip(cases, run_cases(cases)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,9 +132,21 @@ def test_full_state_has_every_expert():
         assert state[name].shape == p.shape
 
 
-def test_checkpoint_of_split_experts_is_refused():
-    refused = _results(CASES[0].world_size)[CASES[0]]["checkpoint_refused"]
-    assert refused.startswith("CheckpointError: save_checkpoint is not supported with expert_parallel=2")
+@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+def test_checkpoint_of_split_experts_resumes_on_another_ep_and_tp(pair):
+    save, resume = pair
+    saved, resumed = _results(4)[save], _results(4)[resume]
+    assert "error" not in saved, saved.get("traceback")
+    reference = _reference(save)
+    assert resumed.get("step") == 2, resumed.get("traceback")
+    # step 3 after the load: its loss and the weights after it as one device has them (momentum included)
+    assert_equivalent(resume, resumed, {"losses": reference["losses"][2:], "state": reference["state"]})
+    assert saved["losses"] == pytest.approx(reference["losses"][:2], rel=1e-5)
+
+
+@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+def test_load_full_state_dict_cuts_the_experts(pair):
+    assert _results(4)[pair[1]]["full_state_round_trip"]
 
 
 def test_capacity_factor_that_takes_every_row_is_dropless():
