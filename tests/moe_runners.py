@@ -133,9 +133,24 @@ def train(case: Case, mesh) -> dict:
     ep = program.plan.expert_parallel
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
-    return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+    state = program.full_state_dict()
+    pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
+        ep > 1 and program.plan.mesh.tp > 1 else None
+    return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "dropped": _dropped(program), **record, **_expert_record(program),
-            "all_to_all": (counted.forward, counted.backward)}
+            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
+
+
+def _pretrained_round_trip(case: Case, program, state: dict):
+    """``save_pretrained`` of split experts, read back by transformers on rank 0: the keys whose weights differ."""
+    import os
+    import autopar.hf
+    import torch.distributed as dist
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}"))
+    if dist.get_rank() != 0:
+        return None
+    back = type(build(case)).from_pretrained(folder).state_dict()
+    return sorted(k for k in state if k not in back or not torch.equal(back[k], state[k]))
 
 
 # -- checkpoints of split experts: saved on one (dp, ep, tp), resumed on another ---------------------

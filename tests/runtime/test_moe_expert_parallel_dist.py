@@ -132,6 +132,12 @@ def test_full_state_has_every_expert():
         assert state[name].shape == p.shape
 
 
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_save_pretrained_of_split_experts_reads_back_in_transformers():
+    for case in (c for c in CASES if c.model.startswith("hf_") and c.mesh[2] > 1):
+        assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
+
+
 @pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
 def test_checkpoint_of_split_experts_resumes_on_another_ep_and_tp(pair):
     save, resume = pair
