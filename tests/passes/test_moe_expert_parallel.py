@@ -131,6 +131,20 @@ def test_memory_calculator_counts_one_ep_th_of_the_experts():
     assert whole.optimizer - split.optimizer == experts // 2  # the momentum of the experts this rank holds
 
 
+def test_memory_calculator_counts_the_experts_split_over_ep_and_cut_over_tp():
+    from autopar.memory import estimate_memory
+    model = build_moe("switch")
+    idx = torch.randint(0, 64, (8, 16))
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)  # fp32 bytes
+
+    def params(ep):
+        result = autopar.plan(model, {"dp": 2, "tp": 2}, example_inputs=(idx,), loss_fn=moe_loss, example_target=idx,
+                              vocab_parallel=False, **{**EP, "expert_parallel": ep})
+        return estimate_memory(result, optimizer="momentum").ranks[0].params
+    # at tp=2 every rank holds half of each expert; ep=2 halves that again (nothing else here is cut over tp)
+    assert params(1) - params(2) == experts // 4
+
+
 def test_capacity_keeps_the_first_rows_of_each_expert():
     from autopar.runtime.moe_ops import _keep
     ids = torch.tensor([2, 0, 2, 2, 1, 0, 2])
