@@ -9,8 +9,15 @@ down product's partial sums go through :class:`TpReduce` (g): one all-reduce for
 backward per expert layer, whatever the number of experts. The placements between come from the
 per-op rules (:mod:`autopar.passes.tp_rules`, grouped products in
 :mod:`autopar.passes.tp_expert_rules`); nothing here knows what an expert is beyond a 3-D weight.
-Experts held as a list of ``nn.Linear`` modules are ordinary linears: the region finder
-(:mod:`autopar.passes.tp_regions`) shards them.
+Experts gathered by id (``bmm(x, w[ids])``: a 3-D parameter indexed by each row's expert id, the
+plain-torch fused experts of ``autopar.models.moe``) are sharded alike: ``w_in[ids]`` on its output dim,
+``w_out[ids]`` on its contracted dim. Experts held as a list of ``nn.Linear`` modules are ordinary
+linears: the region finder (:mod:`autopar.passes.tp_regions`) shards them.
+
+With expert parallelism (:mod:`autopar.passes.moe_expert_parallel`, run before this pass) the f goes
+after the dispatch and the g before the combine: every tp rank of an ep group dispatches the same
+(replicated) rows to the same ep peers, multiplies them by its shard of the experts, and the g
+all-reduces the partial sums over tp before the combine sends them back.
 
 Example::
 
@@ -38,7 +45,7 @@ import torch.fx as fx
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tensor_parallel import ShardSpec, localize_sizes, node_where, set_param, shard_tensor
-from autopar.passes.tp_expert_rules import EXPERT_PRODUCTS
+from autopar.passes.tp_expert_rules import EXPERT_PRODUCTS, GATHERED_PRODUCTS, expert_product
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
 from autopar.runtime.collectives import TpCopy, TpReduce
 
@@ -46,6 +53,7 @@ __all__ = ["ExpertRegion", "find_expert_regions", "shard_expert_parallel"]
 
 log = logging.getLogger(__name__)
 _WEIGHT_OPS = ("transpose", "t", "permute", "to", "_to_copy", "contiguous", "clone", "alias")
+_GATHER = "index"  # w[ids]: each row's expert matrix (the gathered form)
 
 
 @dataclass
@@ -66,14 +74,22 @@ class ExpertRegion:
 
 
 def _is_product(node: fx.Node) -> bool:
-    return node.op == "call_function" and op_name(node) in EXPERT_PRODUCTS
+    """A grouped expert product, or a ``bmm``/``matmul`` by a 3-D parameter gathered by expert id."""
+    if node.op != "call_function":
+        return False
+    if op_name(node) in EXPERT_PRODUCTS:
+        return True
+    if op_name(node) not in GATHERED_PRODUCTS or len(node.args) < 2:
+        return False
+    chain = _weight_chain(node.args[1])
+    return chain is not None and any(op_name(n) == _GATHER for n in chain[1:])
 
 
 def _weight_chain(operand) -> list[fx.Node] | None:
     """[param get_attr, shape ops ..., operand] when ``operand`` is a 3-D parameter read only here."""
     chain = []
     node = operand
-    while isinstance(node, fx.Node) and node.op == "call_function" and op_name(node) in _WEIGHT_OPS:
+    while isinstance(node, fx.Node) and node.op == "call_function" and op_name(node) in _WEIGHT_OPS + (_GATHER,):
         chain.append(node)
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr" or get_meta(node, PARAM) is None:
@@ -127,7 +143,7 @@ def _grow(region: ExpertRegion, column: fx.Node) -> None:
                 if chain is None or user.args[0] is not src:
                     raise NoRule(f"{user.name} reads {src.name} but its weight is not a 3-D expert parameter")
                 dim = _place_weight(chain, Placement("S", 1), region.placements)
-                out, _ = rule_for(user)(user, region.placements)
+                out, _ = expert_product(user, region.placements)
                 region.rows.append(user)
                 region.placements[user] = out
                 region.specs[chain[0].target] = ShardSpec(dim)
@@ -147,7 +163,7 @@ def _region_from(column: fx.Node) -> ExpertRegion:
     region = ExpertRegion(columns=[column])
     chunks = _chunks(column)
     dim = _place_weight(chain, Placement("S", 2, chunks), region.placements)
-    region.placements[column], _ = rule_for(column)(column, region.placements)
+    region.placements[column], _ = expert_product(column, region.placements)
     region.specs[chain[0].target] = ShardSpec(dim, chunks)
     region.kinds[chain[0].target] = "expert column"
     _grow(region, column)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
-from autopar.runtime.checkpoint_layout import Layout, join, piece_key, split
+from autopar.runtime.checkpoint_layout import Layout, join, split
 from autopar.runtime.rank_tensors import Held, held_tensors
 from autopar.runtime import rng_state
 from autopar.runtime.rank_context import ProgramState
@@ -91,13 +91,12 @@ def _optimizer_pieces(program: ProgramState, by_name: dict[str, Held], state: di
                 continue
             value = value.detach()
             if tuple(value.shape) == tuple(held.tensor.shape) and value.dim() > 0:
-                layout, kind, piece = held.layout, "like_param", piece_key(
-                    base, held.tp_index if held.layout.tp else None, held.z_index if held.layout.z3 else None)
+                layout, kind, piece = held.layout, "like_param", held.piece(base)
             elif value.dim() == 0:
                 layout, kind, piece = Layout(shape=()), "scalar", base
             else:  # a state whose shape depends on this rank's cut (factored second moments)
                 layout, kind = Layout(shape=tuple(value.shape)), "opaque"
-                piece = piece_key(base, held.tp_index, held.z_index)
+                piece = held.own_piece(base)
                 entries.setdefault(base, _entry(layout, kind, value.dtype))["of"] = held.layout.to_json()
             entries.setdefault(base, _entry(layout, kind, value.dtype))["checksums"][piece] = files.checksum(value)
             state[piece] = value
@@ -109,7 +108,7 @@ def _pieces_to_save(program: ProgramState) -> tuple[dict, dict]:
     for held in held_tensors(program):
         by_name.update({alias: held for alias in held.aliases})
         base = f"model/{held.name}"
-        piece = piece_key(base, held.tp_index if held.layout.tp else None, held.z_index if held.layout.z3 else None)
+        piece = held.piece(base)
         value = held.tensor.detach()
         entry = entries.setdefault(base, _entry(held.layout, held.kind, value.dtype, held.aliases))
         entry["checksums"][piece] = files.checksum(value)
@@ -267,7 +266,7 @@ def _request(program: ProgramState, manifest: dict, held: list[Held]) -> tuple[d
             elif entry["kind"] == "opaque":
                 if Layout.from_json(entry["of"]) != h.layout:
                     raise _opaque_error(base, entry, h)
-                want(base, entry, [piece_key(base, h.tp_index, h.z_index)])
+                want(base, entry, [h.own_piece(base)])
     if rng_state.same_layout(manifest.get("rng"), program, _world()):  # else re-derived: rng_state.py
         mine = f"rng/rank{_rank()}/"
         for base, entry in manifest["tensors"].items():
@@ -344,7 +343,7 @@ def _read(folder: str, request: dict, manifest: dict) -> CheckpointError | None:
 
 
 def _cut(full: torch.Tensor, h: Held) -> torch.Tensor:
-    return split(full, h.layout, tp_index=h.tp_index, z_index=h.z_index)
+    return split(full, h.layout, tp_index=h.tp_index, z_index=h.z_index, ep_index=h.ep_index)
 
 
 def _apply(program: ProgramState, manifest: dict, held: list[Held], request: dict, params: dict, states: dict) -> None:
@@ -363,7 +362,7 @@ def _apply(program: ProgramState, manifest: dict, held: list[Held], request: dic
                 elif entry["kind"] == "scalar":
                     named.setdefault(name, {})[key] = request[base].clone()
                 elif entry["kind"] == "opaque":
-                    named.setdefault(name, {})[key] = request[piece_key(base, h.tp_index, h.z_index)].clone()
+                    named.setdefault(name, {})[key] = request[h.own_piece(base)].clone()
                 else:
                     named.setdefault(name, {})[key] = _cut(join(request, Layout.from_json(entry["layout"]), base), h)
     program.optimizer.load_named_state(named, manifest.get("optimizer_groups"))

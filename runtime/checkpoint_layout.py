@@ -8,6 +8,8 @@ A checkpoint stores every tensor as the *pieces* the ranks hold, each under its 
   :func:`autopar.passes.tensor_parallel.shard_tensor` cuts it.
 - ``z3=size``: the tp-local tensor flattened, zero-padded to a multiple of ``size`` and cut into
   ``size`` flat blocks, one per dp rank (ZeRO-3, :mod:`autopar.runtime.zero3_ops`).
+- ``ep=size``: a mixture-of-experts expert tensor split over ``size`` expert-parallel ranks on dim 0
+  (the experts; :mod:`autopar.passes.moe_expert_parallel`), each ep rank's block then cut over tp.
 
 Pieces are the only thing written, so saving moves no data between ranks; loading reads the
 pieces of the saved layout, joins them and cuts the piece the loading rank's layout asks for.
@@ -24,6 +26,9 @@ Example::
     ['w#tp0#z0', 'w#tp0#z1', 'w#tp1#z0', 'w#tp1#z1']
     >>> torch.equal(join(pieces, layout, "w"), full)
     True
+    >>> experts = Layout(shape=(4, 6), tp=(1, 1, 2), ep=2)  # 4 experts over ep=2, each cut on dim 1 over tp=2
+    >>> [k for k, _, _, _ in experts.expert_pieces("e")]
+    ['e#ep0#tp0', 'e#ep0#tp1', 'e#ep1#tp0', 'e#ep1#tp1']
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class Layout:
     shape: tuple[int, ...]
     tp: tuple[int, int, int] | None = None  # (dim, chunks, size)
     z3: int | None = None  # dp size of a flat ZeRO-3 sharding
+    ep: int | None = None  # expert-parallel size of an expert tensor split on dim 0
 
     @property
     def tp_size(self) -> int:
@@ -54,13 +60,23 @@ class Layout:
     def z3_size(self) -> int:
         return self.z3 or 1
 
-    def tp_local_shape(self) -> tuple[int, ...]:
-        """The shape of one tensor-parallel shard (before any ZeRO-3 flattening)."""
-        if not self.tp:
-            return tuple(self.shape)
-        dim, _, size = self.tp
+    @property
+    def ep_size(self) -> int:
+        return self.ep or 1
+
+    def ep_local_shape(self) -> tuple[int, ...]:
+        """The shape of one expert-parallel block (this ep rank's experts, before the tp cut)."""
         shape = list(self.shape)
-        shape[dim] //= size
+        if self.ep:
+            shape[0] //= self.ep
+        return tuple(shape)
+
+    def tp_local_shape(self) -> tuple[int, ...]:
+        """The shape of one tensor-parallel shard (of an ep block; before any ZeRO-3 flattening)."""
+        shape = list(self.ep_local_shape())
+        if self.tp:
+            dim, _, size = self.tp
+            shape[dim] //= size
         return tuple(shape)
 
     def piece_shape(self) -> tuple[int, ...]:
@@ -70,30 +86,44 @@ class Layout:
         return (math.ceil(math.prod(local) / self.z3),)
 
     def pieces(self, base: str):
-        """(key, tp index, z3 index) of every piece."""
-        return [(piece_key(base, t if self.tp else None, z if self.z3 else None), t, z)
-                for t in range(self.tp_size) for z in range(self.z3_size)]
+        """(key, tp index, z3 index) of every piece (of every ep block: :meth:`expert_pieces` names the block)."""
+        return [(key, t, z) for key, _, t, z in self.expert_pieces(base)]
+
+    def expert_pieces(self, base: str):
+        """(key, ep index, tp index, z3 index) of every piece."""
+        return [(self.key(base, ep_index=e, tp_index=t, z_index=z), e, t, z)
+                for e in range(self.ep_size) for t in range(self.tp_size) for z in range(self.z3_size)]
+
+    def key(self, base: str, *, ep_index: int, tp_index: int, z_index: int) -> str:
+        """The key of the piece that rank (ep_index, tp_index, z_index) holds (only the cut axes named)."""
+        return piece_key(base, tp_index if self.tp else None, z_index if self.z3 else None,
+                         ep_index if self.ep else None)
 
     def to_json(self) -> dict:
-        return {"shape": list(self.shape), "tp": list(self.tp) if self.tp else None, "z3": self.z3}
+        out = {"shape": list(self.shape), "tp": list(self.tp) if self.tp else None, "z3": self.z3}
+        return {**out, "ep": self.ep} if self.ep else out
 
     @classmethod
     def from_json(cls, data: dict) -> "Layout":
         return cls(shape=tuple(data["shape"]), tp=tuple(data["tp"]) if data.get("tp") else None,
-                   z3=data.get("z3"))
+                   z3=data.get("z3"), ep=data.get("ep"))
 
 
-def piece_key(base: str, tp_index: int | None, z_index: int | None) -> str:
-    """The checkpoint key of one piece: ``base``, then ``#tp<i>`` and ``#z<j>`` when sharded so."""
-    return base + (f"#tp{tp_index}" if tp_index is not None else "") + (f"#z{z_index}" if z_index is not None else "")
+def piece_key(base: str, tp_index: int | None, z_index: int | None, ep_index: int | None = None) -> str:
+    """The checkpoint key of one piece: ``base``, then ``#ep<e>``, ``#tp<i>`` and ``#z<j>`` when sharded so."""
+    return (base + (f"#ep{ep_index}" if ep_index is not None else "")
+            + (f"#tp{tp_index}" if tp_index is not None else "") + (f"#z{z_index}" if z_index is not None else ""))
 
 
-def split(full: torch.Tensor, layout: Layout, *, tp_index: int, z_index: int) -> torch.Tensor:
-    """The piece of ``full`` (the logical tensor) that rank (tp_index, z_index) holds under ``layout``."""
+def split(full: torch.Tensor, layout: Layout, *, tp_index: int, z_index: int, ep_index: int = 0) -> torch.Tensor:
+    """The piece of ``full`` (the logical tensor) that rank (ep_index, tp_index, z_index) holds under ``layout``."""
     local = full
+    if layout.ep:
+        block = layout.shape[0] // layout.ep
+        local = local[ep_index * block:(ep_index + 1) * block]
     if layout.tp:
         dim, chunks, size = layout.tp
-        local = shard_tensor(full, ShardSpec(dim=dim, chunks=chunks), rank=tp_index, size=size)
+        local = shard_tensor(local, ShardSpec(dim=dim, chunks=chunks), rank=tp_index, size=size)
     if layout.z3:
         block = layout.piece_shape()[0]
         flat = torch.zeros(block * layout.z3, dtype=local.dtype, device=local.device)
@@ -103,11 +133,16 @@ def split(full: torch.Tensor, layout: Layout, *, tp_index: int, z_index: int) ->
 
 
 def join(pieces: dict[str, torch.Tensor], layout: Layout, base: str) -> torch.Tensor:
-    """The logical tensor from every piece of ``base`` (keys as :meth:`Layout.pieces` names them)."""
+    """The logical tensor from every piece of ``base`` (keys as :meth:`Layout.expert_pieces` names them)."""
+    blocks = [_join_block(pieces, layout, base, e) for e in range(layout.ep_size)]
+    return blocks[0] if not layout.ep else torch.cat(blocks, dim=0)
+
+
+def _join_block(pieces: dict[str, torch.Tensor], layout: Layout, base: str, ep_index: int) -> torch.Tensor:
+    """One ep block (the whole tensor without ep) from its tp and ZeRO-3 pieces."""
     tp_local = []
     for t in range(layout.tp_size):
-        blocks = [pieces[piece_key(base, t if layout.tp else None, z if layout.z3 else None)]
-                  for z in range(layout.z3_size)]
+        blocks = [pieces[layout.key(base, ep_index=ep_index, tp_index=t, z_index=z)] for z in range(layout.z3_size)]
         if layout.z3:
             shape = layout.tp_local_shape()
             tp_local.append(torch.cat(blocks)[:math.prod(shape)].view(shape))

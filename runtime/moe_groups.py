@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.errors import CheckpointError, PlanError
+from autopar.errors import PlanError
 from autopar.runtime.collectives import issue
 
 __all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters",
-           "refuse_expert_checkpoint", "refuse_meta_experts"]
+           "refuse_meta_experts"]
 
 
 def ep_layout(*, dp: int, ep: int) -> dict[str, list[list[int]]]:
@@ -76,15 +76,6 @@ def full_expert_parameters(named: list, *, experts: tuple[str, ...], group, guar
             p = buf
         out.append((name, p))
     return out
-
-
-def refuse_expert_checkpoint(plan, action: str) -> None:
-    """CheckpointError for ``action`` on a program whose experts are split over ep ranks (not supported yet)."""
-    if plan.expert_parallel > 1:
-        raise CheckpointError(f"{action} is not supported with expert_parallel={plan.expert_parallel} yet: each ep "
-                              "rank holds other experts", where=f"program.{action}",
-                              fix="use program.full_state_dict() to save the weights (it gathers every expert), "
-                                  "or train with expert_parallel=1")
 
 
 def refuse_meta_experts(plan, *, meta: bool) -> None:

@@ -29,7 +29,7 @@ from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.zero3_ops import full_parameters
 from autopar.runtime.item_count import add_item_counts
-from autopar.runtime.moe_groups import full_expert_parameters, refuse_expert_checkpoint
+from autopar.runtime.moe_groups import full_expert_parameters
 
 __all__ = ["ProgramSurface"]
 
@@ -183,12 +183,10 @@ class ProgramSurface:
     # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
     def save_checkpoint(self, root: str) -> str:
         """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
-        refuse_expert_checkpoint(self.plan, "save_checkpoint")
         return save_checkpoint(self, root)
 
     def load_checkpoint(self, path: str) -> int:
         """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
-        refuse_expert_checkpoint(self.plan, "load_checkpoint")
         step = load_checkpoint(self, path)
         if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
             self.optimizer.publish_parameters()
@@ -196,7 +194,6 @@ class ProgramSurface:
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Set the weights from a single-device ``state_dict`` (``model.state_dict()``)."""
-        refuse_expert_checkpoint(self.plan, "load_full_state_dict")
         load_full_state_dict(self, state_dict)
         if self.mixed is not None:
             self.optimizer.publish_parameters()

@@ -14,7 +14,7 @@ import torch
 
 from autopar.errors import CheckpointError
 from autopar.passes.graph_names import user_name
-from autopar.runtime.checkpoint_layout import Layout
+from autopar.runtime.checkpoint_layout import Layout, piece_key
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["Held", "held_tensors", "model_buffers"]
@@ -31,6 +31,15 @@ class Held:
     tp_index: int
     z_index: int
     kind: str  # "param" | "buffer"
+    ep_index: int = 0  # this rank's block of an expert tensor split over ep (layout.ep)
+
+    def piece(self, base: str) -> str:
+        """The key of this rank's piece of ``base`` (only the axes its layout cuts named)."""
+        return self.layout.key(base, ep_index=self.ep_index, tp_index=self.tp_index, z_index=self.z_index)
+
+    def own_piece(self, base: str) -> str:
+        """The key of a piece whose shape is this rank's own (opaque optimizer state): every axis named."""
+        return piece_key(base, self.tp_index, self.z_index, self.ep_index if self.layout.ep else None)
 
 
 # -- what this rank holds -----------------------------------------------------------------------
@@ -67,6 +76,8 @@ def held_tensors(program: ProgramState) -> list[Held]:
     """Every parameter and persistent buffer this rank holds, with its layout."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shapes(program)
+    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    experts = set(plan.expert_params) if ep > 1 else set()
     held = []
     for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
         spec = plan.param_shards.get(name)
@@ -82,10 +93,13 @@ def held_tensors(program: ProgramState) -> list[Held]:
         ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
         if spec is not None:
             shape[spec.dim] *= ways
+        if name in experts:
+            shape[0] *= ep
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
         layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                        z3=plan.mesh.dp if name in z3 else None)
-        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, coords["dp"], "param"))
+                        z3=plan.mesh.dp if name in z3 else None, ep=ep if name in experts else None)
+        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, coords["dp"], "param",
+                         ep_index=coords["dp"] % ep if name in experts else 0))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
     return held

@@ -72,11 +72,13 @@ def _expert_record(program) -> dict:
     state = sum(t.numel() for n in experts if n in named for t in opt.state.get(named[n], {}).values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0) if opt is not None else 0
     exchanges = {}
-    for stage, gm in program.graphs.items():
+    for stage, gm in program.graphs.items():  # the all-to-alls and the experts' own tp f/g, in graph order
         kinds = [type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"
-                 and isinstance(gm.get_submodule(n.target), (MoeDispatch, MoeCombine))]
+                 and (isinstance(gm.get_submodule(n.target), (MoeDispatch, MoeCombine))
+                      or str(n.target).startswith("tp_expert_"))]
         exchanges[stage] = kinds
     return {"expert_elements": weights, "expert_state_elements": state, "exchanges": exchanges,
+            "expert_shapes": {n: list(named[n].shape) for n in experts if n in named},
             "graph_code": {s: gm.code for s, gm in program.graphs.items()}}
 
 
@@ -102,11 +104,11 @@ class _CountExchanges:
         self.ops.all_to_all_rows = self.original
 
 
-def train(case: Case, mesh) -> dict:
-    """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
+def _compile(case: Case, mesh, model=None):
+    """(program, a step function of one batch, the batches) of an MoE case on this rank."""
     import autopar
     from autopar.models.moe import moe_loss
-    model = build(case)
+    model = model if model is not None else build(case)
     data = batches(case)
     first = data[0]
     if isinstance(first, dict):
@@ -118,6 +120,12 @@ def train(case: Case, mesh) -> dict:
                                   example_target=first[1], optimizer=make_optimizer(case), p2p_timeout_s=120,
                                   **dict(case.options))
         step = lambda b: program.train_step(program.shard_batch(b[0]), target=program.shard_batch(b[1]))  # noqa: E731
+    return program, step, data
+
+
+def train(case: Case, mesh) -> dict:
+    """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
+    program, step, data = _compile(case, mesh)
     losses = [step(b).item() for b in data[:-1]]
     with _CountExchanges() as counted:
         losses.append(step(data[-1]).item())
@@ -125,14 +133,65 @@ def train(case: Case, mesh) -> dict:
     ep = program.plan.expert_parallel
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
-    try:  # split experts are not checkpointed yet: refused before anything is written
-        program.save_checkpoint("/nonexistent/moe-checkpoint")
-        refused = None
-    except Exception as exc:  # noqa: BLE001 - the type is what the test reads
-        refused = f"{type(exc).__name__}: {exc}"
+    state = program.full_state_dict()
+    pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
+        ep > 1 and program.plan.mesh.tp > 1 else None
     from autopar.runtime.memory_probe import held_state_bytes
-    return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+    return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
-            "checkpoint_refused": refused, "dropped": _dropped(program),
-            **record, **_expert_record(program),
-            "all_to_all": (counted.forward, counted.backward)}
+            "dropped": _dropped(program), **record, **_expert_record(program),
+            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
+
+
+def _pretrained_round_trip(case: Case, program, state: dict):
+    """``save_pretrained`` of split experts, read back by transformers on rank 0: the keys whose weights differ."""
+    import os
+    import autopar.hf
+    import torch.distributed as dist
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}"))
+    if dist.get_rank() != 0:
+        return None
+    back = type(build(case)).from_pretrained(folder).state_dict()
+    return sorted(k for k in state if k not in back or not torch.equal(back[k], state[k]))
+
+
+# -- checkpoints of split experts: saved on one (dp, ep, tp), resumed on another ---------------------
+CKPT_ENV = "AUTOPAR_TEST_MOE_CKPT"  # the folder the test names before spawning
+
+
+def _ckpt_root(case: Case) -> str:
+    import os
+    return os.path.join(os.environ[CKPT_ENV], dict(case.extra)["name"])
+
+
+def _scrambled(case: Case):
+    """The case's model with other weights: what a load must overwrite."""
+    model = build(case)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def save(case: Case, mesh) -> dict:
+    """Train the first ``save_after`` steps and save a checkpoint; the losses of those steps."""
+    program, step, data = _compile(case, mesh)
+    losses = [step(b).item() for b in data[:dict(case.extra)["save_after"]]]
+    folder = program.save_checkpoint(_ckpt_root(case))
+    return {"losses": losses, "folder": folder, "step": program.step_count}
+
+
+def resume(case: Case, mesh) -> dict:
+    """Compile with other weights, load the checkpoint saved on another mesh, train the remaining steps;
+    then ``load_full_state_dict`` of another model's weights, read back through ``full_state_dict``."""
+    program, step, data = _compile(case, mesh, model=_scrambled(case))
+    start = program.load_checkpoint(_ckpt_root(case))
+    losses = [step(b).item() for b in data[start:]]
+    state = program.full_state_dict()
+    other = {k: v.detach().clone() for k, v in _scrambled(case).state_dict().items()}
+    program.load_full_state_dict(other)
+    back = program.full_state_dict()
+    return {"losses": losses, "state": state, "step": start,
+            "full_state_round_trip": all(torch.equal(back[k], other[k]) for k in back)
+            and set(back) == set(other)}

@@ -28,7 +28,7 @@ from autopar.errors import CheckpointError
 from autopar.hf.folder import INDEX_FILE, SINGLE_FILE
 from autopar.hf.names import find_hf_model, library_class, tied_targets
 from autopar.runtime.checkpoint import agree_on_error
-from autopar.runtime.checkpoint_layout import Layout, join, piece_key
+from autopar.runtime.checkpoint_layout import Layout, join
 from autopar.runtime.checkpoint_files import fsync_path
 from autopar.runtime.rank_tensors import held_tensors
 
@@ -126,13 +126,15 @@ def _files(names: dict[str, str], tensors: dict, dtype, limit: int) -> list[list
 
 
 def _my_pieces(program, held, wanted: set[str]) -> dict[str, torch.Tensor]:
-    """This rank's pieces of ``wanted``: the dp index 0 copy (every ZeRO-3 block), tp index 0 of a replica."""
+    """This rank's pieces of ``wanted``: the dp index 0 copy (every ZeRO-3 block; the dp index of each ep block of
+    an expert tensor), tp index 0 of a replica."""
     coords, out = program.info.coords, {}
     for h in held:
-        if h.name not in wanted or (coords["dp"] != 0 and not h.layout.z3) or (coords["tp"] != 0 and not h.layout.tp):
+        first = h.ep_index if h.layout.ep else 0  # dp index ep_index holds the first copy of ep block ep_index
+        if h.name not in wanted or (coords["dp"] != first and not h.layout.z3) \
+                or (coords["tp"] != 0 and not h.layout.tp):
             continue
-        key = piece_key(h.name, h.tp_index if h.layout.tp else None, h.z_index if h.layout.z3 else None)
-        out[key] = h.tensor.detach().cpu()
+        out[h.piece(h.name)] = h.tensor.detach().cpu()
     return out
 
 

@@ -74,6 +74,14 @@ def test_option_refusals(options, match):
         _plan(build_moe("switch"), 2, **options)
 
 
+def test_sequence_parallel_with_ep_and_tp_is_refused():
+    idx = torch.randint(0, 64, (8, 16))
+    with pytest.raises(PlanError, match="with sequence_parallel is not supported yet") as info:
+        autopar.plan(build_moe("switch"), {"dp": 2, "tp": 2}, example_inputs=(idx,), loss_fn=moe_loss,
+                     example_target=idx, sequence_parallel=True, **EP)
+    assert "drop sequence_parallel" in info.value.fix
+
+
 def test_experts_must_divide():
     with pytest.raises(ShardingError, match="4 experts, not divisible by expert_parallel=8"):
         _plan(build_moe("switch"), 8, expert_parallel=8)
@@ -121,6 +129,20 @@ def test_memory_calculator_counts_one_ep_th_of_the_experts():
     whole = estimate_memory(_plan(model, 2, expert_parallel=1), optimizer="momentum").ranks[0]
     assert whole.params - split.params == experts // 2
     assert whole.optimizer - split.optimizer == experts // 2  # the momentum of the experts this rank holds
+
+
+def test_memory_calculator_counts_the_experts_split_over_ep_and_cut_over_tp():
+    from autopar.memory import estimate_memory
+    model = build_moe("switch")
+    idx = torch.randint(0, 64, (8, 16))
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)  # fp32 bytes
+
+    def params(ep):
+        result = autopar.plan(model, {"dp": 2, "tp": 2}, example_inputs=(idx,), loss_fn=moe_loss, example_target=idx,
+                              vocab_parallel=False, **{**EP, "expert_parallel": ep})
+        return estimate_memory(result, optimizer="momentum").ranks[0].params
+    # at tp=2 every rank holds half of each expert; ep=2 halves that again (nothing else here is cut over tp)
+    assert params(1) - params(2) == experts // 4
 
 
 def test_capacity_keeps_the_first_rows_of_each_expert():

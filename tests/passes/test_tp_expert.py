@@ -1,5 +1,5 @@
-"""passes/tp_expert.py: every expert's MLP column/row-sharded over tp (3-D fused expert weights),
-and per-expert module lists sharded by the region finder as ordinary linears."""
+"""passes/tp_expert.py: every expert's MLP column/row-sharded over tp (3-D fused expert weights, grouped
+or gathered by expert id), and per-expert module lists sharded by the region finder as ordinary linears."""
 from __future__ import annotations
 
 import pytest
@@ -11,15 +11,15 @@ import autopar
 from autopar.plan_model import ParamShard
 from autopar.runtime.collectives import TpCopy, TpReduce
 
+from autopar.models.hf import build_hf_raw, hf_raw_example
+from autopar.models.moe import build_moe, moe_loss
+
 from graph_runner import run_forward
-
-pytest.importorskip("transformers")
-
-from autopar.models.hf import build_hf_raw, hf_raw_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def mixtral():
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = build_hf_raw("mixtral", use_cache=False)
     (x,), loss_fn, y = hf_raw_example("mixtral")
@@ -58,7 +58,31 @@ def test_sharded_experts_compute_the_models_loss(mixtral):
         torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["switch", "deepseek"])
+def test_experts_gathered_by_id_are_column_and_row_sharded(name):
+    """w_in[ids] @ / w_out[ids] @ (plain-torch fused experts): w_in on its output dim, w_out on its input dim."""
+    torch.manual_seed(0)
+    model = build_moe(name)
+    idx = torch.randint(0, 64, (4, 16))
+    result = autopar.plan(model, {"tp": 2}, example_inputs=(idx,), loss_fn=moe_loss, example_target=idx,
+                          num_microbatches=1, vocab_parallel=False)
+    for layer in (0, 1):
+        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_in"] == ParamShard(dim=2)
+        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_out"] == ParamShard(dim=1)
+    gm = result.lowered[1].stages[0].gm
+    assert tuple(gm.get_parameter("model.blocks.0.moe.experts.w_in").shape) == (4, 32, 32)
+    kinds = [n.target for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("tp_expert")]
+    assert kinds == ["tp_expert_copy_0", "tp_expert_reduce_0", "tp_expert_copy_1", "tp_expert_reduce_1"]
+    with torch.no_grad():
+        want = moe_loss(model(idx), idx)
+    losses = run_forward(result, {"idx": idx, "target": idx})
+    assert len(losses) == 2
+    for out in losses:  # each tp rank's loss
+        torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, want, rtol=1e-5, atol=1e-6)
+
+
 def test_coverage_names_expert_columns_and_rows():
+    pytest.importorskip("transformers")
     model = build_hf_raw("qwen3_moe", device="meta")
     inputs, loss_fn, y = hf_raw_example("qwen3_moe")
     report = autopar.coverage(model, inputs, tp=2, loss_fn=loss_fn, example_target=y)

@@ -33,6 +33,21 @@ def test_pieces_join_to_the_logical_tensor(layout):
     assert torch.equal(join(pieces, layout, "w"), full)
 
 
+@pytest.mark.parametrize("layout", [
+    Layout((4, 6), ep=2), Layout((4, 8, 4), tp=(1, 2, 2), ep=2), Layout((4, 6, 4), tp=(2, 1, 2), ep=4),
+], ids=str)
+def test_expert_pieces_join_to_the_logical_tensor(layout):
+    full = torch.randn(layout.shape)
+    pieces = {k: split(full, layout, tp_index=t, z_index=z, ep_index=e) for k, e, t, z in layout.expert_pieces("w")}
+    assert len(pieces) == layout.ep * layout.tp_size
+    assert all(p.shape == layout.piece_shape() for p in pieces.values())
+    assert torch.equal(join(pieces, layout, "w"), full)
+    assert torch.equal(pieces[layout.key("w", ep_index=1, tp_index=0, z_index=0)],
+                       split(full[layout.shape[0] // layout.ep:2 * layout.shape[0] // layout.ep],
+                             Layout(layout.ep_local_shape(), tp=layout.tp), tp_index=0, z_index=0))
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+
+
 def test_layout_round_trips_through_json():
     layout = Layout((6, 4), tp=(0, 3, 2), z3=2)
     assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout

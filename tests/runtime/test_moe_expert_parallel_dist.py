@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import importlib.util
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -18,14 +21,16 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp, pp=1, zero=0):
+def _case(model, dp, pp=1, zero=0, tp=1):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
     options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ())
-    return Case(model=model, mesh=(dp, pp, 1), kind="moe_runners:train", options=options)
+    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options)
 
 
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
-         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2)]
+         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
+         # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
+         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch"))]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -39,10 +44,31 @@ BF16 = {z: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
         for z in (0, 1)}
 
 
+# checkpoints of split experts: 2 steps saved on one mesh, step 3 resumed on another (both ways between
+# dp=2 ep=2 x tp=2 and dp=4 ep=4 under ZeRO-1)
+_EP_TP = ((2, 1, 2), _EP)
+_EP4 = ((4, 1, 1), (("expert_parallel", 4), ("zero_stage", 1), ("num_microbatches", 1)))
+
+
+def _ckpt_pair(name, saved_on, resumed_on):
+    extra = (("name", name), ("save_after", 2))
+    return (Case(model="deepseek", mesh=saved_on[0], kind="moe_runners:save", options=saved_on[1], extra=extra),
+            Case(model="deepseek", mesh=resumed_on[0], kind="moe_runners:resume", options=resumed_on[1], extra=extra))
+
+
+CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP)]
+
+
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) if c.world_size == world]
-    return dict(zip(cases, run_cases(cases)))
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values())
+             + [c for pair in CKPT for c in pair] if c.world_size == world]
+    root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
+    os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
+    try:
+        return dict(zip(cases, run_cases(cases)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,10 +92,27 @@ def _expert_elements(case) -> int:
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
 def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
-    pp = case.mesh[1]  # each pipeline stage holds its layers' experts
+    _, pp, tp = case.mesh  # each pipeline stage holds its layers' experts, each tp rank a shard of every one
+    share = full // 2 // pp // tp  # ep = 2
     for rank in _results(case.world_size)[case]["rank_results"]:
-        assert rank["expert_elements"] == full // 2 // pp, "expert weights on this rank"
-        assert rank["expert_state_elements"] == full // 2 // pp, "SGD momentum of the experts on this rank"
+        assert rank["expert_elements"] == share, "expert weights on this rank"
+        assert rank["expert_state_elements"] == share, "SGD momentum of the experts on this rank"
+    if tp > 1:  # 1/ep of the experts (dim 0), each one's MLP cut into 1/tp of its columns or rows
+        _expert_shards_are_tp_cut(case, tp)
+
+
+def _expert_shards_are_tp_cut(case, tp: int) -> None:
+    result = _results(case.world_size)[case]
+    shards = json.loads(result["plan"])["param_shards"]
+    full = dict(moe_runners.build(case).named_parameters())
+    for rank in result["rank_results"]:
+        assert set(rank["expert_shapes"]) == set(json.loads(result["plan"])["expert_params"])
+        for name, local in rank["expert_shapes"].items():
+            want = list(full[name].shape)
+            want[0] //= 2
+            assert shards[name]["dim"] in (1, 2), name  # a column or row cut, never the expert dim
+            want[shards[name]["dim"]] //= tp
+            assert local == want, (name, rank["coords"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
@@ -78,7 +121,10 @@ def test_all_to_all_per_layer(case):
     pp = case.mesh[1]
     for rank in result["rank_results"]:
         stage = rank["coords"]["pp"]
-        assert rank["exchanges"] == {stage: ["MoeDispatch", "MoeCombine"] * (LAYERS // pp)}  # graph order, per layer
+        # graph order, per layer; with tp, the experts' f after the dispatch and their g before the combine
+        per_layer = ["MoeDispatch", "MoeCombine"] if case.mesh[2] == 1 else ["MoeDispatch", "TpCopy", "TpReduce",
+                                                                             "MoeCombine"]
+        assert rank["exchanges"] == {stage: per_layer * (LAYERS // pp)}
         # per layer: dispatch + combine in the forward, their conjugates in the backward
         assert rank["all_to_all"] == (2 * LAYERS // pp, 2 * LAYERS // pp)
         assert "moe_dispatch_" in rank["graph_code"][stage]  # visible when the graph is printed
@@ -92,9 +138,27 @@ def test_full_state_has_every_expert():
         assert state[name].shape == p.shape
 
 
-def test_checkpoint_of_split_experts_is_refused():
-    refused = _results(CASES[0].world_size)[CASES[0]]["checkpoint_refused"]
-    assert refused.startswith("CheckpointError: save_checkpoint is not supported with expert_parallel=2")
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_save_pretrained_of_split_experts_reads_back_in_transformers():
+    for case in (c for c in CASES if c.model.startswith("hf_") and c.mesh[2] > 1):
+        assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
+
+
+@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+def test_checkpoint_of_split_experts_resumes_on_another_ep_and_tp(pair):
+    save, resume = pair
+    saved, resumed = _results(4)[save], _results(4)[resume]
+    assert "error" not in saved, saved.get("traceback")
+    reference = _reference(save)
+    assert resumed.get("step") == 2, resumed.get("traceback")
+    # step 3 after the load: its loss and the weights after it as one device has them (momentum included)
+    assert_equivalent(resume, resumed, {"losses": reference["losses"][2:], "state": reference["state"]})
+    assert saved["losses"] == pytest.approx(reference["losses"][:2], rel=1e-5)
+
+
+@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+def test_load_full_state_dict_cuts_the_experts(pair):
+    assert _results(4)[pair[1]]["full_state_round_trip"]
 
 
 def test_capacity_factor_that_takes_every_row_is_dropless():
