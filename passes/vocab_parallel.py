@@ -19,8 +19,10 @@ matrix (``ShardSpec(dim=0)``):
   RoBERTa's ``cumsum`` over the padding mask) stay replicated, as Megatron-LM keeps them: a token
   embedding is one whose indices are a graph input passed through shape-only ops.
 - **Encoder MLM heads** (BERT, RoBERTa: dense, norm, then a decoder tied to the word embeddings):
-  the decoder is the vocabulary head, its bias sharded with it; the dense before the norm stays
-  replicated (as in Megatron-LM's BERT head: its output feeds a norm over the hidden dim).
+  the decoder is the vocabulary head, its bias sharded with it; the dense before the norm is a column
+  with a gathered output (passes/tp_gather_output.py: its output feeds a norm over the hidden dim).
+- **Buffers on the logits** (BART's ``final_logits_bias``): a value without a gradient the head's chain
+  needs sharded is cut by each rank to its vocabulary slice (``local_shard``), no communication.
 
 A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean or sum reduction, no
 class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
