@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 class WeightCoverage:
     """One parameter: how it is sharded over tp, or the op reading it and why it stays replicated.
 
-    ``how``: ``column``, ``row``, ``vocab``, ``expert column``, ``expert row``, ``sharded`` (another
-    sharding pass) or ``replicated``; ``dim``/``chunks``: its ShardSpec when sharded.
+    ``how``: ``column``, ``gathered column`` (its output all-gathered), ``row``, ``vocab``, ``expert column``,
+    ``expert row``, ``sharded`` (another sharding pass) or ``replicated``; ``dim``/``chunks``: its ShardSpec when sharded.
     """
 
     name: str
@@ -169,6 +169,7 @@ def _kinds(plan) -> dict[str, str]:
     for region in plan.tp_regions:
         kinds.update({p: "column" for p in region.columns})
         kinds.update({p: "row" for p in region.rows})
+        kinds.update({p: "gathered column" for p in region.gathered})
     kinds.update({p: "vocab" for p in plan.vocab_parallel})
     return kinds
 

@@ -244,7 +244,7 @@ def _slice_batch(tensors: tuple, size: int) -> tuple:
 def _region_plan(region: TpRegion) -> TpRegionPlan:
     def paths(nodes):
         return tuple(user_name(get_meta(n, MODULE).path) for n in nodes)
-    return TpRegionPlan(columns=paths(region.columns), rows=paths(region.rows))
+    return TpRegionPlan(columns=paths(region.columns), rows=paths(region.rows), gathered=paths(region.gathers))
 
 
 def _select_vocab(gm: fx.GraphModule, cap: "Captured") -> VocabParallel:

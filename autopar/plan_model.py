@@ -131,10 +131,14 @@ class PipelinePlan(_Frozen):
 
 
 class TpRegionPlan(_Frozen):
-    """One tensor-parallel region: its column-parallel and row-parallel linears (module paths)."""
+    """One tensor-parallel region: its column-parallel and row-parallel linears (module paths).
+
+    ``gathered``: columns no row closes, their output all-gathered (passes/tp_gather_output.py).
+    """
 
     columns: tuple[str, ...]
     rows: tuple[str, ...]
+    gathered: tuple[str, ...] = ()
 
 
 class ParamShard(_Frozen):

@@ -32,6 +32,7 @@ Tensor parallelism (before the split, so a region's linears share a stage)::
     tp_regions.py         regions found by propagating placements from candidate linears
     tp_projection.py      projections (linear, addmm/mm/matmul, a transposed weight): the candidates
     tp_fused_blocks.py    unequal fused blocks read by a split; one kv head broadcast to its query heads
+    tp_gather_output.py   columns no row closes (and convolutions) sharded, their output all-gathered
     tp_expert_rules.py    placement rules of grouped expert products (one table entry each)
     tp_expert.py          expert tensor parallelism: each expert's MLP column/row-sharded over tp
     tp_coverage.py        say what stays replicated because no rule covers it

@@ -162,7 +162,8 @@ class BlockTemplate:
             return plans
         template = [plans[i] for i in mine]
         extra = [type(r)(columns=tuple(self._rename(c, j, user=True) for c in r.columns),
-                         rows=tuple(self._rename(c, j, user=True) for c in r.rows))
+                         rows=tuple(self._rename(c, j, user=True) for c in r.rows),
+                         gathered=tuple(self._rename(c, j, user=True) for c in r.gathered))
                  for j in range(self.captured, self.num_blocks) for r in template]
         cut = mine[-1] + 1
         return tuple(plans[:cut]) + tuple(extra) + tuple(plans[cut:])

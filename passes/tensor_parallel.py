@@ -31,12 +31,14 @@ import torch.nn as nn
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_fused_blocks import local_split_sizes
+from autopar.passes.tp_gather_output import column_input, insert_output_gathers
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
-__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where"]
+__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where",
+           "insert_local_slices"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -149,7 +151,7 @@ def _insert_copies(gm: fx.GraphModule, region: TpRegion, tp_size: int, counter: 
     weight, read on head shards) a :class:`TpGradSum`: both are the identity forward and sum the
     rank-partial gradient over tp backward.
     """
-    inputs = {projection_of(col).x: TpCopy for col in region.columns}
+    inputs = {column_input(col): TpCopy for col in region.columns}
     for node in sorted(region.replicated_inputs, key=_order(gm)):
         inputs.setdefault(node, TpGradSum)
     for src, kind in inputs.items():
@@ -185,10 +187,11 @@ def _insert_refinements(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_s
         node.replace_input_with(src, cut)
 
 
-def _insert_local_slices(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int) -> None:
-    """Each rank cuts its own shard of a value without a gradient that the region reads sharded."""
-    for src, p in region.local_slices.items():
-        users = [u for u in src.users if u in region.placements]
+def insert_local_slices(gm: fx.GraphModule, slices: dict, inside, *, tp_rank: int, tp_size: int) -> None:
+    """Each rank cuts its own shard of a value without a gradient (``slices``: {value: placement}) that the
+    nodes ``inside`` (a region's, the vocabulary head's chain) read sharded."""
+    for src, p in slices.items():
+        users = [u for u in src.users if u in inside]
         first = min(users, key=_order(gm))
         with gm.graph.inserting_before(first):
             cut = gm.graph.call_function(local_shard, (src,), dict(dim=p.dim, chunks=p.chunks, rank=tp_rank,
@@ -292,12 +295,13 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
                     _rewrite_split(node, region.placements.get(node.args[0], REPLICATE), tp_size)
         copies, reduces = [counter[0]], [counter[1]]
         _drop_assertions(gm, region)
-        _insert_local_slices(gm, region, tp_rank, tp_size)
+        insert_local_slices(gm, region.local_slices, region.placements, tp_rank=tp_rank, tp_size=tp_size)
         _insert_refinements(gm, region, tp_rank, tp_size)
         _insert_copies(gm, region, tp_size, copies)
         _insert_group_sums(gm, region, tp_rank, tp_size, copies)
         for row in region.rows:
             _rewrite_row(gm, row, tp_size, reduces)
+        insert_output_gathers(gm, region.gathers, tp_size=tp_size)
         counter = [copies[0], reduces[0]]
     for target, spec in specs.items():
         full = gm.get_parameter(target) if "." in target or hasattr(gm, target) else None

@@ -3,7 +3,7 @@
 :func:`autopar.passes.tp_regions.find_tp_regions` nominates projections (``aten.linear``, and
 ``addmm``/``mm``/``matmul`` with a 2-D parameter, transposed or stored (in, out) as transformers'
 ``Conv1D`` does) and warns about each candidate it cannot shard. A weight used by another op
-(``bmm``, ``einsum``, a convolution) is never a candidate, so without this pass it would stay
+(``bmm``, ``einsum``, a grouped convolution) is never a candidate, so without this pass it would stay
 replicated silently. :func:`warn_unsharded_matmuls` logs one
 warning per such node, naming the module, the node and why.
 
@@ -48,9 +48,10 @@ def unsharded_matmuls(gm: fx.GraphModule) -> list[fx.Node]:
     Projections (:func:`autopar.passes.tp_regions.projection_of`: ``linear``, ``addmm``/``mm``/
     ``matmul`` with a parameter) are the region finder's candidates, which warns about those it leaves.
     """
+    from autopar.passes.tp_gather_output import conv_of
     from autopar.passes.tp_regions import projection_of
     return [n for n in gm.graph.nodes if n.op == "call_function" and _op(n) in _MATMULS and _reads_parameter(n)
-            and projection_of(n) is None]
+            and projection_of(n) is None and conv_of(n) is None]
 
 
 def _path(node: fx.Node) -> str:
@@ -60,7 +61,7 @@ def _path(node: fx.Node) -> str:
 
 def _why(op: str) -> str:
     if op.startswith("conv"):
-        return "convolutions have no tensor-parallel rule (only aten.linear is sharded)"
+        return "this convolution (grouped, transposed, or its weight read elsewhere) has no tensor-parallel rule"
     return (f"aten.{op} with this weight operand has no tensor-parallel rule (projections with a 2-D "
             "parameter weight are sharded: linear, addmm, mm, matmul)")
 

@@ -20,6 +20,7 @@ import torch.fx as fx
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
 from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
+from autopar.passes.tp_gather_output import conv_of, gathered_placements
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
 from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
                                      rule_for, shape_of, slice_bounds, view_dim_map)
@@ -41,6 +42,8 @@ class TpRegion:
     replicated_inputs: set[fx.Node] = field(default_factory=set)
     # values without a gradient (masks, ALiBi slopes, constants) needed sharded: each rank slices its own
     local_slices: dict[fx.Node, Placement] = field(default_factory=dict)
+    # columns whose output is all-gathered (no row closes them: passes/tp_gather_output.py)
+    gathers: list[fx.Node] = field(default_factory=list)
 
     def describe(self) -> str:
         def path(n):
@@ -402,6 +405,8 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None,
     for node in gm.graph.nodes:
         proj = projection_of(node) if node not in taken else None
         if proj is None:
+            if node not in taken and conv_of(node) is not None:
+                _add_gathered(regions, taken, node, tp_size, rejected)
             continue
         siblings = [u for u in proj.x.users if (q := projection_of(u)) is not None and q.x is proj.x
                     and u not in taken]
@@ -418,11 +423,22 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None,
                                 fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
                                     "(mesh dim 'tp'), or set tp=1")
         if region is None:
-            log.warning("tensor parallel: %s (node %s) stays replicated: %s", path, node.name, reason)
-            if rejected is not None:
-                rejected[node] = str(reason)
+            _add_gathered(regions, taken, node, tp_size, rejected, reason=reason, path=path)
             continue
         regions.append(region)
         taken.update(region.columns)
         taken.update(region.rows)
     return regions
+
+
+def _add_gathered(regions: list, taken: set, node: fx.Node, tp_size: int | None, rejected: dict | None,
+                  reason="a convolution's output channels do not divide by tp", path: str = "") -> None:
+    """A column with a gathered output at ``node`` (passes/tp_gather_output.py), or log why it stays replicated."""
+    placed = gathered_placements(node, tp_size=tp_size)
+    if placed is None:
+        log.warning("tensor parallel: %s (node %s) stays replicated: %s", path or node.name, node.name, reason)
+        if rejected is not None:
+            rejected[node] = str(reason)
+        return
+    regions.append(TpRegion(columns=[node], placements=placed, gathers=[node]))
+    taken.add(node)

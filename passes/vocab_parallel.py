@@ -19,8 +19,10 @@ matrix (``ShardSpec(dim=0)``):
   RoBERTa's ``cumsum`` over the padding mask) stay replicated, as Megatron-LM keeps them: a token
   embedding is one whose indices are a graph input passed through shape-only ops.
 - **Encoder MLM heads** (BERT, RoBERTa: dense, norm, then a decoder tied to the word embeddings):
-  the decoder is the vocabulary head, its bias sharded with it; the dense before the norm stays
-  replicated (as in Megatron-LM's BERT head: its output feeds a norm over the hidden dim).
+  the decoder is the vocabulary head, its bias sharded with it; the dense before the norm is a column
+  with a gathered output (passes/tp_gather_output.py: its output feeds a norm over the hidden dim).
+- **Buffers on the logits** (BART's ``final_logits_bias``): a value without a gradient the head's chain
+  needs sharded is cut by each rank to its vocabulary slice (``local_shard``), no communication.
 
 A head is recognised when its output reaches ``aten.cross_entropy_loss`` (mean or sum reduction, no
 class weights, no label smoothing, 2-D logits) or, without a loss, the graph output with as many
@@ -52,7 +54,9 @@ import torch.fx as fx
 
 from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.tensor_parallel import ShardSpec, localize_sizes, node_where, set_param, shard_tensor
+from autopar.passes.tensor_parallel import (ShardSpec, insert_local_slices, localize_sizes, node_where, set_param,
+                                            shard_tensor)
+from autopar.passes.tp_regions import grad_carriers
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
 from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
 from autopar.runtime.tp_ops import VocabParallelCrossEntropy
@@ -74,6 +78,8 @@ class VocabParallel:
     chain: dict[fx.Node, Placement] = field(default_factory=dict)  # head .. last op before the ends
     losses: list[fx.Node] = field(default_factory=list)  # cross_entropy_loss nodes
     outputs: list[fx.Node] = field(default_factory=list)  # chain nodes the graph output reads
+    # values without a gradient the chain reads sharded (BART's final_logits_bias): each rank its slice
+    local_slices: dict[fx.Node, Placement] = field(default_factory=dict)
 
     def paths(self) -> tuple[str, ...]:
         """Module paths of the sharded embeddings and head (what the Plan records)."""
@@ -189,6 +195,7 @@ def _loss_reason(node: fx.Node) -> str | None:
 def _trace_head(linear: fx.Node) -> VocabParallel:
     """Follow a vocab-sharded head output through rule-covered ops to losses and the output."""
     vp = VocabParallel(head=linear)
+    carriers = grad_carriers(linear.graph.owning_module)
     vp.chain[linear] = Placement("S", len(shape_of(linear)) - 1)
     queue = [linear]
     while queue:
@@ -209,8 +216,10 @@ def _trace_head(linear: fx.Node) -> VocabParallel:
                 except NoRule as why:
                     raise _Reject(f"{user.name} ({op_name(user) if user.op == 'call_function' else user.op})"
                                   f" cannot take vocabulary-sharded logits: {why}") from None
-                if any(p != REPLICATE and n not in vp.chain for n, p in need.items()):
+                missing = {n: p for n, p in need.items() if p != REPLICATE and n not in vp.chain}
+                if any(n in carriers for n in missing):
                     raise _Reject(f"{user.name} would need another sharded input")
+                vp.local_slices.update(missing)  # a buffer or constant: each rank reads its own slice
                 vp.chain[user] = out
                 queue.append(user)
     return vp
@@ -357,6 +366,7 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         set_meta(node, TP_PLACEMENT, p)
         if node is not head:
             localize_sizes(node, p, tp_size)
+    insert_local_slices(gm, vp.local_slices, vp.chain, tp_rank=start // (end - start), tp_size=tp_size)
     for i, loss in enumerate(vp.losses):
         name = f"vocab_cross_entropy_{i}" if i else "vocab_cross_entropy"
         ignore = _arg(loss, 4, "ignore_index", -100)

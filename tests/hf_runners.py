@@ -135,7 +135,8 @@ def hf_train(case, mesh) -> dict:
                                   example_target=data[0][1], **common)
         losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     return {"losses": losses, "state": program.full_state_dict(), "use_cache": model.config.use_cache,
-            "sharded": sorted(program.plan.param_shards)}
+            "sharded": sorted(program.plan.param_shards),
+            "gathered": [c for r in program.plan.tp_regions for c in r.gathered]}
 
 
 def shifted_mean_loss(output, target):
@@ -158,3 +159,42 @@ def own_loss_against_loss_fn(case, mesh) -> dict:
                                      target=program.shard_batch(b["labels"])).item() for b in data]
     return {"losses": own, "state": own_state,
             "reference": {"losses": positional, "state": program.full_state_dict()}}
+
+
+def _raw_batches(case):
+    """The family's own kind of batch (tokens, images and labels, or a seq2seq dict), one per step."""
+    from autopar.models.hf import hf_raw_example
+    return [hf_raw_example(case.model, batch=case.batch, seq=case.seq, seed=step) for step in range(case.steps)]
+
+
+def raw_reference(case) -> dict:
+    """One device, any :data:`autopar.models.hf.HF_RAW` family on its own batches and loss."""
+    model = _build(case)
+    opt = _optimizer(case)(list(model.parameters()))
+    losses = []
+    for inputs, loss_fn, target in _raw_batches(case):
+        opt.zero_grad()
+        loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def raw_train(case, mesh) -> dict:
+    """Any HF_RAW family (vision, encoder-decoder) compiled on ``mesh``: losses, full state, what the plan shards."""
+    import autopar
+    model = _build(case)
+    data = _raw_batches(case)
+    inputs, loss_fn, target = data[0]
+    program = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn, example_target=target,
+                              optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+
+    def step(x, y):
+        x = program.shard_batch(x) if isinstance(x, dict) else tuple(program.shard_batch(t) for t in x)
+        return program.train_step(*([x] if isinstance(x, dict) else x), target=program.shard_batch(y)).item()
+
+    losses = [step(x, y) for x, _, y in data]
+    gathered = [c for r in program.plan.tp_regions for c in r.gathered]
+    return {"losses": losses, "state": program.full_state_dict(), "sharded": sorted(program.plan.param_shards),
+            "gathered": gathered}

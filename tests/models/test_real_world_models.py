@@ -83,7 +83,8 @@ def test_batchnorm_with_frozen_statistics_plans_on_dp():
 
 def test_unshardable_patterns_warn_naming_the_node(caplog):
     """GPT-2's Conv1D is addmm with a (in, out) weight: a projection, sharded on the weight's dim 1
-    (columns) and 0 (rows) without a warning; BERT's MLM head stops at a layer_norm."""
+    (columns) and 0 (rows) without a warning; BERT's MLM-head dense, whose shard stops at a layer_norm, is a
+    column with its output all-gathered (passes/tp_gather_output.py), without a warning either."""
     model, x, y = _example("hf_gpt2")
     with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
@@ -95,8 +96,12 @@ def test_unshardable_patterns_warn_naming_the_node(caplog):
     model, x, y = _example("hf_bert")
     with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
-    assert "cls.predictions.transform.dense" in caplog.text and "stays replicated" in caplog.text
-    assert len(result.plan.tp_regions) >= 4  # attention and MLP of both layers are sharded
+    assert "cls.predictions.transform.dense" not in caplog.text
+    assert len(result.plan.tp_regions) >= 5  # attention and MLP of both layers, and the head's dense
+    gathered = [r for r in result.plan.tp_regions if r.gathered]
+    assert [(r.columns, r.rows, r.gathered) for r in gathered] == [
+        (("cls.predictions.transform.dense",), (), ("cls.predictions.transform.dense",))]
+    assert result.plan.param_shards["cls.predictions.transform.dense.weight"].dim == 0
 
 
 def test_llama_shards_attention_and_mlp():

@@ -3,7 +3,7 @@
 :func:`planned` caches ``autopar.plan`` results (planning costs about a second), so tests must
 only read what it returns. :func:`run_forward` runs every stage of one dp replica in this
 process: the tensor-parallel ranks of a stage run in lockstep, node by node, with ``TpReduce``
-summing its input over the ranks and ``TpCopy``, ``TpGradSum`` and ``TpGroupGradSum`` passing their
+summing its input over the ranks, ``TpGather`` concatenating every rank's shard, and ``TpCopy``, ``TpGradSum`` and ``TpGroupGradSum`` passing their
 input through (their forward semantics); a ``recv_<edge>`` node takes the value the matching ``send_<edge>`` produced.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.fx as fx
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.passes.capture import capture
-from autopar.runtime.collectives import TpCopy, TpReduce
+from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
 from autopar.runtime.p2p import RecvActivation, SendActivation
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum
 
@@ -94,6 +94,10 @@ def _lockstep(gms: list[fx.GraphModule], args: list[list[torch.Tensor]], sent: d
         module = gms[0].get_submodule(first.target) if first.op == "call_module" else None
         if isinstance(module, TpReduce):
             total = sum(i.env[n.args[0]] for i, n in zip(interps, row))
+            for i, n in zip(interps, row):
+                i.env[n] = total.clone()
+        elif isinstance(module, TpGather):  # a gathered column's output: every rank's shard, concatenated
+            total = torch.cat([i.env[n.args[0]] for i, n in zip(interps, row)], dim=module.dim)
             for i, n in zip(interps, row):
                 i.env[n] = total.clone()
         elif isinstance(module, (TpCopy, TpGradSum, TpGroupGradSum)):  # identity forward
