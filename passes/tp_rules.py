@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
+from autopar.passes.tp_reduce_rules import partial_sum_rule
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
            "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
@@ -458,7 +459,8 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "permute": permute, "numpy_T": reverse_dims, "split": split, "split_with_sizes": split, "chunk": split,
     "getitem": getitem, "scaled_dot_product_attention": sdpa, "matmul": matmul, "bmm": matmul,
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,
-    "mean": reduce_dims, "sum": reduce_dims, "amax": reduce_dims, "slice": slice_,
+    "mean": partial_sum_rule(reduce_dims), "sum": partial_sum_rule(reduce_dims),  # passes/tp_reduce_rules.py
+    "amax": reduce_dims, "slice": slice_,
     "select": select, "cat": cat, "index": index, "baddbmm": baddbmm, "stack": stack,
     **{name: assertion for name in ASSERTIONS},
     **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)

@@ -35,7 +35,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**_DEC, "rotary_pct": 0.5}),
     "llama_kv2": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 2}),
     "llama_kv1": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 1}),
+    # q/k RMSNorms over every head's features (an all-reduced partial sum each), 2 kv heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**_DEC, "num_key_value_heads": 2, "pad_token_id": 1}),
+    # encoder-decoder: relative position tables of (buckets, heads), each read by every block of its stack
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+        use_cache=False)),
 }
+SEQ2SEQ = {"t5"}  # fed a dict batch: input_ids and decoder_input_ids
 
 
 def build_family(name: str, **overrides):
@@ -78,8 +86,17 @@ def sharded_share(name: str, tp: int) -> tuple[float, list[str]]:
 
 def _batches(case):
     g = torch.Generator().manual_seed(99)
-    return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
-             torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+    def ids():
+        return torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
+
+    if case.model in SEQ2SEQ:
+        return [({"input_ids": ids(), "decoder_input_ids": ids()}, ids()) for _ in range(case.steps)]
+    return [(ids(), ids()) for _ in range(case.steps)]
+
+
+def _call(model, x):
+    return model(**x) if isinstance(x, dict) else model(x)
 
 
 def _optimizer(case):
@@ -93,7 +110,7 @@ def reference(case) -> dict:
     losses = []
     for x, y in _batches(case):
         opt.zero_grad()
-        loss = logits_loss(model(x), y)
+        loss = logits_loss(_call(model, x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -105,7 +122,9 @@ def train(case, mesh) -> dict:
     import autopar
     model = build_family(case.model, **dict(case.overrides))
     data = _batches(case)
-    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+    first = data[0][0]
+    program = autopar.compile(model, mesh, example_inputs=first if isinstance(first, dict) else (first,),
+                              loss_fn=logits_loss,
                               example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
                               **dict(case.options))
     losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
