@@ -1,7 +1,8 @@
 """Small-config ``transformers`` families for the tensor-parallel coverage tests, and their runners.
 
 Each config keeps its family's quirks (fused qkv layouts, multi-query, ALiBi, partial rotary,
-Conv1D, q/k norms, soft-capping, fewer kv heads than tp); nothing is downloaded. Use as
+Conv1D, q/k norms per head and over all heads, soft-capping, fewer kv heads than tp, T5's relative position
+tables); nothing is downloaded. A family of ``SEQ2SEQ`` is fed a dict batch (input_ids, decoder_input_ids). Use as
 ``Case(model="<family>", kind="tp_families:train", ...)``, judged against :func:`reference`.
 """
 from __future__ import annotations

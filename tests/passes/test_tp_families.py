@@ -136,7 +136,8 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
     assert "local_shard" in code  # each rank its heads' ALiBi biases
 
 
-# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated and fused layouts;
+# equality to one device: the families fixed here at tp=2 (OLMo 2's norms over all heads, T5's position
+# tables); at tp=4 a GQA-replicated and fused layouts, and OLMo 2's k norm over 2 kv heads on 4 ranks;
 # pp=2 x tp=2 for four of them (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
