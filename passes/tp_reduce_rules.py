@@ -10,7 +10,8 @@ each sit on ``tp / parts`` ranks, fewer kv heads than tp, counts each piece ``tp
 ``parts / tp``). What follows (``+ eps``, ``rsqrt``) runs replicated outside the region; where the
 region reads it back on its shards (``x * rsqrt``, broadcast over the sharded dim) the solver puts an f
 (:class:`~autopar.runtime.tp_ops.TpGradSum`: each rank's gradient of it is its slice's part), so the
-all-reduce's backward is the identity, Megatron's g. The norm's own 1-D weight multiplies the sharded
+all-reduce's backward is the identity, Megatron's g. A region op that reads the reduction itself on the
+shards (a hand-written LayerNorm's ``x - x.mean(-1, keepdim=True)``) reads it through such an f too. The norm's own 1-D weight multiplies the sharded
 features: it is sliced per rank, as a per-head norm's is.
 
 :func:`partial_sum_rule` wraps the placement rule of a reduction (:data:`autopar.passes.tp_rules.RULES`
@@ -44,9 +45,11 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_errors import NoRule
+from autopar.runtime.tp_ops import TpGradSum
 from autopar.runtime.tp_reduce_ops import TpPartialSum
 
-__all__ = ["REDUCTIONS", "PARTIAL", "partial_sum_rule", "partial_reductions", "insert_partial_sums"]
+__all__ = ["REDUCTIONS", "PARTIAL", "partial_sum_rule", "read_replicated", "partial_reductions",
+           "insert_partial_sums"]
 
 REDUCTIONS = ("mean", "sum")
 PARTIAL = Placement("P")
@@ -84,6 +87,12 @@ def partial_sum_rule(fallback: Callable) -> Callable:
     return rule
 
 
+def read_replicated(node: fx.Node, have: Placement, need: Placement) -> bool:
+    """Whether a region op may read ``node`` (placed ``have``) as ``need``: a partial reduction read
+    replicated, as it is once all-reduced (``x - x.mean(-1, keepdim=True)`` on the shards)."""
+    return have.kind == "P" and need.kind == "R" and node.op == "call_function" and _name(node) in REDUCTIONS
+
+
 def partial_reductions(region) -> list[fx.Node]:
     """The region's reductions over its sharded dim (placed ``P``, not its row linears), in graph order."""
     rows = set(region.rows)
@@ -119,5 +128,14 @@ def insert_partial_sums(gm: fx.GraphModule, region, tp_size: int) -> list[fx.Nod
         set_meta(summed, TP_PLACEMENT, Placement("R"))
         for user in users:
             user.replace_input_with(node, summed)
+        inside = [u for u in users if u in region.placements]  # read on the shards directly: through an f
+        if inside:
+            name = _fresh(gm, "tp_partial_grad_sum")
+            gm.add_submodule(name, TpGradSum(axis="tp", size=tp_size))
+            with gm.graph.inserting_after(summed):
+                f = gm.graph.call_module(name, (summed,))
+            f.meta.update({k: v for k, v in summed.meta.items() if k in ("nn_module_stack", MODULE, TENSOR)})
+            for user in inside:
+                user.replace_input_with(summed, f)
         out.append(summed)
     return out

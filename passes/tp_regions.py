@@ -21,6 +21,7 @@ from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
 from autopar.passes.tp_pullback_rules import pull_back_rule
+from autopar.passes.tp_reduce_rules import read_replicated
 from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
                                      rule_for, shape_of, slice_bounds, view_dim_map)
 
@@ -197,7 +198,7 @@ class _Solver:
     def require(self, node: fx.Node, placement: Placement) -> None:
         have = self.region.placements.get(node, self.region.local_slices.get(node))
         if have is not None:
-            if have != placement:
+            if have != placement and not read_replicated(node, have, placement):
                 raise NoRule(f"{node.name} is {have}, needed {placement}")
             return
         self.check(node, placement)

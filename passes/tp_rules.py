@@ -21,7 +21,7 @@ import torch.fx as fx
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
-from autopar.passes.tp_reduce_rules import partial_sum_rule
+from autopar.passes.tp_reduce_rules import partial_sum_rule, read_replicated
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
            "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
@@ -72,7 +72,7 @@ def _broadcast(node: fx.Node, placed: dict, out_dim: int, like: Placement, input
         have = placed.get(a)
         if have is not None and like.parts == 1 and have == _S(like, aligned):
             want = have  # a single kv head every rank holds whole: its size-1 heads dim is no broadcast
-        if have is not None and have != want:
+        if have is not None and have != want and not read_replicated(a, have, want):  # a reduction, all-reduced
             raise NoRule(f"{node.name}: input {a.name} is {have}, needs {want}")
         need[a] = want
     return _S(like, out_dim), need

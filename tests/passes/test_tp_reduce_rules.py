@@ -24,7 +24,7 @@ from autopar.passes.tp_errors import NoRule  # noqa: E402
 from autopar.passes.tp_pullback_rules import embedding_back, index_back  # noqa: E402
 from autopar.passes.tp_reduce_rules import PARTIAL, partial_sum_rule  # noqa: E402
 from autopar.passes.tp_rules import reduce_dims  # noqa: E402
-from autopar.runtime.collectives import collective_nodes  # noqa: E402
+from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
 from autopar.runtime.tp_ops import TpGradSum  # noqa: E402
 from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss  # noqa: E402
@@ -131,3 +131,72 @@ def test_pull_backs_refuse_a_shard_the_table_cannot_give():
                                                               idx: Placement("R")}
     with pytest.raises(NoRule):
         index_back(picked, Placement("S", 0))  # the dim the index tensor makes
+
+
+class _HandLayerNorm(torch.nn.Module):
+    """A LayerNorm written out over a column's features, before a row: ``x - mean`` reads the reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.w, self.b = torch.nn.Parameter(torch.randn(16)), torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        h = self.q(x)
+        d = h - h.mean(-1, keepdim=True)
+        return self.o(torch.relu(d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5) * self.w + self.b))
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _lockstep(gms: list, inputs: list) -> list:
+    """Every tp rank's graph run node by node in this process, with autograd; the collectives emulated
+    with their own conjugates (g: sum forward, identity backward; f: identity forward, sum backward)."""
+    interps = [fx.Interpreter(gm) for gm in gms]
+    for interp in interps:
+        interp.env, interp.args_iter = {}, iter(inputs)
+    outputs = []
+    for row in zip(*[list(gm.graph.nodes) for gm in gms]):
+        module = gms[0].get_submodule(row[0].target) if row[0].op == "call_module" else None
+        if module is not None:
+            ins = [i.env[n.args[0]] for i, n in zip(interps, row)]
+            total = sum(ins)
+            if isinstance(module, (TpReduce, TpPartialSum)):
+                outs = [(x + (total - x).detach()) * getattr(module, "scale", 1.0) for x in ins]
+            else:
+                assert isinstance(module, (TpCopy, TpGradSum)), type(module)
+                outs = [x.detach() + (total - total.detach()) for x in ins]
+            for i, n, value in zip(interps, row, outs):
+                i.env[n] = value
+            continue
+        for i, n in zip(interps, row):
+            value = i.run_node(n)
+            if n.op == "output":
+                outputs.append(value[0])
+            else:
+                i.env[n] = value
+    return outputs
+
+
+def test_a_layer_norm_over_the_shard_trains_as_on_one_device():
+    """Forward and backward of both tp ranks, lockstep in this process, against the module itself."""
+    torch.manual_seed(0)
+    model, x, y = _HandLayerNorm(), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=_mse, example_target=y, ranks=[0, 1])
+    gms = [result.graph(0), result.graph(1)]
+    assert len(collective_nodes(gms[0], TpPartialSum)) == 2  # the mean and the variance
+    assert {"q.weight", "q.bias", "w", "b", "o.weight"} <= set(result.plan.param_shards)
+    losses = _lockstep(gms, [x, y])
+    sum(losses).backward()  # each rank's own loss, as every rank backpropagates its copy
+    expected = _mse(model(x), y)
+    expected.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name, full in model.named_parameters():
+        spec = result.plan.param_shards.get(name)
+        for rank, gm in enumerate(gms):
+            grad = gm.get_parameter(f"model.{name}").grad
+            want = full.grad if spec is None else full.grad.chunk(2, dim=spec.dim)[rank]
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {rank}")
