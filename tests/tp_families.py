@@ -124,9 +124,15 @@ def train(case, mesh) -> dict:
     model = build_family(case.model, **dict(case.overrides))
     data = _batches(case)
     first = data[0][0]
-    program = autopar.compile(model, mesh, example_inputs=first if isinstance(first, dict) else (first,),
-                              loss_fn=logits_loss,
-                              example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
-                              **dict(case.options))
+    inputs = first if isinstance(first, dict) else (first,)
+    options = dict(case.options)
+    starts = dict(case.extra).get("stage_starts")
+    if starts:  # where the pipeline cuts, as a user edits the Plan (T5: inside a stack, after its bias)
+        plan = autopar.plan(build_family(case.model, **dict(case.overrides)), dict(zip(("dp", "pp", "tp"), case.mesh)),
+                            example_inputs=inputs, loss_fn=logits_loss, example_target=data[0][1], ranks=[0]).plan
+        options["plan"] = plan.model_copy(update={"pipeline": plan.pipeline.model_copy(update={"stage_starts": starts})})
+    program = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=logits_loss, example_target=data[0][1],
+                              optimizer=_optimizer(case), p2p_timeout_s=120, **options)
+    assert not starts or program.plan.pipeline.stage_starts == tuple(starts), program.plan.pipeline.stage_starts
     losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     return {"losses": losses, "state": program.full_state_dict(), "sharded": sorted(program.plan.param_shards)}
