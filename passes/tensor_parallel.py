@@ -32,6 +32,7 @@ from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
+from autopar.passes.tp_reduce_rules import insert_partial_sums
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
@@ -299,6 +300,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
         _insert_refinements(gm, region, tp_rank, tp_size)
         _insert_copies(gm, region, tp_size, copies)
         _insert_group_sums(gm, region, tp_rank, tp_size, copies)
+        insert_partial_sums(gm, region, tp_size)  # reductions over the shard (passes/tp_reduce_rules.py)
         for row in region.rows:
             _rewrite_row(gm, row, tp_size, reduces)
         insert_output_gathers(gm, region.gathers, tp_size=tp_size)

@@ -22,6 +22,8 @@ from autopar.errors import ShardingError
 from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
 from autopar.passes.tp_gather_output import conv_of, gathered_placements
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
+from autopar.passes.tp_pullback_rules import pull_back_rule
+from autopar.passes.tp_reduce_rules import read_replicated
 from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
                                      rule_for, shape_of, slice_bounds, view_dim_map)
 
@@ -135,6 +137,10 @@ def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
                 return out_shape[out_dim] // out_chunks
         elif name == "unsqueeze" and (found := broadcast_heads(node)) is not None:
             return found  # broadcast to its query heads (repeat_kv): its kv heads
+        elif name in ELEMENTWISE and shape_of(user) == shape_of(node):  # a norm over every head before the split
+            found = _heads(user, dim, chunks, depth + 1)
+            if found is not None:
+                return found
         elif name in ("split", "split_with_sizes", "chunk") and chunks > 1:
             for piece in user.users:
                 found = _heads(piece, dim, 1, depth + 1)
@@ -198,7 +204,7 @@ class _Solver:
     def require(self, node: fx.Node, placement: Placement) -> None:
         have = self.region.placements.get(node, self.region.local_slices.get(node))
         if have is not None:
-            if have != placement:
+            if have != placement and not read_replicated(node, have, placement):
                 raise NoRule(f"{node.name} is {have}, needed {placement}")
             return
         self.check(node, placement)
@@ -223,7 +229,15 @@ class _Solver:
         self.region.placements[node] = placement
 
     def _require_backward(self, node: fx.Node, placement: Placement) -> None:
-        """Pull a shard back through a shape op (view, transpose, getitem, split) to a linear."""
+        """Pull a shard back through a shape op (view, transpose, getitem, split) to a linear, or through
+        an elementwise op or a table lookup (passes/tp_pullback_rules.py)."""
+        pull = pull_back_rule(node) if node.op == "call_function" and op_name(node) not in _SHAPE_OPS else None
+        if pull is not None:
+            for src, need in pull(node, placement).items():
+                self.require(src, need)
+            self.region.placements[node] = placement
+            self.queue.append(node)
+            return
         if node.op != "call_function" or op_name(node) not in _SHAPE_OPS:
             raise NoRule(f"{node.name} ({op_name(node) if node.op == 'call_function' else node.op}) "
                          f"would need to be {placement} but is computed replicated")
@@ -281,7 +295,8 @@ class _Solver:
         self.region.placements[user] = out
         for node, placement in need.items():
             self.require(node, placement)
-        self.queue.append(user)
+        if out.kind != "P":  # a partial sum (passes/tp_reduce_rules.py) is all-reduced: read replicated
+            self.queue.append(user)
 
     def solve(self) -> TpRegion:
         deferred: list[tuple[fx.Node, fx.Node]] = []

@@ -22,6 +22,7 @@ from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
 from autopar.passes.tp_fused_blocks import split_blocks, split_piece, whole_broadcast
+from autopar.passes.tp_reduce_rules import partial_sum_rule, read_replicated
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
            "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
@@ -72,7 +73,7 @@ def _broadcast(node: fx.Node, placed: dict, out_dim: int, like: Placement, input
         have = placed.get(a)
         if have is not None and like.parts == 1 and have == _S(like, aligned):
             want = have  # a single kv head every rank holds whole: its size-1 heads dim is no broadcast
-        if have is not None and have != want:
+        if have is not None and have != want and not read_replicated(a, have, want):  # a reduction, all-reduced
             raise NoRule(f"{node.name}: input {a.name} is {have}, needs {want}")
         need[a] = want
     return _S(like, out_dim), need
@@ -464,7 +465,8 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "permute": permute, "numpy_T": reverse_dims, "split": split, "split_with_sizes": split, "chunk": split,
     "getitem": getitem, "scaled_dot_product_attention": sdpa, "matmul": matmul, "bmm": matmul,
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,
-    "mean": reduce_dims, "sum": reduce_dims, "amax": reduce_dims, "slice": slice_,
+    "mean": partial_sum_rule(reduce_dims), "sum": partial_sum_rule(reduce_dims),  # passes/tp_reduce_rules.py
+    "amax": reduce_dims, "slice": slice_,
     "select": select, "cat": cat, "index": index, "baddbmm": baddbmm, "stack": stack,
     **{name: assertion for name in ASSERTIONS},
     **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)

@@ -8,6 +8,7 @@ The ops the passes insert into graphs::
 
     collectives.py        differentiable tp/sp collectives as visible call_module nodes
     tp_ops.py             tensor-parallel ops that communicate inside their computation
+    tp_reduce_ops.py      the all-reduce of a reduction over a tp shard (a norm over every head)
     tp_rng.py             per-tp-rank random streams (Megatron's tracker)
     p2p.py                send/recv nodes between stages, and the channel they run over
     zero3_ops.py          ZeRO-3's gather/free nodes

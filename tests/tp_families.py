@@ -1,7 +1,8 @@
 """Small-config ``transformers`` families for the tensor-parallel coverage tests, and their runners.
 
 Each config keeps its family's quirks (fused qkv layouts, multi-query, ALiBi, partial rotary,
-Conv1D, q/k norms, soft-capping, fewer kv heads than tp); nothing is downloaded. Use as
+Conv1D, q/k norms per head and over all heads, soft-capping, fewer kv heads than tp, T5's relative position
+tables); nothing is downloaded. A family of ``SEQ2SEQ`` is fed a dict batch (input_ids, decoder_input_ids). Use as
 ``Case(model="<family>", kind="tp_families:train", ...)``, judged against :func:`reference`.
 """
 from __future__ import annotations
@@ -38,7 +39,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**_DEC, "rotary_pct": 0.5}),
     "llama_kv2": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 2}),
     "llama_kv1": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 1}),
+    # q/k RMSNorms over every head's features (an all-reduced partial sum each), 2 kv heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**_DEC, "num_key_value_heads": 2, "pad_token_id": 1}),
+    # encoder-decoder: relative position tables of (buckets, heads), each read by every block of its stack
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+        use_cache=False)),
 }
+SEQ2SEQ = {"t5"}  # fed a dict batch: input_ids and decoder_input_ids
 
 
 def build_family(name: str, **overrides):
@@ -81,8 +90,17 @@ def sharded_share(name: str, tp: int) -> tuple[float, list[str]]:
 
 def _batches(case):
     g = torch.Generator().manual_seed(99)
-    return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
-             torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+    def ids():
+        return torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
+
+    if case.model in SEQ2SEQ:
+        return [({"input_ids": ids(), "decoder_input_ids": ids()}, ids()) for _ in range(case.steps)]
+    return [(ids(), ids()) for _ in range(case.steps)]
+
+
+def _call(model, x):
+    return model(**x) if isinstance(x, dict) else model(x)
 
 
 def _optimizer(case):
@@ -96,7 +114,7 @@ def reference(case) -> dict:
     losses = []
     for x, y in _batches(case):
         opt.zero_grad()
-        loss = logits_loss(model(x), y)
+        loss = logits_loss(_call(model, x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -108,8 +126,16 @@ def train(case, mesh) -> dict:
     import autopar
     model = build_family(case.model, **dict(case.overrides))
     data = _batches(case)
-    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
-                              example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
-                              **dict(case.options))
+    first = data[0][0]
+    inputs = first if isinstance(first, dict) else (first,)
+    options = dict(case.options)
+    starts = dict(case.extra).get("stage_starts")
+    if starts:  # where the pipeline cuts, as a user edits the Plan (T5: inside a stack, after its bias)
+        plan = autopar.plan(build_family(case.model, **dict(case.overrides)), dict(zip(("dp", "pp", "tp"), case.mesh)),
+                            example_inputs=inputs, loss_fn=logits_loss, example_target=data[0][1], ranks=[0]).plan
+        options["plan"] = plan.model_copy(update={"pipeline": plan.pipeline.model_copy(update={"stage_starts": starts})})
+    program = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=logits_loss, example_target=data[0][1],
+                              optimizer=_optimizer(case), p2p_timeout_s=120, **options)
+    assert not starts or program.plan.pipeline.stage_starts == tuple(starts), program.plan.pipeline.stage_starts
     losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     return {"losses": losses, "state": program.full_state_dict(), "sharded": sorted(program.plan.param_shards)}

@@ -20,6 +20,7 @@ import autopar  # noqa: E402
 from autopar.passes.meta_keys import MODULE, get_meta  # noqa: E402
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum  # noqa: E402
+from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss, reference  # noqa: E402
 
@@ -38,7 +39,9 @@ PLANNED = [
     ("falcon_gqa", 4, "transformer.h"),  # ... with 2 kv groups over 4 ranks: each narrows its query heads
     ("falcon_mq", 2, "transformer.h"), ("falcon_mq", 4, "transformer.h"),  # multi-query: [q heads | k | v]
     ("gpt_bigcode", 2, "transformer.h"), ("gpt_bigcode", 4, "transformer.h"),  # multi-query: [q | k | v] split
+    ("olmo2", 2, "model.layers"), ("olmo2", 4, "model.layers"),  # q/k RMSNorms over all heads; 2 kv heads
 ]
+NORMS_OVER_HEADS = {"olmo2": 2}  # per block: the q and k norms' partial sums, each all-reduced forward
 PARALLEL = {"gptj", "falcon_mq"}  # attention and MLP read one norm's output
 
 
@@ -68,7 +71,8 @@ def test_every_projection_weight_is_sharded(name, tp, blocks):
 @pytest.mark.parametrize("name,tp,blocks", PLANNED, ids=[f"{n}-tp{t}" for n, t, _ in PLANNED])
 def test_each_block_holds_megatrons_collectives(name, tp, blocks):
     """2 forward all-reduces (g) and 2 backward (f) per block; other collectives only sum gradients of
-    replicated parameters read on head shards (q/k norms, shared kv heads), backward only."""
+    replicated parameters read on head shards (q/k norms, shared kv heads), backward only; a norm over
+    every head's features adds one forward all-reduce of its partial sum (TpPartialSum)."""
     model, result = _planned(name, tp)
     gm = result.graph(0)
     layers = model.config.num_hidden_layers
@@ -79,13 +83,15 @@ def test_each_block_holds_megatrons_collectives(name, tp, blocks):
             f"model.{blocks}."))
 
     assert per_unit(TpReduce) == units
+    norms = NORMS_OVER_HEADS.get(name, 0)
+    assert per_unit(TpPartialSum) == ({u: norms for u in units} if norms else {})
     # a parallel block (attention and MLP read one norm's output) is one region: one f for both
     assert per_unit(TpCopy) == ({u: 1 for u in units} if name in PARALLEL else units)
     for node in collective_nodes(gm):
         if not get_meta(node, MODULE).unit.startswith(f"model.{blocks}."):
             continue
         module = gm.get_submodule(node.target)
-        if not isinstance(module, (TpReduce, TpCopy)):
+        if not isinstance(module, (TpReduce, TpCopy, TpPartialSum)):
             assert isinstance(module, (TpGradSum, TpGroupGradSum)), type(module)
             assert all(c.direction == "backward" for c in module.comm(4, 4))
 
@@ -192,15 +198,17 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
     assert "local_shard" in code  # each rank its heads' ALiBi biases
 
 
-# equality to one device: the families fixed here at tp=2; at tp=4 a GQA-replicated, fused layouts and
-# multi-query kv heads held whole (Falcon, GPT-BigCode);
-# pp=2 x tp=2 for four of them (the 4-rank group)
+# equality to one device: the families fixed here at tp=2 (OLMo 2's norms over all heads, T5's position
+# tables); at tp=4 a GQA-replicated, fused layouts, multi-query kv heads held whole (Falcon, GPT-BigCode)
+# and OLMo 2's k norm over 2 kv heads on 4 ranks; pp=2 x tp=2 for five of them (T5 cut inside its
+# encoder: its head-sharded position bias crosses the stages) (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
-                                                       "llama_kv1", "falcon_mq", "gpt_bigcode")]
+                                                       "llama_kv1", "falcon_mq", "gpt_bigcode", "olmo2", "t5")]
 TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
-                                                       "gpt_bigcode")] + [
-    Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")]  # pp=2 x tp=2
+                                                       "gpt_bigcode", "olmo2")] + [
+    Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")] + [  # pp=2 x tp=2
+    Case(model="t5", mesh=(1, 2, 2), extra=(("stage_starts", ("encoder.block.1",)),), **_EQ)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,80 @@
+"""Pull-back rules: which input placements give a node the shard a region needs of it.
+
+The region solver (:mod:`autopar.passes.tp_regions`) propagates shards forward from the column
+linears; where an op needs an input sharded that is computed replicated outside the region (the
+attention mask of ``scaled_dot_product_attention``, sharded on its heads), it pulls the shard back
+to where the value comes from. Shape ops (view, permute, unsqueeze ...) it pulls back by trying
+their forward rules; the ops here say directly what their inputs must be:
+
+- elementwise ops (``where``, ``add``, ``to`` ...): each input the output's shard under broadcasting,
+  replicated where it broadcasts over the sharded dim (T5's ``where(mask, position_bias, min)``);
+- ``embedding(table, ids)`` sharded on its last dim: the table's column shard, the ids replicated
+  (T5's ``relative_attention_bias``: a table of (buckets, heads) whose lookup is permuted to heads);
+- ``table[idx]`` (``aten.index`` with one index tensor) sharded on a dim the index does not make:
+  the table sharded on that dim (Swin's ``relative_position_bias_table`` of (entries, heads)).
+
+A table is a parameter: the solver holds its column shard (:meth:`_Solver._shard_param`), each rank
+looks up its own heads' columns, and their gradient stays on the rank. :func:`pull_back_rule` gives the
+rule of a node's op, or None.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable
+
+import torch.fx as fx
+
+from autopar.passes.meta_keys import Placement
+from autopar.passes.tp_errors import NoRule
+from autopar.passes.tp_rules import ELEMENTWISE, REPLICATE, _broadcast, _tensor_args, op_name, shape_of
+
+__all__ = ["PULL_BACK_RULES", "pull_back_rule"]
+
+
+def _check(node: fx.Node, p: Placement) -> None:
+    if p.kind != "S" or p.blocks or p.inner is not None:
+        raise NoRule(f"{node.name} ({op_name(node)}) would need to be {p}: only a plain shard is pulled back")
+
+
+def elementwise_back(node: fx.Node, p: Placement) -> dict:
+    """Each input the output's shard, right-aligned; replicated where it broadcasts over that dim."""
+    _check(node, p)
+    _, need = _broadcast(node, {}, p.dim, p, _tensor_args(node))
+    return need
+
+
+def embedding_back(node: fx.Node, p: Placement) -> dict:
+    """``embedding(table, ids)`` sharded on its last dim: the table's columns, the ids whole."""
+    _check(node, p)
+    table, ids = node.args[:2]
+    if p.dim != len(shape_of(node)) - 1:
+        raise NoRule(f"{node.name} would be sharded on a dim of its ids, not on the table's columns")
+    return {table: Placement("S", 1, p.chunks, p.parts), ids: REPLICATE}
+
+
+def index_back(node: fx.Node, p: Placement) -> dict:
+    """``table[..., idx, ...]`` with one index tensor: the table sharded on the dim the output's shard comes from."""
+    _check(node, p)
+    table, indices = node.args[0], list(node.args[1])
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if len(used) != 1 or not isinstance(indices[used[0]], fx.Node):
+        raise NoRule(f"{node.name}: only an index with one index tensor is pulled back")
+    at, idx = used[0], indices[used[0]]
+    width = len(shape_of(idx))
+    if at <= p.dim < at + width:
+        raise NoRule(f"{node.name} would be sharded on a dim its index tensor makes")
+    dim = p.dim if p.dim < at else p.dim - width + 1
+    return {table: Placement("S", dim, p.chunks, p.parts), idx: REPLICATE}
+
+
+PULL_BACK_RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
+    **{name: elementwise_back for name in ELEMENTWISE},
+    "embedding": embedding_back, "index": index_back,
+})
+
+
+def pull_back_rule(node: fx.Node) -> Callable | None:
+    """The pull-back rule of ``node``'s op, or None (shape ops are pulled back through their forward rules)."""
+    if node.op != "call_function":
+        return None
+    return PULL_BACK_RULES.get(op_name(node))
