@@ -1,8 +1,8 @@
 """Expert parallelism: autopar ep=2 against the same MoE model with replicated experts, on dp=2.
 
 One run, 2 gloo ranks, one process group; both contenders train their own copy of the same MoE
-model (``autopar.models.moe.MoeLM``: 4 blocks, hidden 256, 8 experts of 1024, top-2 softmax
-router, its load-balancing loss) on the same token batches (global batch 32, sequence 64) with
+model (``autopar.models.moe.MoeLM``: 4 blocks, hidden 128, 8 experts of 512, top-2 softmax
+router, its load-balancing loss) on the same token batches (global batch 16, sequence 64) with
 ``moe_loss`` and AdamW(lr=1e-3), one forward/backward per step, ``zero_stage=0``:
 
 - ``autopar ep=2``: each rank holds 4 of the 8 experts of every layer; tokens move by all-to-all;
@@ -30,8 +30,10 @@ from _timing import DEFAULTS, Contender, measure, row_cells
 
 __all__ = ["MODEL", "run", "section", "main"]
 
-MODEL = dict(vocab_size=64, dim=256, ffn=1024, num_layers=4, num_experts=8, top_k=2, seq_len=64)
-BATCH = 32
+# the plain-torch model computes its experts in the gathered form (each row indexes its expert's weights:
+# rows x dim x ffn floats per expert matmul), so it is sized to fit 2 ranks in this machine's memory
+MODEL = dict(vocab_size=64, dim=128, ffn=512, num_layers=4, num_experts=8, top_k=2, seq_len=64)
+BATCH = 16
 NUM_BATCHES = 4
 SEED = 0
 
