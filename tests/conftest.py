@@ -11,15 +11,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip without CUDA; ``timing`` tests (wall-clock assertions) skip unless ``-m`` names them."""
+    """``gpu`` tests skip without CUDA; ``timing`` tests (wall-clock assertions) and ``slow`` ones (the 4-rank
+    groups of the family and MoE matrices, tests/case_marks.py) skip unless ``-m`` names them."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     skip_timing = None if "timing" in (config.getoption("markexpr") or "") else pytest.mark.skip(
         reason="asserts on wall-clock time: run with -m timing on a quiet machine")
+    skip_slow = None if "slow" in (config.getoption("markexpr") or "") else pytest.mark.skip(
+        reason="a 4-rank group of a family or MoE matrix: run with -m slow (.ci/run does)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
         if skip_timing is not None and "timing" in item.keywords:
             item.add_marker(skip_timing)
+        if skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture

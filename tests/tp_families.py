@@ -37,6 +37,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                                                      "sliding_window": 8, "pad_token_id": 0}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_DEC, "num_key_value_heads": 2, "pad_token_id": 0}),
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**_DEC, "rotary_pct": 0.5}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_DEC, "num_key_value_heads": 2, "sliding_window": 4}),
+    # learned positions offset by 2, biases on every projection, dropout off
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64,
+                                                word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                                                pad_token_id=1, bos_token_id=0, eos_token_id=0, use_cache=False)),
     "llama_kv2": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 2}),
     "llama_kv1": ("LlamaConfig", "LlamaForCausalLM", {**_DEC, "num_key_value_heads": 1}),
     # q/k RMSNorms over every head's features (an all-reduced partial sum each), 2 kv heads

@@ -2,7 +2,7 @@
 train equal to one device: BERT's and RoBERTa's masked-LM heads (word embeddings with padding_idx, a decoder
 tied to them, the dense before the norm a column with a gathered output), ViT's patch convolution (gathered
 on its channels), BART's head with its logits bias buffer, and Mixtral's and Qwen2-MoE's 3-D fused experts,
-at tp=2 and at pp=2 x tp=2, each group of cases in one spawned process group (tests/equivalence.py). The batches hold the pad ids (0, 1): the padding rows'
+at tp=2 and at pp=2 x tp=2 (Mixtral also at tp=4), each group of cases in one spawned process group (tests/equivalence.py). The batches hold the pad ids (0, 1): the padding rows'
 lookups are exercised (their tied decoder rows do get gradients, on one device as here)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from hf_runners import hf_loop_reference, raw_reference  # noqa: E402
 
@@ -28,7 +29,8 @@ _TP2 = [Case(model=name, mesh=(1, 1, 2), kind="hf_runners:hf_train", overrides=_
     Case(model=name, mesh=(1, 1, 2), kind="hf_runners:raw_train", steps=2, batch=4, seq=8,
          overrides=_OVERRIDES.get(name, ())) for name in ("vit", "bart", "swin")]
 _PP2_TP2 = [Case(model=name, mesh=(1, 2, 2), kind="hf_runners:hf_train", overrides=_OVERRIDES[name])
-            for name in ("bert", "mixtral")]
+            for name in ("bert", "mixtral")] + [  # and the MoE at tp=4: 2 kv heads shared, experts cut 4 ways
+    Case(model="mixtral", mesh=(1, 1, 4), kind="hf_runners:hf_train", overrides=_OVERRIDES["mixtral"])]
 # what each family must have sharded (beyond its attention and MLP linears)
 _SHARDED = {
     "bert": ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"),  # tied: the word embeddings
@@ -54,7 +56,7 @@ def _results(world: int):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", _TP2 + _PP2_TP2, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(_TP2 + _PP2_TP2, ids=lambda c: c.name()))
 def test_family_trains_equal_to_one_device(case):
     result = _results(case.world_size)[case]
     reference = raw_reference(case) if case.kind.endswith("raw_train") else hf_loop_reference(case)

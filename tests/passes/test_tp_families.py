@@ -21,6 +21,7 @@ from autopar.passes.meta_keys import MODULE, get_meta  # noqa: E402
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum  # noqa: E402
 from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402
+from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss, reference  # noqa: E402
 
@@ -33,6 +34,8 @@ PLANNED = [
     ("gemma2", 2, "model.layers"),  # logit soft-capping, sliding window
     ("phi3", 2, "model.layers"), ("phi3", 4, "model.layers"),  # fused [q | k | v] of unequal blocks; gate_up
     ("neox", 2, "gpt_neox.layers"),  # partial rotary
+    ("mistral", 2, "model.layers"), ("mistral", 4, "model.layers"),  # sliding window; 2 kv heads over 4 ranks
+    ("opt", 2, "model.decoder.layers"), ("opt", 4, "model.decoder.layers"),  # biases on every projection
     ("llama_kv2", 4, "model.layers"),  # 2 kv heads over 4 ranks
     ("llama_kv1", 2, "model.layers"),  # multi-query
     ("falcon_gqa", 2, "transformer.h"),  # grouped fused qkv per kv head, x @ W.T
@@ -204,7 +207,8 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
 # encoder: its head-sharded position bias crosses the stages) (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
-                                                       "llama_kv1", "falcon_mq", "gpt_bigcode", "olmo2", "t5")]
+                                                       "llama_kv1", "falcon_mq", "gpt_bigcode", "olmo2", "t5",
+                                                       "gemma2", "neox", "mistral", "opt")]
 TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
                                                        "gpt_bigcode", "olmo2")] + [
     Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")] + [  # pp=2 x tp=2
@@ -218,7 +222,7 @@ def _results(world: int) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", TP2 + TP4, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(TP2 + TP4, ids=lambda c: c.name()))
 def test_family_trains_equal_to_one_device(case):
     result = _results(case.world_size)[case]
     assert_equivalent(case, result, reference(case))

@@ -12,6 +12,7 @@ import tempfile
 import pytest
 import torch
 
+from case_marks import by_world
 from equivalence import Case, assert_equivalent, run_cases
 import moe_runners
 
@@ -76,7 +77,7 @@ def _reference(case: Case) -> dict:
     return moe_runners.reference(case)
 
 
-@pytest.mark.parametrize("case", CASES, ids=Case.name)
+@pytest.mark.parametrize("case", by_world(CASES, ids=Case.name))
 def test_equal_to_one_device(case):
     assert_equivalent(case, _results(case.world_size)[case], _reference(case))
 
@@ -89,7 +90,7 @@ def _expert_elements(case) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if n in names)
 
 
-@pytest.mark.parametrize("case", CASES, ids=Case.name)
+@pytest.mark.parametrize("case", by_world(CASES, ids=Case.name))
 def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
     _, pp, tp = case.mesh  # each pipeline stage holds its layers' experts, each tp rank a shard of every one
@@ -115,7 +116,7 @@ def _expert_shards_are_tp_cut(case, tp: int) -> None:
             assert local == want, (name, rank["coords"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=Case.name)
+@pytest.mark.parametrize("case", by_world(CASES, ids=Case.name))
 def test_all_to_all_per_layer(case):
     result = _results(case.world_size)[case]
     pp = case.mesh[1]
@@ -138,13 +139,15 @@ def test_full_state_has_every_expert():
         assert state[name].shape == p.shape
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _HF, reason="transformers is not installed")
 def test_save_pretrained_of_split_experts_reads_back_in_transformers():
     for case in (c for c in CASES if c.model.startswith("hf_") and c.mesh[2] > 1):
         assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
 
 
-@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+@pytest.mark.parametrize("pair", by_world(CKPT, world_of=lambda pair: pair[0].world_size,
+                                           ids=lambda pair: dict(pair[0].extra)["name"]))
 def test_checkpoint_of_split_experts_resumes_on_another_ep_and_tp(pair):
     save, resume = pair
     saved, resumed = _results(4)[save], _results(4)[resume]
@@ -156,7 +159,8 @@ def test_checkpoint_of_split_experts_resumes_on_another_ep_and_tp(pair):
     assert saved["losses"] == pytest.approx(reference["losses"][:2], rel=1e-5)
 
 
-@pytest.mark.parametrize("pair", CKPT, ids=lambda pair: dict(pair[0].extra)["name"])
+@pytest.mark.parametrize("pair", by_world(CKPT, world_of=lambda pair: pair[0].world_size,
+                                           ids=lambda pair: dict(pair[0].extra)["name"]))
 def test_load_full_state_dict_cuts_the_experts(pair):
     assert _results(4)[pair[1]]["full_state_round_trip"]
 
@@ -180,8 +184,8 @@ def test_capacity_factor_drops_and_counts():
     assert all(torch.isfinite(torch.tensor(result["losses"])))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.model.startswith("hf_")] + list(BF16.values()),
-                         ids=Case.name)
+@pytest.mark.parametrize("case", by_world([c for c in CASES if not c.model.startswith("hf_")] + list(BF16.values()),
+                                          ids=Case.name))
 def test_model_states_match_the_calculator(case):
     """Every rank's measured parameters, masters, gradients and optimizer state equal the memory calculator's
     figures to the byte: the experts count 1/ep per rank and stay outside ZeRO's dp partition."""
