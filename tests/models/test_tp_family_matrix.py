@@ -56,3 +56,44 @@ def test_every_family_plans_and_shards_at_least_its_floor():
         assert not below, f"families below their floors (share, floor, refusal): {below}"
     finally:
         logging.disable(logging.NOTSET)
+
+
+# Megatron's collectives per block at tp=2, read off rank 0's rewritten graph: (forward all-reduces g,
+# backward all-reduces f) of each block in graph order. Two of each per block (attention, MLP) unless
+# the table says: a parallel block (attention and MLP read one norm: GPT-J, Falcon) has one f; a
+# decoder block with cross-attention (T5, BART) has a third g and a fourth f (the encoder output its
+# keys and values read); Qwen2-MoE's shared expert adds a pair; a gathered column (Swin's
+# downsample) adds an f and an all-gather. Anything else per block would be a collective Megatron has not.
+_PARALLEL_BLOCK = ((2, 1), (2, 1))
+_SEQ2SEQ_BLOCKS = ((2, 2), (2, 2), (3, 4), (3, 4))
+BLOCK_COLLECTIVES = {"gptj": _PARALLEL_BLOCK, "falcon": _PARALLEL_BLOCK, "qwen2_moe": ((3, 3), (3, 3)),
+                     "t5": _SEQ2SEQ_BLOCKS, "bart": _SEQ2SEQ_BLOCKS, "swin": ((2, 3), (2, 2))}
+# the collectives a block may hold besides g and f: gradient sums of replicated parameters read on head
+# shards (backward only), partial sums of norms over every head (OLMo 2), a gathered column's all-gather
+_BLOCK_EXTRAS = {"TpGradSum", "TpGroupGradSum", "TpPartialSum", "TpGather"}
+
+
+def test_every_family_holds_megatrons_collectives_per_block():
+    from collections import Counter, defaultdict
+
+    from autopar.passes.meta_keys import MODULE, get_meta
+    from autopar.runtime.collectives import collective_nodes
+    logging.disable(logging.WARNING)
+    try:
+        wrong = {}
+        for name in FLOORS:
+            inputs, loss_fn, target = hf_raw_example(name)
+            result = autopar.plan(build_hf_raw(name, device="meta"), {"tp": 2}, example_inputs=inputs,
+                                  loss_fn=loss_fn, example_target=target, ranks=[0])
+            gm = result.graph(0)
+            units: dict[str, Counter] = defaultdict(Counter)
+            for node in collective_nodes(gm):
+                units[get_meta(node, MODULE).unit][type(gm.get_submodule(node.target)).__name__] += 1
+            blocks = [c for c in units.values() if c["TpReduce"] and c["TpCopy"]]  # embeddings, head: one each
+            seen = tuple((c["TpReduce"], c["TpCopy"]) for c in blocks)
+            extras = set().union(*blocks) - {"TpReduce", "TpCopy"} - _BLOCK_EXTRAS
+            if seen != BLOCK_COLLECTIVES.get(name, ((2, 2), (2, 2))) or extras:
+                wrong[name] = (seen, extras)
+        assert not wrong, f"per block (g, f) and unexpected collectives: {wrong}"
+    finally:
+        logging.disable(logging.NOTSET)
