@@ -203,7 +203,7 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
 
 # equality to one device: the families fixed here at tp=2 (OLMo 2's norms over all heads, T5's position
 # tables); at tp=4 a GQA-replicated, fused layouts, multi-query kv heads held whole (Falcon, GPT-BigCode)
-# and OLMo 2's k norm over 2 kv heads on 4 ranks; pp=2 x tp=2 for five of them (T5 cut inside its
+# and OLMo 2's k norm over 2 kv heads on 4 ranks; pp=2 x tp=2 for six of them (T5 cut inside its
 # encoder: its head-sharded position bias crosses the stages) (the 4-rank group)
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
@@ -211,7 +211,7 @@ TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "
                                                        "gemma2", "neox", "mistral", "opt")]
 TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
                                                        "gpt_bigcode", "olmo2")] + [
-    Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1")] + [  # pp=2 x tp=2
+    Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1", "olmo2")] + [  # pp=2 x tp=2
     Case(model="t5", mesh=(1, 2, 2), extra=(("stage_starts", ("encoder.block.1",)),), **_EQ)]
 
 
