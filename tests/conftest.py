@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
     skip_timing = None if "timing" in (config.getoption("markexpr") or "") else pytest.mark.skip(
         reason="asserts on wall-clock time: run with -m timing on a quiet machine")
     skip_slow = None if "slow" in (config.getoption("markexpr") or "") else pytest.mark.skip(
-        reason="a 4-rank group of a family or MoE matrix: run with -m slow (.ci/run does)")
+        reason="a 4-rank family/MoE group or an 8-rank 3-D case: run with -m slow (.ci/run does)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)

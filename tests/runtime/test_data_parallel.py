@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from case_marks import by_world  # noqa: E402
 from equivalence import RTOL, Case, assert_equivalent, reference_run, run_cases
 
 pytestmark = pytest.mark.dist
@@ -64,7 +65,7 @@ def _reference() -> dict:
     return reference_run(Case(model="gpt_tiny"))
 
 
-@pytest.mark.parametrize("case", EQUIVALENCE, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(EQUIVALENCE, ids=lambda c: c.name(), slow_worlds=(8,)))
 def test_matches_single_device(case: Case):
     assert_equivalent(case, _result(case), _reference())
 
