@@ -1,7 +1,7 @@
 """Pipeline parallelism: autopar pp=2 against ``torch.distributed.pipelining``, one run, 2 gloo ranks.
 
 Both contenders train the same GPT (8 blocks, width 256, 8 heads, sequence 64, tied embedding
-and head) on the same character batches (global batch 32, 4 microbatches), with the same loss
+and head) on the same character batches (global batch 32, 4 microbatches unless told), with the same loss
 (``lm_loss``) and optimizer (AdamW, lr 1e-3), split into two stages at the same block boundary:
 
 - autopar: ``autopar.compile`` on a (dp=1, pp=2, tp=1) mesh with ``schedule=`` 1f1b / gpipe;
@@ -15,6 +15,7 @@ Both return the global mean loss on every rank (the peer broadcasts it from the 
 
     python bench/bench_pipeline.py                 # ~1.5 min; prints a table, updates docs
     python bench/bench_pipeline.py --schedules 1f1b --rounds 4
+    python bench/bench_pipeline.py --schedules 1f1b --microbatches 8 16   # per-action cost
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ __all__ = ["MODEL", "run", "section", "main"]
 
 MODEL = dict(name="gpt_tiny", num_layers=8, hidden=256, num_heads=8, seq_len=64)
 BATCH = 32
-NUM_MICROBATCHES = 4
+MICROBATCHES = (4,)  # microbatch counts measured by default (global batch fixed)
 NUM_BATCHES = 4
 SEED = 0
 PEER_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
@@ -91,7 +92,7 @@ def _split_index(stage_starts: tuple[str, ...]) -> int:
     return int(stage_starts[0].split(".")[1])
 
 
-def _autopar_contender(model: nn.Module, data, schedule: str) -> tuple[Contender, object]:
+def _autopar_contender(model: nn.Module, data, schedule: str, microbatches: int) -> tuple[Contender, object]:
     import autopar
     from autopar.models import lm_loss
     from torch.distributed.device_mesh import init_device_mesh
@@ -99,7 +100,7 @@ def _autopar_contender(model: nn.Module, data, schedule: str) -> tuple[Contender
     t0 = time.perf_counter()
     program = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
                               example_target=data[0][1], optimizer=_optimizer, schedule=schedule,
-                              num_microbatches=NUM_MICROBATCHES, p2p_timeout_s=120)
+                              num_microbatches=microbatches, p2p_timeout_s=120)
     program.compile_s = time.perf_counter() - t0
 
     def step(i: int) -> float:
@@ -109,14 +110,14 @@ def _autopar_contender(model: nn.Module, data, schedule: str) -> tuple[Contender
     return Contender(f"autopar {schedule}", step), program
 
 
-def _peer_contender(model: nn.Module, data, schedule: str, split: int, rank: int) -> Contender:
+def _peer_contender(model: nn.Module, data, schedule: str, split: int, rank: int, microbatches: int) -> Contender:
     from torch.distributed import pipelining
     from autopar.models import lm_loss
     gpt = copy.deepcopy(model)
     stage_mod = FirstStage(gpt, split) if rank == 0 else LastStage(gpt, split)
     tied = gpt.tok_emb.weight  # also gpt.lm_head.weight: one copy per stage, grads summed
     stage = pipelining.PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-    sched = getattr(pipelining, PEER_SCHEDULES[schedule])(stage, NUM_MICROBATCHES, loss_fn=lm_loss)
+    sched = getattr(pipelining, PEER_SCHEDULES[schedule])(stage, microbatches, loss_fn=lm_loss)
     opt = _optimizer(list(stage_mod.parameters()))
 
     def step(i: int) -> float:
@@ -139,28 +140,32 @@ def _peer_contender(model: nn.Module, data, schedule: str, split: int, rank: int
 
 
 def body(rank: int, world: int, schedules: tuple[str, ...], rounds: int, steps_per_round: int,
-         warmup: int) -> list[dict]:
-    """Every rank: for each schedule build both contenders from the same weights and time them."""
+         warmup: int, microbatches: tuple[int, ...] = MICROBATCHES) -> list[dict]:
+    """Every rank: for each schedule and microbatch count build both contenders from the same weights
+    and time them."""
     assert world == 2, "the pipeline benchmark runs on 2 ranks"
     data = _data()
     model = _build_model()
     rows = []
     for schedule in schedules:
-        ap, program = _autopar_contender(model, data, schedule)
-        split = _split_index(program.plan.pipeline.stage_starts)
-        peer = _peer_contender(model, data, schedule, split, rank)
-        mine, theirs = measure([ap, peer], rounds=rounds, steps_per_round=steps_per_round, warmup=warmup)
-        rows.append(dict(case=f"GPT 8x256 pp=2 {schedule}, {NUM_MICROBATCHES} mb", **row_cells(mine, theirs),
-                         compile_s=program.compile_s, events=list(program.events), split=split))
-        del program
+        for count in microbatches:
+            ap, program = _autopar_contender(model, data, schedule, count)
+            split = _split_index(program.plan.pipeline.stage_starts)
+            peer = _peer_contender(model, data, schedule, split, rank, count)
+            mine, theirs = measure([ap, peer], rounds=rounds, steps_per_round=steps_per_round, warmup=warmup)
+            rows.append(dict(case=f"GPT 8x256 pp=2 {schedule}, {count} mb of {BATCH // count}",
+                             **row_cells(mine, theirs), compile_s=program.compile_s, events=list(program.events),
+                             split=split))
+            del program
     return rows
 
 
 def run(*, schedules=("1f1b", "gpipe"), rounds: int = DEFAULTS["rounds"],
-        steps_per_round: int = DEFAULTS["steps_per_round"], warmup: int = DEFAULTS["warmup"]) -> list[dict]:
+        steps_per_round: int = DEFAULTS["steps_per_round"], warmup: int = DEFAULTS["warmup"],
+        microbatches: tuple[int, ...] = MICROBATCHES) -> list[dict]:
     """Spawn 2 gloo ranks, run the benchmark, return rank 0's rows (stamped with date and load)."""
-    return stamped(spawn, body, world_size=2, args=(tuple(schedules), rounds, steps_per_round, warmup),
-                   timeout_s=600)
+    return stamped(spawn, body, world_size=2,
+                   args=(tuple(schedules), rounds, steps_per_round, warmup, tuple(microbatches)), timeout_s=1200)
 
 
 def section(rows: list[dict]) -> str:
@@ -173,8 +178,7 @@ def section(rows: list[dict]) -> str:
         "",
         f"Model: GPT, {MODEL['num_layers']} blocks, hidden {MODEL['hidden']}, {MODEL['num_heads']} heads, "
         f"sequence {MODEL['seq_len']}, vocab 128, tied embedding/head (6.37M parameters). "
-        f"Global batch {BATCH}, {NUM_MICROBATCHES} microbatches of {BATCH // NUM_MICROBATCHES}, "
-        "`lm_loss`, AdamW(lr=1e-3).",
+        f"Global batch {BATCH} in the microbatches each row names, `lm_loss`, AdamW(lr=1e-3).",
         f"Both pipelines cut at `blocks.{split}` (autopar's cost-based choice, mirrored by the peer's "
         "hand-written stage modules); the peer sums the tied weight's two gradients with one all-reduce.",
         "",
@@ -191,10 +195,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=DEFAULTS["rounds"])
     parser.add_argument("--steps-per-round", type=int, default=DEFAULTS["steps_per_round"])
     parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"])
+    parser.add_argument("--microbatches", nargs="+", type=int, default=list(MICROBATCHES),
+                        help=f"microbatch counts to measure (each divides the global batch {BATCH})")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     rows = run(schedules=args.schedules, rounds=args.rounds, steps_per_round=args.steps_per_round,
-               warmup=args.warmup)
+               warmup=args.warmup, microbatches=args.microbatches)
     print(console_table(rows))
     if not args.no_doc:
         update_section("pipeline", section(rows))

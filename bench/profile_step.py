@@ -5,7 +5,7 @@ then profiles ``--steps`` steps of each (alternating) with cProfile on every ran
 per rank and contender, the functions with the most own time and the most cumulative time.
 For autopar it also prints the per-action timeline of the last step (``program.events``).
 
-    python bench/profile_step.py pipeline --schedule 1f1b
+    python bench/profile_step.py pipeline --schedule 1f1b --microbatches 8
     python bench/profile_step.py schedules --schedule zb_v
     python bench/profile_step.py tensor_parallel --variant blocks
 """
@@ -25,7 +25,7 @@ from _timing import Contender
 __all__ = ["main"]
 
 
-def _contenders(bench: str, schedule: str, variant: str, rank: int):
+def _contenders(bench: str, schedule: str, variant: str, rank: int, microbatches: int):
     if bench == "schedules":
         import bench_schedules as b
         data, model = b._data(), b._build_model()
@@ -34,9 +34,9 @@ def _contenders(bench: str, schedule: str, variant: str, rank: int):
     if bench == "pipeline":
         import bench_pipeline as b
         data, model = b._data(), b._build_model()
-        ap, program = b._autopar_contender(model, data, schedule)
+        ap, program = b._autopar_contender(model, data, schedule, microbatches)
         split = int(program.plan.pipeline.stage_starts[0].split(".")[1])
-        return [ap, b._peer_contender(model, data, schedule, split, rank)], program
+        return [ap, b._peer_contender(model, data, schedule, split, rank, microbatches)], program
     import bench_tensor_parallel as b
     data, model = b._data(), b._build_model()
     ap, program = b._autopar_contender(model, data, variant)
@@ -54,9 +54,9 @@ def _stats_text(prof: cProfile.Profile, *, steps: int, top: int) -> str:
 
 
 def body(rank: int, world: int, bench: str, schedule: str, variant: str, steps: int, warmup: int,
-         top: int) -> str:
+         top: int, microbatches: int = 4) -> str:
     """Every rank profiles its share; the texts are gathered to rank 0."""
-    contenders, program = _contenders(bench, schedule, variant, rank)
+    contenders, program = _contenders(bench, schedule, variant, rank, microbatches)
     for c in contenders:
         for _ in range(warmup):
             c.run()
@@ -81,12 +81,13 @@ def main(argv=None) -> int:
                         help="pipeline: 1f1b or gpipe; schedules: any of bench_schedules.PEERS")
     parser.add_argument("--variant", default="blocks+vocab", choices=["blocks", "blocks+vocab", "auto"],
                         help="tensor_parallel only")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline only: microbatches per step")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
     print(spawn(body, world_size=2, args=(args.bench, args.schedule, args.variant, args.steps,
-                                                args.warmup, args.top)))
+                                                args.warmup, args.top, args.microbatches)))
     return 0
 
 
