@@ -198,8 +198,12 @@ def coverage(model: nn.Module, example_inputs, *, tp: int = 2, loss_fn=None, exa
 
 
 def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None, example_target=None,
-                   **options) -> dict[int, CoverageReport]:
-    """{tp: :func:`coverage` at tp} for each degree of ``tps``, capturing the model once."""
+                   planned=None, **options) -> dict[int, CoverageReport]:
+    """{tp: :func:`coverage` at tp} for each degree of ``tps``, capturing the model once.
+
+    ``planned``: an :func:`autopar.plan` result of this same model on ``{"tp": tps[0]}`` (the
+    caller's, e.g. to read its rewritten graph too); its capture is reused instead of planning again.
+    """
     from autopar.lowering import lower_captured
     from autopar.planning import plan as plan_model
 
@@ -207,9 +211,17 @@ def coverage_by_tp(model: nn.Module, example_inputs, *, tps=(2, 4), loss_fn=None
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     params = dict(model.named_parameters())
     captured, out = None, {}
+    if planned is not None:
+        if planned.plan.mesh.tp != tps[0]:
+            raise PlanError(f"the planned result is at tp={planned.plan.mesh.tp}, not at tps[0]={tps[0]}",
+                            where="coverage_by_tp(planned=...)",
+                            fix=f"plan the model on {{'tp': {tps[0]}}}, or drop planned")
+        captured = planned.captured
     for tp in tps:
         try:
-            if captured is None:
+            if planned is not None and tp == tps[0]:
+                plan = planned.plan
+            elif captured is None:
                 result = plan_model(model, {"tp": tp}, example_inputs=example_inputs, loss_fn=loss_fn,
                                       example_target=example_target, ranks=[0], **options)
                 captured, plan = result.captured, result.plan

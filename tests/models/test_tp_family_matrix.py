@@ -1,16 +1,19 @@
 """Tensor-parallel coverage of 26 transformers families (autopar.models.hf.HF_RAW), planned in one process.
 
 Each family is the library's own class from a small config of its own quirks, built on the meta
-device and planned at tp=2 and tp=4 (``autopar.coverage_by_tp``: one capture, two lowerings). The
-share of the elements of its >= 2-D weights that end up sharded must stay at or above the floor
-recorded here: the 95% target where the family reaches it, else the share measured today (these
-floors only go up). ``None``: the plan at that degree is refused today (none is, since kv heads
-fewer than tp are replicated).
+device and planned at tp=2 and tp=4 (``autopar.coverage_by_tp``: one capture, two lowerings; the
+tp=2 plan's rank-0 graph is also read for Megatron's collectives per block). The share of the
+elements of its >= 2-D weights that end up sharded must stay at or above the floor recorded here:
+the 95% target where the family reaches it, else the share measured today (these floors only go
+up). ``None``: the plan at that degree is refused today (none is, since kv heads fewer than tp are
+replicated).
 docs/coverage.md shows the same figures with what stays replicated (bench/coverage_families.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -41,21 +44,15 @@ def test_the_matrix_holds_the_issue_families_and_more():
 
 
 def test_every_family_plans_and_shards_at_least_its_floor():
-    logging.disable(logging.WARNING)  # the reports carry every reason the warnings would repeat
-    try:
-        below = {}
-        for name, floors in FLOORS.items():
-            model = build_hf_raw(name, device="meta")
-            inputs, loss_fn, target = hf_raw_example(name)
-            reports = autopar.coverage_by_tp(model, inputs, tps=(2, 4), loss_fn=loss_fn, example_target=target)
-            for (tp, report), floor in zip(reports.items(), floors):
-                if floor is None:
-                    assert "not divisible by tp=4" in report.refused, (name, tp, report.share)
-                elif report.refused or report.share < floor:
-                    below[(name, tp)] = (report.share, floor, report.refused[:120])
-        assert not below, f"families below their floors (share, floor, refusal): {below}"
-    finally:
-        logging.disable(logging.NOTSET)
+    below = {}
+    for name, floors in FLOORS.items():
+        reports = _planned_families()[name][0]
+        for (tp, report), floor in zip(reports.items(), floors):
+            if floor is None:
+                assert "not divisible by tp=4" in report.refused, (name, tp, report.share)
+            elif report.refused or report.share < floor:
+                below[(name, tp)] = (report.share, floor, report.refused[:120])
+    assert not below, f"families below their floors (share, floor, refusal): {below}"
 
 
 # Megatron's collectives per block at tp=2, read off rank 0's rewritten graph: (forward all-reduces g,
@@ -74,26 +71,42 @@ _BLOCK_EXTRAS = {"TpGradSum", "TpGroupGradSum", "TpPartialSum", "TpGather"}
 
 
 def test_every_family_holds_megatrons_collectives_per_block():
-    from collections import Counter, defaultdict
+    wrong = {}
+    for name in FLOORS:
+        seen, extras = _block_collectives(_planned_families()[name][1])
+        if seen != BLOCK_COLLECTIVES.get(name, ((2, 2), (2, 2))) or extras:
+            wrong[name] = (seen, extras)
+    assert not wrong, f"per block (g, f) and unexpected collectives: {wrong}"
 
+
+def _block_collectives(units: dict) -> tuple[tuple, set]:
+    """((g, f) per block in graph order, collectives a block holds beyond g, f and the allowed extras)."""
+    blocks = [c for c in units.values() if c["TpReduce"] and c["TpCopy"]]  # embeddings, head: one each
+    extras = set().union(*blocks) - {"TpReduce", "TpCopy"} - _BLOCK_EXTRAS
+    return tuple((c["TpReduce"], c["TpCopy"]) for c in blocks), extras
+
+
+@functools.lru_cache(maxsize=1)
+def _planned_families() -> dict:
+    """{family: ({tp: CoverageReport} at tp=2 and 4, {unit: Counter of collective classes} of rank 0's
+    graph at tp=2)}: one capture per family serves both tests."""
     from autopar.passes.meta_keys import MODULE, get_meta
     from autopar.runtime.collectives import collective_nodes
-    logging.disable(logging.WARNING)
+    logging.disable(logging.WARNING)  # the reports carry every reason the warnings would repeat
     try:
-        wrong = {}
+        out = {}
         for name in FLOORS:
+            model = build_hf_raw(name, device="meta")
             inputs, loss_fn, target = hf_raw_example(name)
-            result = autopar.plan(build_hf_raw(name, device="meta"), {"tp": 2}, example_inputs=inputs,
-                                  loss_fn=loss_fn, example_target=target, ranks=[0])
+            result = autopar.plan(model, {"tp": 2}, example_inputs=inputs, loss_fn=loss_fn, example_target=target,
+                                  ranks=[0])
             gm = result.graph(0)
             units: dict[str, Counter] = defaultdict(Counter)
             for node in collective_nodes(gm):
                 units[get_meta(node, MODULE).unit][type(gm.get_submodule(node.target)).__name__] += 1
-            blocks = [c for c in units.values() if c["TpReduce"] and c["TpCopy"]]  # embeddings, head: one each
-            seen = tuple((c["TpReduce"], c["TpCopy"]) for c in blocks)
-            extras = set().union(*blocks) - {"TpReduce", "TpCopy"} - _BLOCK_EXTRAS
-            if seen != BLOCK_COLLECTIVES.get(name, ((2, 2), (2, 2))) or extras:
-                wrong[name] = (seen, extras)
-        assert not wrong, f"per block (g, f) and unexpected collectives: {wrong}"
+            reports = autopar.coverage_by_tp(model, inputs, tps=(2, 4), loss_fn=loss_fn, example_target=target,
+                                             planned=result)
+            out[name] = (reports, dict(units))
+        return out
     finally:
         logging.disable(logging.NOTSET)
