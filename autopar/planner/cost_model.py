@@ -11,13 +11,17 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
   ``split_backward_overhead`` share of the backward; full recomputation adds ``F`` (and its
   collectives) to ``B``, selective recomputation its non-matmul part;
 - every collective by the alpha-beta model of the link it runs on (tp: inside a node);
+- mixture of experts with ``expert_parallel`` > 1: per MoE layer and microbatch, three all-to-alls
+  forward (the per-expert row counts, the dispatch, the combine) and their two conjugates backward
+  (:func:`moe_comm`), over the ep group's link;
 - the pipeline from :func:`autopar.runtime.schedules.simulator.simulate` on the per-stage
   ``F``, ``B``, ``W`` and the p2p time of the largest boundary (or, for ranking many
   candidates quickly, a proven lower bound of that simulation:
   :mod:`autopar.planner.pipeline_bound`; the search simulates best-first by it);
 - data parallelism: the gradient all-reduce (ZeRO-0), reduce + broadcast (ZeRO-1/2), or a
   gather in forward and backward plus a reduce-scatter per microbatch (ZeRO-3), of which the
-  cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3);
+  cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3); split experts' gradients
+  are all-reduced over the ``dp / ep`` ranks holding the same experts instead;
 - ranks sharing cores (CPU processes, ``k`` ranks per core): the pipeline simulated with processor
   sharing (:mod:`autopar.runtime.schedules.shared_cores`: a rank waiting lends its core), each
   action costing the cluster's ``shared_core_switch_s`` more;
@@ -25,7 +29,8 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
   of a node at once where they share cores).
 
 Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
-(the memory calculator's formulas, by ZeRO stage and precision) plus activations: the bytes a
+(the memory calculator's formulas, by ZeRO stage and precision; split experts at ``1/ep`` of their
+elements, outside the ZeRO partition, as ``state_figures(local=...)`` counts them) plus activations: the bytes a
 microbatch saves on each of the rank's stages times the microbatches the schedule keeps in flight
 there (:func:`autopar.memory.peak_bytes` on the schedule's action list), plus the largest
 recompute transient.

@@ -11,7 +11,10 @@ tensor-parallel degree the planner considers, :func:`profile_model` shards the c
 - bytes saved for backward with each recompute mode, and the recompute transient
   (:func:`autopar.memory.stage_activations`, a fake run);
 - each collective and its bytes (:func:`autopar.passes.collective_audit.audit_collectives`);
-- the bytes a stage beginning at the chunk receives (its recv edges).
+- the bytes a stage beginning at the chunk receives (its recv edges);
+- its MoE layers (:class:`MoeCost`: experts, top-k, expert tensors, the bytes of the routed rows
+  an all-to-all would move), from :func:`autopar.passes.moe_detect.find_moe_layers` on the graph
+  captured with its experts whole (``expert_parallel=1``).
 
 The model is captured once, at one sample per microbatch, and with its identical blocks captured
 once (:mod:`autopar.passes.block_template`): the template block's chunk stands for every block,

@@ -39,7 +39,8 @@ def _axes(c):
 
     def other_schedule(x):
         return (_MESH(x) == _MESH(c) and x.num_microbatches == c.num_microbatches
-                and (x.schedule, x.num_virtual) != (c.schedule, c.num_virtual) and x.expert_parallel == c.expert_parallel)
+                and (x.schedule, x.num_virtual) != (c.schedule, c.num_virtual)
+                and x.expert_parallel == c.expert_parallel)
 
     def same_structure(x):
         return _STRUCTURE(x) == _STRUCTURE(c)

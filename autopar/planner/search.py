@@ -2,10 +2,11 @@
 
 Its answer is the fastest fitting candidate *under the simulator*, found without simulating them all:
 
-1. *Structures* (mesh, microbatches, schedule, virtual stages) are enumerated: tp divides a node's
-   devices (so tensor-parallel collectives stay on the fast link), pp x virtual stages is at most the
-   number of chunks, dp divides the global batch. Each gets a lower bound on the step time of every
-   plan it holds, whatever its ZeRO stage, recomputation or stage cuts
+1. *Structures* (mesh, microbatches, schedule, virtual stages, expert parallelism) are enumerated:
+   tp divides a node's devices (so tensor-parallel collectives stay on the fast link), pp x virtual
+   stages is at most the number of chunks, dp divides the global batch, ep is 1 and, for a model with
+   recognised MoE layers, every ep dividing dp and each layer's experts. Each gets a lower bound on
+   the step time of every plan it holds, whatever its ZeRO stage, recomputation or stage cuts
    (:func:`~autopar.planner.pipeline_bound.relaxed_bound` on the chunk costs without recomputation).
 2. Best first, by lower bound: a structure taken from the queue is *expanded*: stage boundaries from
    :func:`autopar.planner.stage_cuts.weighted_cuts` on its chunk times (heavy first and last chunks,

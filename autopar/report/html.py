@@ -49,7 +49,8 @@ svg.strip{display:block;margin:6px 0;border:1px solid #ddd}
 .legend-item.k-send{background:#e8dcf7}.legend-item.k-param{color:#777}
 table.memory td.bar{width:380px}.stack{display:flex;height:14px;background:#f2f2f2;width:380px}
 .stack .seg{display:block;height:100%}.key{display:inline-block;width:10px;height:10px;margin:0 3px 0 8px}
-.figures td{padding-right:18px}td.experts{font-family:ui-monospace,Menlo,monospace;text-align:center}.stage-chip{display:inline-block;width:10px;height:10px;margin-right:4px}
+td.experts{font-family:ui-monospace,Menlo,monospace;text-align:center}
+.figures td{padding-right:18px}.stage-chip{display:inline-block;width:10px;height:10px;margin-right:4px}
 """
 
 
