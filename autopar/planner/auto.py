@@ -133,6 +133,8 @@ def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: Compil
     starts = tuple(profile.chunks[c.tp][i].unit for i in c.cuts)
     return Plan(**{**dict(plan), "pipeline": plan.pipeline.model_copy(update={"stage_starts": starts}),
                    "tp_regions": profile.regions.get(c.tp, ()) if c.tp > 1 else (),
+                   # the experts the profile sharded over tp (a given Plan names them: lowering.py)
+                   "param_shards": profile.expert_shards.get(c.tp, {}) if c.tp > 1 else {},
                    "vocab_parallel": profile.vocab.get(c.tp, ()) if c.tp > 1 else ()})
 
 

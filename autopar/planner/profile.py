@@ -41,7 +41,7 @@ from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_pipeline
 from autopar.passes.recompute import recompute_stage
-from autopar.plan_model import MeshShape
+from autopar.plan_model import MeshShape, ParamShard
 
 __all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
 
@@ -120,6 +120,7 @@ class ModelProfile:
     template: str | None = None  # the list of identical blocks captured once, if any
     regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
     vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
+    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ParamShard} (tp_expert.py)
 
     @property
     def num_chunks(self) -> int:
@@ -243,7 +244,7 @@ def _shard(cap: Captured, tp: int):
                         model_name=p.model_name, num_parameters=p.num_parameters)
     with torch.random.fork_rng(devices=[]):
         state, vocab = shard_captured(dataclasses.replace(cap, plan=plan), tp_rank=0)
-    return state.gm, state.region_plans, vocab
+    return state.gm, state.region_plans, vocab, state.specs
 
 
 def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
@@ -259,13 +260,17 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
                            batch_statistics=stats, template=cap.template.path if cap.template else None)
     for tp in sorted(set(tp_degrees)):
         try:
-            gm, regions, vocab = _shard(cap, tp)
+            gm, regions, vocab, specs = _shard(cap, tp)
         except AutoparError as exc:
             profile.tp_errors[tp] = exc.what
             continue
         profile.chunks[tp] = _expand(_chunks_of(gm, b0), cap)
         profile.regions[tp] = cap.template.extend_regions(regions) if cap.template else regions
         profile.vocab[tp] = tuple(user_name(p) for p in vocab.paths())
+        experts = {name for ch in profile.chunks[tp] for m in ch.moe for name in m.expert_params}
+        profile.expert_shards[tp] = {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts,
+                                                              blocks=v.blocks)
+                                     for k, v in specs.items() if user_name(k) in experts}
         log.info("profiled tp=%d: %d chunks", tp, len(profile.chunks[tp]))
     if not profile.chunks:
         raise PlanError(f"the model cannot be sharded for any tp degree in {sorted(set(tp_degrees))}: "

@@ -5,6 +5,8 @@ autopar.models.moe (2 layers of 4 experts, top-1, hidden 32), as in tests/runtim
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def _batch():
 @pytest.fixture(scope="module")
 def profile():
     x, y = _batch()
-    return profile_model(_model(), example_inputs=(x,), loss_fn=moe_loss, example_target=y, tp_degrees=(1,))
+    return profile_model(_model(), example_inputs=(x,), loss_fn=moe_loss, example_target=y, tp_degrees=(1, 2))
 
 
 def _a2a(nbytes: float, n: int, link: Link) -> float:  # by hand: (n-1) alpha + (n-1)/n bytes / beta
@@ -82,20 +84,31 @@ def test_all_to_all_cost_is_the_alpha_beta_formula_and_grows_with_ep_and_tokens(
     assert model.estimate(Candidate(4, 1, 1, 2)).parts["ep_comm"] == 0.0
 
 
-def test_experts_count_one_ep_th_per_rank_as_the_memory_calculator_counts_them(profile):
-    model = CostModel(profile, _cluster())
-    x, y = _batch()
+@pytest.mark.parametrize("mesh,zero", [((2, 1, 1), 1), ((2, 1, 2), 1), ((2, 2, 1), 0)], ids=["dp2", "dp2-tp2", "dp2-pp2"])
+def test_experts_count_one_ep_th_per_rank_as_the_memory_calculator_counts_them(profile, mesh, zero):
+    from autopar.options import CompileOptions
+    from autopar.planner.auto import plan_from_estimate
+    from autopar.planner.stage_cuts import weighted_cuts
+
+    dp, pp, tp = mesh
+    model = CostModel(profile, _cluster(per_node=8))
     experts = sum(p.numel for c in profile.chunks[1] for p in c.params if p.name in model.experts(1))
     assert experts == 2 * 2 * EXPERTS * HIDDEN * 64  # 2 layers of w_in [E, 32, 64] and w_out [E, 64, 32]
-    for zero in (1,):  # ZeRO-1: the experts outside the partition, stepped by each holder
-        one = model.estimate(Candidate(2, 1, 1, 1, zero_stage=zero))
-        two = model.estimate(Candidate(2, 1, 1, 1, zero_stage=zero, expert_parallel=2))
-        assert one.memory_parts["params"] - two.memory_parts["params"] == 4 * experts // 2
-        result = autopar.plan(_model(), {"dp": 2}, example_inputs=(x,), loss_fn=moe_loss, example_target=y,
-                              expert_parallel=2, num_microbatches=1, zero_stage=zero)
-        rank = estimate_memory(result, optimizer="adam").ranks[0]
-        assert (two.memory_parts["params"], two.memory_parts["grads"], two.memory_parts["optimizer"]) == (
-            rank.params, rank.grads, rank.optimizer)
+    one, two = (Candidate(dp, pp, tp, pp, "gpipe", zero_stage=zero, expert_parallel=ep) for ep in (1, 2))
+    if pp > 1:
+        one, two = (replace(c, cuts=tuple(weighted_cuts(model.chunk_costs(c), pp))) for c in (one, two))
+    one, two = model.estimate(one), model.estimate(two)
+    if pp == 1:  # every expert on the rank: half of their bytes go (tp: each already cut over tp)
+        assert one.memory_parts["params"] - two.memory_parts["params"] == 4 * experts // 2 // tp
+    # the Plan plan="auto" would lower for it: the memory calculator on its graphs counts the same
+    x, y = _batch()
+    plan = plan_from_estimate(two, profile, options=CompileOptions())
+    result = autopar.plan(_model(), plan.mesh, example_inputs=(x,), loss_fn=moe_loss, example_target=y, plan=plan)
+    assert result.plan.expert_parallel == 2
+    calc = estimate_memory(result, optimizer="adam")
+    rank = max(calc.ranks.values(), key=lambda r: r.params + r.grads + r.optimizer)
+    assert (two.memory_parts["params"], two.memory_parts["grads"], two.memory_parts["optimizer"]) == (
+        rank.params, rank.grads, rank.optimizer)
 
 
 def test_a_slow_link_keeps_the_experts_replicated(profile):
