@@ -157,3 +157,16 @@ def test_a_dense_model_has_the_same_candidates():
     assert {s.expert_parallel for s in free.frontier.structures} == {1}
     assert [c for c, _ in free.rejected] == [c for c, _ in pinned.rejected]
     assert not any("expert" in r for r in explain(free)) and " ep " not in format_table(free).splitlines()[0]
+
+
+def test_the_choice_is_the_simulators_best_over_every_ep(profile):
+    """Best-first with ep in the structures: the closed form still bounds every simulated candidate,
+    and the choice is the fastest of all of them (every one simulated here)."""
+    from test_planner_search import _every_fitting_candidate_simulated  # (pytest puts tests/api on the path)
+
+    cluster = _cluster(link=Link(latency_s=1e-3, bandwidth=1e8))
+    result = search(profile, cluster, world=4)
+    pairs = _every_fitting_candidate_simulated(result, profile, cluster, 4)
+    assert {e.candidate.expert_parallel for e, _ in pairs} == {1, 2, 4}
+    assert all(e.step_time <= s.step_time * (1 + 1e-9) for e, s in pairs)
+    assert result.best.step_time == pytest.approx(min(s.step_time for _, s in pairs), rel=1e-12)
