@@ -37,6 +37,8 @@ __all__ = [
     "MOE_LAYER",
     "MoeRole",
     "MoeLayer",
+    "MOE_EXCHANGE",
+    "MoeExchange",
     "TensorInfo",
     "NodeCost",
     "ParamInfo",
@@ -60,6 +62,7 @@ TP_PLACEMENT = "autopar.tp_placement"
 INDEX_BOUND = "autopar.index_bound"
 MOE = "autopar.moe"
 MOE_LAYER = "autopar.moe_layer"
+MOE_EXCHANGE = "autopar.moe_exchange"
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,27 @@ class MoeLayer:
 
 
 @dataclass(frozen=True)
+class MoeExchange:
+    """An all-to-all node of expert parallelism (``MoeDispatch`` or ``MoeCombine``) and the split it serves.
+
+    ``role``: ``dispatch`` or ``combine``; ``layer``: the MoE layer's module path; ``index``: the layer's
+    number (``moe_dispatch_<index>``); ``ep_rank``: the ep rank whose graph holds the node;
+    ``experts``: for every ep rank, the ``[first, end)`` expert indices it holds (of ``num_experts``);
+    ``expert_weights``: the split 3-D tensors (graph names); ``capacity_factor``: None when dropless.
+    """
+
+    role: str
+    layer: str
+    index: int
+    num_experts: int
+    ep: int
+    ep_rank: int
+    experts: tuple[tuple[int, int], ...]
+    expert_weights: tuple[str, ...]
+    capacity_factor: float | None = None
+
+
+@dataclass(frozen=True)
 class MetaKey:
     """One row of the registry: the key, the dataclass it holds, its writer and its readers."""
 
@@ -214,6 +238,8 @@ META_KEYS = MappingProxyType(
         MOE: MetaKey(MOE, MoeRole, "passes.moe_detect.annotate_moe", ("passes.moe_expert_parallel",)),
         MOE_LAYER: MetaKey(MOE_LAYER, MoeLayer, "passes.moe_detect.annotate_moe",
                            ("passes.moe_expert_parallel", "autopar.memory")),
+        MOE_EXCHANGE: MetaKey(MOE_EXCHANGE, MoeExchange, "passes.moe_expert_parallel.shard_experts",
+                              ("autopar.report",)),
     }
 )
 

@@ -12,6 +12,9 @@ For every layer :mod:`autopar.passes.moe_detect` recognised in the ``grouped`` o
    go back to their rows' ranks, in the order the graph had them, so the routing weights, the un-sort
    and the per-token sum after it run unchanged.
 
+Both nodes carry ``autopar.moe_exchange`` (:class:`~autopar.passes.meta_keys.MoeExchange`): the layer,
+the ep size, every ep rank's expert range and the capacity factor (what the HTML report shows).
+
 Between the two nodes only the expert rows flow: a node there that reads another per-row tensor is
 refused (:class:`~autopar.errors.ShardingError`), as are ``loop`` layers (a ModuleList of experts
 run on every token: nothing to dispatch) and an ``ep`` that does not divide a layer's experts.
@@ -38,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
-from autopar.passes.meta_keys import MODULE, PARAM, MoeLayer, get_meta, set_meta
+from autopar.passes.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
 from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
 from autopar.passes.tensor_parallel import set_param
 from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
@@ -96,7 +99,16 @@ def _slice_experts(gm: fx.GraphModule, layer: MoeLayer, *, ep: int, ep_rank: int
             set_meta(node, PARAM, dataclasses.replace(info, numel=info.numel // ep))
 
 
-def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, capacity_factor) -> None:
+def _exchange(layer: MoeLayer, index: int, role: str, *, ep: int, ep_rank: int, capacity_factor) -> MoeExchange:
+    """What the report reads off a dispatch or combine node: the layer, the ep group, every ep rank's experts."""
+    local = layer.num_experts // ep
+    return MoeExchange(role=role, layer=layer.path, index=index, num_experts=layer.num_experts, ep=ep,
+                       ep_rank=ep_rank, experts=tuple((j * local, (j + 1) * local) for j in range(ep)),
+                       expert_weights=tuple(layer.expert_weights), capacity_factor=capacity_factor)
+
+
+def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, ep_rank: int,
+                   capacity_factor) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
     ops = [nodes[n] for n in layer.expert_ops]
     first, last = ops[0], ops[-1]
@@ -114,6 +126,8 @@ def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, 
     rows, ids, offsets, routing = outs
     for node in (dispatch, *outs):
         node.meta.update({k: v for k, v in first.meta.items() if k in _KEEP})
+    set_meta(dispatch, MOE_EXCHANGE, _exchange(layer, index, "dispatch", ep=ep, ep_rank=ep_rank,
+                                               capacity_factor=capacity_factor))
     first.args = (rows, *first.args[1:])
     if layer.form == "grouped":
         for op in ops:
@@ -126,6 +140,8 @@ def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, 
     with gm.graph.inserting_after(last):
         combine = gm.graph.call_module(f"moe_combine_{index}", (last, routing))
     combine.meta.update({k: v for k, v in last.meta.items() if k in _KEEP})
+    set_meta(combine, MOE_EXCHANGE, _exchange(layer, index, "combine", ep=ep, ep_rank=ep_rank,
+                                              capacity_factor=capacity_factor))
     last.replace_all_uses_with(combine, delete_user_cb=lambda user: user is not combine)
     weights = {n for n in gm.graph.nodes if n.op == "get_attr"}
     _region_check(layer, [rows, ids, offsets], last, {dispatch, rows, ids, offsets, routing} | weights)
@@ -141,7 +157,7 @@ def shard_experts(gm: fx.GraphModule, *, ep: int, ep_rank: int,
     experts: list[str] = []
     for index, layer in enumerate(report.layers):
         _slice_experts(gm, layer, ep=ep, ep_rank=ep_rank)
-        _rewrite_layer(gm, layer, index, ep=ep, capacity_factor=capacity_factor)
+        _rewrite_layer(gm, layer, index, ep=ep, ep_rank=ep_rank, capacity_factor=capacity_factor)
         experts.extend(layer.expert_weights)
     gm.graph.eliminate_dead_code()
     gm.recompile()

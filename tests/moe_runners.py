@@ -104,28 +104,29 @@ class _CountExchanges:
         self.ops.all_to_all_rows = self.original
 
 
-def _compile(case: Case, mesh, model=None):
+def _compile(case: Case, mesh, model=None, more: dict | None = None):
     """(program, a step function of one batch, the batches) of an MoE case on this rank."""
     import autopar
     from autopar.models.moe import moe_loss
     model = model if model is not None else build(case)
     data = batches(case)
     first = data[0]
+    options = {**dict(case.options), **(more or {})}
     if isinstance(first, dict):
         program = autopar.compile(model, mesh, example_inputs=first, optimizer=make_optimizer(case),
-                                  p2p_timeout_s=120, **dict(case.options))
+                                  p2p_timeout_s=120, **options)
         step = lambda b: program.train_step(program.shard_batch(b))  # noqa: E731
     else:
         program = autopar.compile(model, mesh, example_inputs=(first[0],), loss_fn=moe_loss,
                                   example_target=first[1], optimizer=make_optimizer(case), p2p_timeout_s=120,
-                                  **dict(case.options))
+                                  **options)
         step = lambda b: program.train_step(program.shard_batch(b[0]), target=program.shard_batch(b[1]))  # noqa: E731
     return program, step, data
 
 
-def train(case: Case, mesh) -> dict:
+def train(case: Case, mesh, more: dict | None = None) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
-    program, step, data = _compile(case, mesh)
+    program, step, data = _compile(case, mesh, more=more)
     losses = [step(b).item() for b in data[:-1]]
     with _CountExchanges() as counted:
         losses.append(step(data[-1]).item())
@@ -141,6 +142,20 @@ def train(case: Case, mesh) -> dict:
             "states": held_state_bytes(program),
             "dropped": _dropped(program), **record, **_expert_record(program),
             "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
+
+
+def auto_train(case: Case, mesh) -> dict:
+    """:func:`train` with ``plan="auto"`` on a cluster whose memory holds split experts but not replicated ones
+    (every rank works the same figure out: the planner's own estimates of the two, the device memory between)."""
+    from autopar.models.moe import moe_loss
+    from autopar.planner import Candidate, CostModel, get_cluster, profile_model
+    idx, tgt = batches(case)[0]
+    profile = profile_model(build(case), example_inputs=(idx,), loss_fn=moe_loss, example_target=tgt, tp_degrees=(1,))
+    base = get_cluster("cpu-2core", world=case.world_size)
+    model = CostModel(profile, base, optimizer="momentum")  # make_optimizer: SGD with momentum
+    need = [model.estimate(Candidate(case.mesh[0], 1, 1, 1, expert_parallel=ep)).memory for ep in (1, 2)]
+    tight = base.model_copy(update={"device": base.device.model_copy(update={"memory_gb": sum(need) / 2 / 1e9})})
+    return {**train(case, mesh, more={"plan": "auto", "cluster": tight}), "needs": need}
 
 
 def _pretrained_round_trip(case: Case, program, state: dict):

@@ -23,6 +23,7 @@ from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
 from autopar.planner.search import SearchResult, SearchSpace, search
 from autopar.runtime.schedules.registry import default_stages_per_rank
+from autopar.validation import _expert_parallel_problem
 
 __all__ = ["PlannerReport", "choose_plan", "plan_for_compile", "optimizer_kind", "plan_from_estimate", "search_space"]
 
@@ -103,6 +104,14 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
         space = _replace(space, zero_stages=(options["zero_stage"],))
     if "recompute" in options:
         space = _replace(space, recompute=(options["recompute"],))
+    if "expert_parallel" in options:
+        space = _replace(space, expert_parallel=(options["expert_parallel"],))
+    else:  # the options' own refusals of ep > 1 (autopar/validation.py), whatever the mesh
+        probe = CompileOptions(**{**options, "expert_parallel": 2, "moe_capacity_factor": None})
+        problem = _expert_parallel_problem(probe, MeshShape(dp=2, tp=2))
+        if problem:
+            space = _replace(space, ep_refusal=f"{problem[0].replace('expert_parallel=2', 'expert_parallel')} "
+                                               f"({problem[1]})")
     return space
 
 
@@ -116,13 +125,16 @@ def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: Compil
     c = best.candidate
     chosen = options.model_copy(update={"schedule": c.schedule, "num_microbatches": c.num_microbatches,
                                         "num_virtual": c.num_virtual, "zero_stage": c.zero_stage,
-                                        "recompute": c.recompute, "precision": profile.precision})
+                                        "recompute": c.recompute, "precision": profile.precision,
+                                        "expert_parallel": c.expert_parallel})
     plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
                         batch=profile.global_batch, model_name=profile.model_name,
                         num_parameters=profile.num_parameters)
     starts = tuple(profile.chunks[c.tp][i].unit for i in c.cuts)
     return Plan(**{**dict(plan), "pipeline": plan.pipeline.model_copy(update={"stage_starts": starts}),
                    "tp_regions": profile.regions.get(c.tp, ()) if c.tp > 1 else (),
+                   # the experts the profile sharded over tp (a given Plan names them: lowering.py)
+                   "param_shards": profile.expert_shards.get(c.tp, {}) if c.tp > 1 else {},
                    "vocab_parallel": profile.vocab.get(c.tp, ()) if c.tp > 1 else ()})
 
 

@@ -57,8 +57,17 @@ class Link(_Frozen):
             return 0.0
         return (n - 1) * self.latency_s + (n - 1) / n * nbytes / self.bandwidth
 
+    def all_to_all(self, nbytes: float, n: int) -> float:
+        """All-to-all among ``n`` ranks, each holding ``nbytes`` of which it keeps ``1/n`` and sends the
+        rest, one message to each peer: ``(n-1)·alpha + (n-1)/n·nbytes/beta``."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) * self.latency_s + (n - 1) / n * nbytes / self.bandwidth
+
     def collective(self, kind: str, nbytes: float, n: int) -> float:
-        """``kind``: all_reduce, all_gather, reduce_scatter, broadcast or reduce."""
+        """``kind``: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast or reduce."""
+        if kind == "all_to_all":
+            return self.all_to_all(nbytes, n)
         if kind == "all_reduce":
             return self.all_reduce(nbytes, n)
         if kind in ("all_gather", "reduce_scatter"):

@@ -11,13 +11,17 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
   ``split_backward_overhead`` share of the backward; full recomputation adds ``F`` (and its
   collectives) to ``B``, selective recomputation its non-matmul part;
 - every collective by the alpha-beta model of the link it runs on (tp: inside a node);
+- mixture of experts with ``expert_parallel`` > 1: per MoE layer and microbatch, three all-to-alls
+  forward (the per-expert row counts, the dispatch, the combine) and their two conjugates backward
+  (:func:`moe_comm`), over the ep group's link;
 - the pipeline from :func:`autopar.runtime.schedules.simulator.simulate` on the per-stage
   ``F``, ``B``, ``W`` and the p2p time of the largest boundary (or, for ranking many
   candidates quickly, a proven lower bound of that simulation:
   :mod:`autopar.planner.pipeline_bound`; the search simulates best-first by it);
 - data parallelism: the gradient all-reduce (ZeRO-0), reduce + broadcast (ZeRO-1/2), or a
   gather in forward and backward plus a reduce-scatter per microbatch (ZeRO-3), of which the
-  cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3);
+  cluster's ``dp_overlap`` share hides behind backward (not for ZeRO-3); split experts' gradients
+  are all-reduced over the ``dp / ep`` ranks holding the same experts instead;
 - ranks sharing cores (CPU processes, ``k`` ranks per core): the pipeline simulated with processor
   sharing (:mod:`autopar.runtime.schedules.shared_cores`: a rank waiting lends its core), each
   action costing the cluster's ``shared_core_switch_s`` more;
@@ -25,7 +29,8 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
   of a node at once where they share cores).
 
 Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
-(the memory calculator's formulas, by ZeRO stage and precision) plus activations: the bytes a
+(the memory calculator's formulas, by ZeRO stage and precision; split experts at ``1/ep`` of their
+elements, outside the ZeRO partition, as ``state_figures(local=...)`` counts them) plus activations: the bytes a
 microbatch saves on each of the rank's stages times the microbatches the schedule keeps in flight
 there (:func:`autopar.memory.peak_bytes` on the schedule's action list), plus the largest
 recompute transient.
@@ -33,7 +38,7 @@ recompute transient.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from autopar.errors import PlanError
@@ -46,7 +51,7 @@ from autopar.runtime.schedules.registry import build_schedule, family, splits_ba
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
-__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "estimate", "schedule_of"]
+__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate", "schedule_of"]
 
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
@@ -64,6 +69,7 @@ class Candidate:
     zero_stage: int = 0
     recompute: str = "none"
     cuts: tuple[int, ...] = ()
+    expert_parallel: int = 1  # MoE experts split over this many ranks of dp (docs/moe.md)
 
     @property
     def num_stages(self) -> int:
@@ -71,7 +77,8 @@ class Candidate:
 
     def label(self) -> str:
         sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
-        return (f"dp={self.dp} pp={self.pp} tp={self.tp} m={self.num_microbatches} {sched} "
+        ep = f" ep={self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp}{ep} m={self.num_microbatches} {sched} "
                 f"ZeRO-{self.zero_stage} rc={self.recompute}")
 
 
@@ -141,9 +148,27 @@ def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recomput
                if c.direction == direction and (include_recompute or not c.recompute))
 
 
+def moe_comm(chunk: ChunkCost, *, b: int, ep: int, link) -> tuple[float, float]:
+    """(forward, backward) seconds of the all-to-alls of ``chunk``'s MoE layers for a microbatch of ``b``.
+
+    Per layer, forward: the per-expert row counts (E int64), the dispatch of the routed rows and the
+    combine of the expert outputs, each an all-to-all among the ``ep`` ranks; backward: the two
+    conjugates (the gradient rows the way the rows came). Dropless, every ep rank routing alike.
+    """
+    if ep <= 1:
+        return 0.0, 0.0
+    forward = backward = 0.0
+    for layer in chunk.moe:
+        rows = link.all_to_all(layer.dispatch_bytes * b, ep) + link.all_to_all(layer.combine_bytes * b, ep)
+        forward += link.all_to_all(8 * layer.num_experts, ep) + rows
+        backward += rows
+    return forward, backward
+
+
 def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: Cluster, precision: str,
-                recompute: str, contention: float = 1.0) -> tuple[float, float, float]:
-    """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``."""
+                recompute: str, contention: float = 1.0, ep: int = 1, ep_link=None) -> tuple[float, float, float]:
+    """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``
+    (with ``ep`` > 1 its MoE layers' all-to-alls over ``ep_link``, :func:`moe_comm`)."""
     rate = device.matmul_rate(precision, samples=b) / contention
     matmul = chunk.flops * b / rate
     memory = chunk.bytes_written * b / device.memory_bandwidth * contention
@@ -151,8 +176,9 @@ def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: C
     fwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="forward", include_recompute=False)
     bwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="backward",
                           include_recompute=True)
-    forward = matmul + memory + ops + fwd_comm
-    backward = matmul + memory + ops + bwd_comm
+    fwd_a2a, bwd_a2a = moe_comm(chunk, b=b, ep=ep, link=ep_link or cluster.intra)
+    forward = matmul + memory + ops + fwd_comm + fwd_a2a
+    backward = matmul + memory + ops + bwd_comm + bwd_a2a
     weight = matmul + memory + ops
     if recompute == "full":
         backward += forward
@@ -176,24 +202,32 @@ def _max_share(numels: tuple[int, ...], dp: int) -> list[int]:
     return max(heap, key=lambda e: (e[0], -e[1]))[2]
 
 
-def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, precision: str, optimizer: str):
-    """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas)."""
+def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, precision: str, optimizer: str,
+            local: frozenset[str] = frozenset()):
+    """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas;
+    ``local``: MoE experts split over ep, outside the ZeRO partition, stepped by every holder)."""
     owned = None
     trainable = [p for p in params if p.trainable]
     stepped = sum(p.numel for p in trainable)
     if zero in (1, 2) and dp > 1:
-        share = _max_share(tuple(p.numel for p in trainable), dp)
-        owned = [[trainable[i].name for i in share]] + [[] for _ in range(dp - 1)]
-        stepped = sum(trainable[i].numel for i in share)
+        shared = [p for p in trainable if p.name not in local]
+        share = _max_share(tuple(p.numel for p in shared), dp)
+        owned = [[shared[i].name for i in share]] + [[] for _ in range(dp - 1)]
+        stepped = sum(shared[i].numel for i in share) + sum(p.numel for p in trainable if p.name in local)
     elif zero == 3 and dp > 1:
         stepped = sum(-(-p.numel // dp) for p in trainable)
     figures = state_figures(list(params), buffers, zero_stage=zero, dp=dp, dp_index=0, precision=precision,
-                            optimizer=optimizer, owned=owned)
+                            optimizer=optimizer, owned=owned, local=local)
     return figures, stepped
 
 
 def _dp_link(cluster: Cluster, c: Candidate):
     return cluster.intra if c.dp * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
+
+
+def _ep_link(cluster: Cluster, c: Candidate):
+    """The link of an ep group: ``ep`` consecutive dp indices, ``ep·pp·tp`` consecutive ranks."""
+    return cluster.intra if c.expert_parallel * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
 
 
 def _pp_link(cluster: Cluster, c: Candidate):
@@ -215,46 +249,79 @@ class CostModel:
         self._states: dict = {}
 
     # -- per-chunk sums -------------------------------------------------------------------
-    def table(self, tp: int, b: int, recompute: str, device: Device, contention: float):
-        """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes) seconds/bytes."""
-        key = (tp, b, recompute, id(device), contention)  # devices belong to self.cluster: ids stay valid
+    def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
+              ep_link=None):
+        """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes, ep all-to-all)
+        seconds/bytes (``ep`` > 1: the MoE layers' all-to-alls over ``ep_link``, in forward and backward)."""
+        key = (tp, b, recompute, id(device), contention, ep, ep_link)  # devices belong to self.cluster
         if key not in self._tables:
-            rows = [[0.0] * 5]
+            rows = [[0.0] * 6]
             for ch in self.profile.chunks[tp]:
                 f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
-                                       precision=self.profile.precision, recompute=recompute, contention=contention)
+                                       precision=self.profile.precision, recompute=recompute, contention=contention,
+                                       ep=ep, ep_link=ep_link)
                 comm = sum(_comm_time(ch.comms, tp=tp, b=b, link=self.cluster.intra, direction=d,
                                       include_recompute=True) for d in ("forward", "backward"))
+                a2a = sum(moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra))
+                if recompute == "full":
+                    a2a += moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra)[0]
                 last = rows[-1]
-                rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm, last[4] + ch.saved[recompute] * b])
+                rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm, last[4] + ch.saved[recompute] * b,
+                             last[5] + a2a])
             self._tables[key] = rows
         return self._tables[key]
 
+    def candidate_table(self, c: Candidate, device: Device, recompute: str | None = None):
+        """:meth:`table` for candidate ``c`` on ``device``."""
+        return self.table(c.tp, self._b(c), c.recompute if recompute is None else recompute, device,
+                          self._contention(c), c.expert_parallel, self.ep_link(c))
+
+    def ep_link(self, c: Candidate):
+        """The link of ``c``'s ep groups (None with ep=1: no all-to-all)."""
+        return _ep_link(self.cluster, c) if c.expert_parallel > 1 else None
+
     def chunk_costs(self, c: Candidate) -> list[float]:
         """Time of one microbatch's forward and backward on each chunk (for placing stage boundaries)."""
-        t = self.table(c.tp, self._b(c), c.recompute, self.cluster.device, self._contention(c))
+        t = self.candidate_table(c, self.cluster.device)
         return [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
 
-    def rank_params(self, tp: int, ranges: tuple) -> tuple[tuple[ParamEntry, ...], int, int, int]:
-        """(parameters, buffer bytes, fp32 gradient bytes, parameter bytes) of a rank's stages, each once."""
-        key = (tp, ranges)
+    def experts(self, tp: int) -> frozenset[str]:
+        """The user names of the MoE expert tensors (split over ep when ep > 1)."""
+        return frozenset(name for ch in self.profile.chunks[tp] for m in ch.moe for name in m.expert_params)
+
+    def rank_params(self, tp: int, ranges: tuple, ep: int = 1) -> tuple[tuple[ParamEntry, ...], int, int, int]:
+        """(parameters, buffer bytes, fp32 gradient bytes, parameter bytes) of a rank's stages, each once
+        (the MoE expert tensors at ``1/ep`` of their experts)."""
+        key = (tp, ranges, ep)
         if key not in self._params:
             seen, params, buffers = set(), [], 0
+            experts = self.experts(tp) if ep > 1 else frozenset()
             for lo, hi in ranges:
                 for ch in self.profile.chunks[tp][lo:hi]:
                     buffers += ch.buffer_bytes
-                    params += [p for p in ch.params if p.name not in seen]
+                    params += [replace(p, numel=p.numel // ep) if p.name in experts else p
+                               for p in ch.params if p.name not in seen]
                     seen.update(p.name for p in ch.params)
             grads = sum(p.numel for p in params if p.trainable) * 4
             self._params[key] = (tuple(params), buffers, grads, sum(p.numel * p.itemsize for p in params))
         return self._params[key]
 
-    def states(self, tp: int, ranges: tuple, zero: int, dp: int):
+    def expert_bytes(self, tp: int, ranges: tuple, ep: int) -> tuple[int, int]:
+        """(fp32 gradient bytes, parameter bytes) of the expert tensors a rank holds (0 with ep=1: they
+        are then parameters like any other)."""
+        if ep == 1:
+            return 0, 0
+        experts = self.experts(tp)
+        mine = [p for p in self.rank_params(tp, ranges, ep)[0] if p.name in experts]
+        return sum(p.numel for p in mine if p.trainable) * 4, sum(p.numel * p.itemsize for p in mine)
+
+    def states(self, tp: int, ranges: tuple, zero: int, dp: int, ep: int = 1):
         """(model-state bytes, elements stepped) of the fullest dp rank holding ``ranges``."""
-        key = (tp, ranges, zero, dp)
+        key = (tp, ranges, zero, dp, ep)
         if key not in self._states:
-            params, buffers, _, _ = self.rank_params(tp, ranges)
-            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer)
+            params, buffers, _, _ = self.rank_params(tp, ranges, ep)
+            local = self.experts(tp) if ep > 1 else frozenset()
+            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer, local)
         return self._states[key]
 
     def _b(self, c: Candidate) -> int:
@@ -279,7 +346,7 @@ class CostModel:
         total = 0.0
         for lo, hi in ranges:
             for i in range(lo, hi):
-                _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),))
+                _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),), c.expert_parallel)
                 if grads == 0:
                     continue
                 total += (2 * link.collective("all_gather", params, c.dp)
@@ -295,7 +362,7 @@ class CostModel:
         out = ([], [], [], [])
         for s, (lo, hi) in enumerate(_stage_ranges(c.cuts, self.profile.num_chunks)):
             device = devices[schedule.stage_to_rank[s]]
-            t = self.table(c.tp, self._b(c), c.recompute, device, self._contention(c))
+            t = self.candidate_table(c, device)
             for k in range(4):
                 out[k].append(t[hi][k] - t[lo][k])
             if splits_backward(c.schedule) and s > 0:  # the first stage runs its backward whole (executor)
@@ -325,12 +392,20 @@ class CostModel:
         if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
         tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
+        ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time, simulated=simulated,
-                        parts={"compute": compute - tp_comm, "tp_comm": tp_comm,
+                        parts={"compute": compute - tp_comm - ep_comm, "tp_comm": tp_comm, "ep_comm": ep_comm,
                                "bubble": max(0.0, pipeline - compute), "p2p": p2p, "dp_comm": dp_time,
                                "optimizer": opt_time},
                         memory=memory, memory_parts=parts, capacity=capacity)
+
+    def _ep_comm(self, c: Candidate, ranges, owner, rank: int) -> float:
+        """Seconds of one microbatch's MoE all-to-alls on pp rank ``rank`` (part of its stage times)."""
+        if c.expert_parallel == 1:
+            return 0.0
+        t = self.candidate_table(c, self.cluster.device)
+        return sum(t[hi][5] - t[lo][5] for s, (lo, hi) in enumerate(ranges) if owner[s] == rank)
 
     def _pipeline(self, c: Candidate, owner, fwd, bwd, wgt, p2p, simulated: bool) -> float:
         """The pipeline's step in seconds: simulated on the full schedule, or its lower bound.
@@ -366,15 +441,16 @@ class CostModel:
         for q in range(c.pp):
             mine = [s for s in range(len(ranges)) if owner[s] == q]
             mine_ranges = tuple(ranges[s] for s in mine)
-            _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges)
-            states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp)
+            _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges, c.expert_parallel)
+            states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel)
             if c.zero_stage == 3 and c.dp > 1:  # one gather / reduce-scatter per unit and microbatch
                 dp_time = max(dp_time, self._zero3_comm(c, [ranges[s] for s in mine], dp_link, devices[q]))
             else:
-                dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster))
+                expert = self.expert_bytes(c.tp, mine_ranges, c.expert_parallel)
+                dp_time = max(dp_time, _dp_comm(c, grad_bytes, param_bytes, dp_link, self.cluster, expert=expert))
             opt_time = max(opt_time, stepped * _OPT_BYTES[self.optimizer] / devices[q].memory_bandwidth
                            * self._contention(c))  # every rank steps at once
-            t = self.table(c.tp, b, c.recompute, devices[q], self._contention(c))
+            t = self.candidate_table(c, devices[q])
             per_stage = {s: t[ranges[s][1]][4] - t[ranges[s][0]][4] for s in mine}
             if c.num_virtual == 1:
                 acts = counts[q] * per_stage[mine[0]]
@@ -401,11 +477,18 @@ def estimate(c: Candidate, *, profile: ModelProfile, cluster: Cluster, optimizer
     return CostModel(profile, cluster, optimizer=optimizer).estimate(c, simulate_pipeline=simulate_pipeline)
 
 
-def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster: Cluster) -> float:
+def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster: Cluster,
+             expert: tuple[float, float] = (0, 0)) -> float:
+    """Data-parallel gradient (and ZeRO-1/2 weight) traffic of a rank holding ``grad_bytes`` of gradients.
+
+    ``expert``: (gradient, parameter) bytes of the MoE experts among them with ep > 1: outside ZeRO,
+    their gradients are all-reduced over the ``dp / ep`` ranks that hold the same experts (edp)."""
     if c.dp == 1:
         return 0.0
+    grads, params = grad_bytes - expert[0], param_bytes - expert[1]
     if c.zero_stage == 0:
-        t = link.collective("all_reduce", grad_bytes, c.dp)
+        t = link.collective("all_reduce", grads, c.dp)
     else:
-        t = link.collective("reduce", grad_bytes, c.dp) + link.collective("broadcast", param_bytes, c.dp)
+        t = link.collective("reduce", grads, c.dp) + link.collective("broadcast", params, c.dp)
+    t += link.collective("all_reduce", expert[0], c.dp // c.expert_parallel)
     return t * (1 - cluster.dp_overlap)

@@ -11,7 +11,10 @@ tensor-parallel degree the planner considers, :func:`profile_model` shards the c
 - bytes saved for backward with each recompute mode, and the recompute transient
   (:func:`autopar.memory.stage_activations`, a fake run);
 - each collective and its bytes (:func:`autopar.passes.collective_audit.audit_collectives`);
-- the bytes a stage beginning at the chunk receives (its recv edges).
+- the bytes a stage beginning at the chunk receives (its recv edges);
+- its MoE layers (:class:`MoeCost`: experts, top-k, expert tensors, the bytes of the routed rows
+  an all-to-all would move), from :func:`autopar.passes.moe_detect.find_moe_layers` on the graph
+  captured with its experts whole (``expert_parallel=1``).
 
 The model is captured once, at one sample per microbatch, and with its identical blocks captured
 once (:mod:`autopar.passes.block_template`): the template block's chunk stands for every block,
@@ -34,12 +37,13 @@ from autopar.memory.states import ParamEntry, rank_params
 from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.collective_audit import audit_collectives
 from autopar.passes.meta_keys import COST, TENSOR, get_meta
+from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_pipeline
 from autopar.passes.recompute import recompute_stage
-from autopar.plan_model import MeshShape
+from autopar.plan_model import MeshShape, ParamShard
 
-__all__ = ["CommCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
+__all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,24 @@ class CommCost:
 
 
 @dataclass(frozen=True)
+class MoeCost:
+    """One recognised MoE layer of a chunk (:mod:`autopar.passes.moe_detect`), per sample of the microbatch.
+
+    ``dispatch_bytes``: the routed rows (tokens x top-k) entering the first expert matmul, x hidden x
+    bytes, what the dispatch all-to-all moves; ``combine_bytes``: the rows leaving the last one (the
+    combine's). ``expert_params``: the user names of the 3-D expert tensors split over ep.
+    """
+
+    path: str
+    form: str
+    num_experts: int
+    top_k: int
+    dispatch_bytes: float
+    combine_bytes: float
+    expert_params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ChunkCost:
     """One chunk on one tp rank; every size is per sample of the microbatch."""
 
@@ -71,13 +93,16 @@ class ChunkCost:
     transient: dict  # recompute mode -> largest recomputation transient per sample
     comms: tuple[CommCost, ...]
     recv_bytes: float  # bytes a stage starting at this chunk receives per sample
+    moe: tuple[MoeCost, ...] = ()  # the MoE layers whose experts this chunk holds
 
     def renamed(self, old: str, new: str) -> "ChunkCost":
         """The same chunk for another block (``old`` -> ``new`` in unit and parameter names)."""
         def swap(name: str) -> str:
             return new + name[len(old):] if name == old or name.startswith(old + ".") else name
         params = tuple(dataclasses.replace(p, name=swap(p.name)) for p in self.params)
-        return dataclasses.replace(self, unit=swap(self.unit), params=params)
+        moe = tuple(dataclasses.replace(m, path=swap(m.path), expert_params=tuple(map(swap, m.expert_params)))
+                    for m in self.moe)
+        return dataclasses.replace(self, unit=swap(self.unit), params=params, moe=moe)
 
 
 @dataclass
@@ -95,6 +120,7 @@ class ModelProfile:
     template: str | None = None  # the list of identical blocks captured once, if any
     regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
     vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
+    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ParamShard} (tp_expert.py)
 
     @property
     def num_chunks(self) -> int:
@@ -103,6 +129,11 @@ class ModelProfile:
     @property
     def tp_degrees(self) -> tuple[int, ...]:
         return tuple(sorted(self.chunks))
+
+    @property
+    def moe_layers(self) -> tuple[MoeCost, ...]:
+        """Every recognised MoE layer, in chunk order (the same at every tp degree)."""
+        return tuple(m for ch in next(iter(self.chunks.values())) for m in ch.moe)
 
 
 def _signature(stage) -> tuple:
@@ -151,13 +182,31 @@ def _copy_stage(stage):
 
 def _chunks_of(gm, b0: int) -> list[ChunkCost]:
     """Cut a sharded graph at every place a stage may begin and cost each piece."""
+    layers = _moe_costs(gm, b0)
     segments = pipeline_segments(gm)
     allowed = _allowed_starts(segments)
     bounds = [0] + allowed + [len(segments)]
     gm, _ = assign_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
     stages = split_pipeline(gm, num_stages=len(bounds) - 1)
     seen: dict = {}
-    return [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0, seen) for i in range(len(stages))]
+    chunks = [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0, seen) for i in range(len(stages))]
+    return [dataclasses.replace(ch, moe=tuple(m for m in layers if set(m.expert_params) & {p.name for p in ch.params}))
+            for ch in chunks]
+
+
+def _moe_costs(gm, b0: int) -> list[MoeCost]:
+    """The MoE layers of the (unsplit) graph with the bytes their all-to-alls would move per sample."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for layer in find_moe_layers(gm).layers:
+        ops = [by_name[n] for n in layer.expert_ops]
+        rows = get_meta(ops[0].args[0], TENSOR) if ops else None
+        back = get_meta(ops[-1], TENSOR) if ops else None
+        out.append(MoeCost(path=user_name(layer.path), form=layer.form, num_experts=layer.num_experts,
+                           top_k=layer.top_k, dispatch_bytes=(rows.nbytes if rows else 0) / b0,
+                           combine_bytes=(back.nbytes if back else 0) / b0,
+                           expert_params=tuple(user_name(w) for w in layer.expert_weights)))
+    return out
 
 
 def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:
@@ -175,7 +224,8 @@ def _capture(model, *, example_inputs, loss_fn, example_target, options: Compile
     """Capture at one sample per microbatch (all samples when batch statistics forbid splitting)."""
     batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
-                                      "recompute": "none", "zero_stage": 0})
+                                      "recompute": "none", "zero_stage": 0,
+                                      "expert_parallel": 1, "moe_capacity_factor": None})  # experts whole
     try:
         return capture_and_annotate(model, mesh=MeshShape(dp=batch), example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn, options=opts), 1, False
@@ -194,7 +244,7 @@ def _shard(cap: Captured, tp: int):
                         model_name=p.model_name, num_parameters=p.num_parameters)
     with torch.random.fork_rng(devices=[]):
         state, vocab = shard_captured(dataclasses.replace(cap, plan=plan), tp_rank=0)
-    return state.gm, state.region_plans, vocab
+    return state.gm, state.region_plans, vocab, state.specs
 
 
 def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
@@ -210,13 +260,17 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
                            batch_statistics=stats, template=cap.template.path if cap.template else None)
     for tp in sorted(set(tp_degrees)):
         try:
-            gm, regions, vocab = _shard(cap, tp)
+            gm, regions, vocab, specs = _shard(cap, tp)
         except AutoparError as exc:
             profile.tp_errors[tp] = exc.what
             continue
         profile.chunks[tp] = _expand(_chunks_of(gm, b0), cap)
         profile.regions[tp] = cap.template.extend_regions(regions) if cap.template else regions
         profile.vocab[tp] = tuple(user_name(p) for p in vocab.paths())
+        experts = {name for ch in profile.chunks[tp] for m in ch.moe for name in m.expert_params}
+        profile.expert_shards[tp] = {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts,
+                                                              blocks=v.blocks)
+                                     for k, v in specs.items() if user_name(k) in experts}
         log.info("profiled tp=%d: %d chunks", tp, len(profile.chunks[tp]))
     if not profile.chunks:
         raise PlanError(f"the model cannot be sharded for any tp degree in {sorted(set(tp_degrees))}: "

@@ -21,7 +21,8 @@ from autopar.planner.search import GiB, TIE, SearchResult, _memory_reason, const
 __all__ = ["explain", "format_table", "batch_warnings"]
 
 _MESH = lambda x: (x.dp, x.pp, x.tp)  # noqa: E731
-_STRUCTURE = lambda x: (x.dp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual)  # noqa: E731
+_STRUCTURE = lambda x: (x.dp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual, x.expert_parallel)  # noqa
+_LAYOUT = lambda x: (x.dp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual)  # noqa: E731
 
 
 def _axes(c):
@@ -29,13 +30,17 @@ def _axes(c):
     def other_mesh(x):
         return _MESH(x) != _MESH(c)
 
+    def other_ep(x):  # the same structure with its MoE experts split over another ep
+        return _LAYOUT(x) == _LAYOUT(c) and x.expert_parallel != c.expert_parallel
+
     def other_microbatches(x):
         return (_MESH(x) == _MESH(c) and (x.schedule, x.num_virtual) == (c.schedule, c.num_virtual)
-                and x.num_microbatches != c.num_microbatches)
+                and x.num_microbatches != c.num_microbatches and x.expert_parallel == c.expert_parallel)
 
     def other_schedule(x):
         return (_MESH(x) == _MESH(c) and x.num_microbatches == c.num_microbatches
-                and (x.schedule, x.num_virtual) != (c.schedule, c.num_virtual))
+                and (x.schedule, x.num_virtual) != (c.schedule, c.num_virtual)
+                and x.expert_parallel == c.expert_parallel)
 
     def same_structure(x):
         return _STRUCTURE(x) == _STRUCTURE(c)
@@ -48,7 +53,7 @@ def _axes(c):
 
     return (("mesh", other_mesh, other_mesh), ("microbatches", other_microbatches, other_microbatches),
             ("schedule", other_schedule, other_schedule), ("ZeRO", same_structure, other_zero),
-            ("recompute", same_structure, other_recompute))
+            ("recompute", same_structure, other_recompute), ("expert parallel", other_ep, other_ep))
 
 
 def _pct(t: float, base: float) -> str:
@@ -84,8 +89,20 @@ def explain(result: SearchResult) -> list[str]:
         else:
             lines.append(f"{name}: the best alternative that fits, {alt.candidate.label()}, is slower: "
                          f"{alt.step_time:.4g} s ({_pct(alt.step_time, best.step_time)})")
+    lines += _ep_refusals(result, c)
     lines.append(_time_breakdown(best))
     return lines
+
+
+def _ep_refusals(result: SearchResult, c) -> list[str]:
+    """Why no ep > 1 was a candidate for the chosen mesh, when the model has MoE layers and none was."""
+    if not result.cost_model.profile.moe_layers or any(
+            _LAYOUT(x) == _LAYOUT(c) and x.expert_parallel != c.expert_parallel for x in result.frontier.structures):
+        return []
+    why = sorted({f"ep={x.expert_parallel}: {r}" for x, r in result.rejected
+                  if x.expert_parallel > 1 and _MESH(x) == _MESH(c)})
+    return [f"expert parallel: ep=1, the only degree for this mesh"
+            + (f" ({'; '.join(why)})" if why else f" (dp={c.dp})")]
 
 
 def _fastest_lacking(result: SearchResult, candidate_ok):
@@ -187,14 +204,16 @@ def _dp_cap_warning(result: SearchResult, best: Estimate) -> str | None:
 
 def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> str:
     """The ranked candidates (simulated), what the search simulated, and a few rejected ones with reasons."""
-    head = ("#", "dp", "pp", "tp", "m", "mb", "schedule", "ZeRO", "recompute", "est. s/step", "bubble",
-            "GiB/rank", "of GiB")
+    moe = bool(result.cost_model.profile.moe_layers)  # an ep column for models with MoE layers
+    head = ("#", "dp", "pp", "tp", *(("ep",) if moe else ()), "m", "mb", "schedule", "ZeRO", "recompute",
+            "est. s/step", "bubble", "GiB/rank", "of GiB")
     ranked, exact, floor = result.ranked, result.exact_rows, result.floor
     rows = []
     for i, e in enumerate(ranked[:min(top, exact)], 1):  # rows the simulator ranks against every candidate
         c = e.candidate
         mb = result.global_batch // (c.dp * c.num_microbatches)
-        rows.append((str(i), str(c.dp), str(c.pp), str(c.tp), str(c.num_microbatches),
+        rows.append((str(i), str(c.dp), str(c.pp), str(c.tp), *((str(c.expert_parallel),) if moe else ()),
+                     str(c.num_microbatches),
                      str(mb), c.schedule + (f" v={c.num_virtual}" if c.num_virtual > 1 else ""), str(c.zero_stage),
                      c.recompute, f"{e.step_time:.4g}", f"{_bubble_share(e):.0%}",
                      f"{e.memory / GiB:.1f}", f"{e.capacity / GiB:.1f}"))

@@ -2,10 +2,11 @@
 
 Its answer is the fastest fitting candidate *under the simulator*, found without simulating them all:
 
-1. *Structures* (mesh, microbatches, schedule, virtual stages) are enumerated: tp divides a node's
-   devices (so tensor-parallel collectives stay on the fast link), pp x virtual stages is at most the
-   number of chunks, dp divides the global batch. Each gets a lower bound on the step time of every
-   plan it holds, whatever its ZeRO stage, recomputation or stage cuts
+1. *Structures* (mesh, microbatches, schedule, virtual stages, expert parallelism) are enumerated:
+   tp divides a node's devices (so tensor-parallel collectives stay on the fast link), pp x virtual
+   stages is at most the number of chunks, dp divides the global batch, ep is 1 and, for a model with
+   recognised MoE layers, every ep dividing dp and each layer's experts. Each gets a lower bound on
+   the step time of every plan it holds, whatever its ZeRO stage, recomputation or stage cuts
    (:func:`~autopar.planner.pipeline_bound.relaxed_bound` on the chunk costs without recomputation).
 2. Best first, by lower bound: a structure taken from the queue is *expanded*: stage boundaries from
    :func:`autopar.planner.stage_cuts.weighted_cuts` on its chunk times (heavy first and last chunks,
@@ -62,6 +63,8 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
     exact_top: int = 5
+    expert_parallel: tuple[int, ...] | None = None  # None: every ep dividing dp and each MoE layer's experts
+    ep_refusal: str | None = None  # why the options given leave no ep > 1 (autopar.validation), if they do
 
 
 @dataclass
@@ -223,7 +226,7 @@ class _Frontier:
         """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
         space, profile, cluster = self.space, self.profile, self.cluster
         zero = max(space.zero_stages) if c.dp > 1 else 0
-        if zero == 3 and splits_backward(c.schedule):  # (ZeRO-3 gathers are not split into B and W)
+        if zero == 3 and (splits_backward(c.schedule) or c.expert_parallel > 1):  # (see constraint)
             zero = max([z for z in space.zero_stages if z < 3], default=3)
         frugal = replace(c, zero_stage=zero, recompute="full" if "full" in space.recompute else space.recompute[-1])
         try:
@@ -261,6 +264,9 @@ def constraint(c: Candidate) -> str | None:
     if c.zero_stage == 3 and c.dp > 1 and splits_backward(c.schedule):
         return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
                 f"graph's reduce-scatter")
+    if c.zero_stage == 3 and c.expert_parallel > 1:
+        return (f"ZeRO-3 does not shard expert tensors over dp/ep yet (expert_parallel={c.expert_parallel}, "
+                f"docs/moe.md)")
     if c.recompute == "selective" and splits_backward(c.schedule):
         return f"selective recompute does not combine with {c.schedule}: its W action walks each recomputed region " \
                f"a second time"
@@ -273,7 +279,7 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     stage cuts (relaxed), every chunk at its fastest device."""
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
     devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
-    tables = [model.table(c.tp, b, "none", d, k) for d in devices.values()]
+    tables = [model.table(c.tp, b, "none", d, k, c.expert_parallel, model.ep_link(c)) for d in devices.values()]
     split = splits_backward(c.schedule)
     work = path = 0.0
     for i in range(model.profile.num_chunks):
@@ -292,8 +298,10 @@ def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     a ``1/pp`` share of the gradients and weights, and the alpha-beta times grow with the bytes."""
     if c.dp == 1:
         return 0.0
-    _, _, grads, params = model.rank_params(c.tp, ((0, model.profile.num_chunks),))
+    whole = ((0, model.profile.num_chunks),)
+    _, _, grads, params = model.rank_params(c.tp, whole, c.expert_parallel)
     grads, params = grads / c.pp, params / c.pp
+    expert = tuple(x / c.pp for x in model.expert_bytes(c.tp, whole, c.expert_parallel))
     link, cluster = _dp_link(model.cluster, c), model.cluster
     times = []
     for zero in zero_stages:
@@ -301,7 +309,7 @@ def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
             times.append(c.num_microbatches * (2 * link.collective("all_gather", params, c.dp)
                                                + link.collective("reduce_scatter", grads, c.dp)))
         else:
-            times.append(_dp_comm(replace(c, zero_stage=zero), grads, params, link, cluster))
+            times.append(_dp_comm(replace(c, zero_stage=zero), grads, params, link, cluster, expert=expert))
     return min(times, default=0.0)
 
 
@@ -414,12 +422,42 @@ def _structures(world, profile, cluster, space, rejected):
                 except AutoparError as exc:
                     rejected.append((Candidate(dp, pp, tp, m, name, v), exc.what))
                     continue
-                yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none")
+                for ep in _ep_options(dp, pp, tp, profile, space, rejected):
+                    yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep)
+
+
+def _ep_options(dp: int, pp: int, tp: int, profile: ModelProfile, space: SearchSpace, rejected) -> list[int]:
+    """The ep degrees of a dp x pp x tp mesh: 1, and with recognised MoE layers every ep that divides dp and
+    each layer's number of experts (refusals, once per mesh, in ``rejected``)."""
+    layers = profile.moe_layers
+    wanted = space.expert_parallel or _divisors(dp)
+    out = [ep for ep in wanted if ep == 1]
+    for ep in (e for e in wanted if e > 1):
+        c, why = Candidate(dp, pp, tp, 1, expert_parallel=ep), None
+        if dp % ep:
+            why = f"expert_parallel={ep} does not divide dp={dp}"
+        elif not layers:
+            why = "no mixture-of-experts layer was recognised"
+        elif space.ep_refusal:
+            why = space.ep_refusal
+        elif profile.template is not None:
+            why = "expert_parallel does not combine with capturing identical blocks once yet (block_capture)"
+        elif any(m.form == "loop" for m in layers):
+            why = "an MoE layer runs every expert on every token (a ModuleList loop): nothing to dispatch"
+        elif any(m.num_experts % ep for m in layers):
+            why = f"expert_parallel={ep} does not divide the experts of every MoE layer"
+        if why is None:
+            out.append(ep)
+        elif layers or space.expert_parallel:
+            if not any(r == why and x.expert_parallel == ep and (x.dp, x.pp, x.tp) == (dp, pp, tp)
+                       for x, r in rejected):
+                rejected.append((c, why))
+    return out
 
 
 def _ranked(estimates: list[Estimate], *, tie: float = TIE) -> list[Estimate]:
     """Fastest first; a run of estimates within ``tie`` of its fastest is ordered simplest first
-    (less ZeRO, less recomputation, fewer virtual stages): the model cannot tell them apart."""
+    (less ZeRO, less recomputation, fewer virtual stages, less ep): the model cannot tell them apart."""
     ordered = sorted(estimates, key=lambda e: e.step_time)
     out, i = [], 0
     while i < len(ordered):
@@ -427,7 +465,8 @@ def _ranked(estimates: list[Estimate], *, tie: float = TIE) -> list[Estimate]:
         while j < len(ordered) and ordered[j].step_time <= ordered[i].step_time * (1 + tie):
             j += 1
         out += sorted(ordered[i:j], key=lambda e: (e.candidate.zero_stage, RECOMPUTE.index(e.candidate.recompute),
-                                                   e.candidate.num_virtual, e.step_time))
+                                                   e.candidate.num_virtual, e.candidate.expert_parallel,
+                                                   e.step_time))
         i = j
     return out
 

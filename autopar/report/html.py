@@ -3,8 +3,9 @@
 :func:`render_report` takes what :func:`autopar.plan` returned and builds one HTML document with no
 external script, style sheet or image: the Plan (summary and JSON), the ranks of the mesh, the
 schedule (its action lists and a timeline drawn from the simulator as inline SVG), memory per
-rank, every distinct rewritten stage graph (one section per stage and tensor-parallel rank, with
-the ranks that run it), and the captured graph before any transform.
+rank, with expert parallelism which rank holds which experts and where tokens move
+(:mod:`autopar.report.experts_view`), every distinct rewritten stage graph (one section per stage and
+tensor-parallel rank, with the ranks that run it), and the captured graph before any transform.
 
     result = autopar.plan(model, {"dp": 2, "pp": 2, "tp": 2}, example_inputs=(tokens,), ...)
     write_report(result, "report.html")          # or: autopar inspect ... --html report.html
@@ -17,6 +18,7 @@ from pathlib import Path
 from autopar.errors import PlanError
 from autopar.planning import coords_of
 from autopar.report.collect import graph_groups, original_graph
+from autopar.report.experts_view import expert_placement, experts_html
 from autopar.report.graph_view import graph_section, legend_html, original_section, stage_color
 from autopar.report.memory_view import memory_html, rank_memory
 from autopar.report.timeline import simulate_plan, timeline_svg
@@ -47,6 +49,7 @@ svg.strip{display:block;margin:6px 0;border:1px solid #ddd}
 .legend-item.k-send{background:#e8dcf7}.legend-item.k-param{color:#777}
 table.memory td.bar{width:380px}.stack{display:flex;height:14px;background:#f2f2f2;width:380px}
 .stack .seg{display:block;height:100%}.key{display:inline-block;width:10px;height:10px;margin:0 3px 0 8px}
+td.experts{font-family:ui-monospace,Menlo,monospace;text-align:center}
 .figures td{padding-right:18px}.stage-chip{display:inline-block;width:10px;height:10px;margin-right:4px}
 """
 
@@ -110,19 +113,21 @@ def render_report(result, *, title: str | None = None) -> str:
     plan = result.plan
     title = title or f"autopar report: {plan.model_name} on {plan.mesh}"
     groups = graph_groups(result)
+    placement = expert_placement(result, groups)  # None without expert parallelism
     sections = [
         _plan_section(result),
         _ranks_section(result, groups),
         _schedule_section(result),
         f'<section id="memory"><h2>Memory per rank</h2>{memory_html(rank_memory(result))}</section>',
+        *([f'<section id="experts"><h2>Experts</h2>{experts_html(placement)}</section>'] if placement else []),
         f'<section id="graphs"><h2>Rewritten graphs</h2><p>{len(groups)} distinct stage graphs: one per stage and '
         f"tensor-parallel rank. Collectives and pipeline transfers are nodes of the graph.</p>{legend_html()}"
         + "".join(graph_section(g, open_=i == 0) for i, g in enumerate(groups)) + "</section>",
         f'<section id="captured"><h2>Before</h2>{original_section(original_graph(result))}</section>',
     ]
-    nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (("plan", "Plan"), ("ranks", "Ranks"), ("schedule", "Schedule"),
-                                                          ("memory", "Memory"), ("graphs", "Graphs"),
-                                                          ("captured", "Before")))
+    links = (("plan", "Plan"), ("ranks", "Ranks"), ("schedule", "Schedule"), ("memory", "Memory"),
+             *((("experts", "Experts"),) if placement else ()), ("graphs", "Graphs"), ("captured", "Before"))
+    nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in links)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
             f"<h1>{escape(title)}</h1><nav>{nav}</nav>" + "".join(sections) + "</body></html>\n")

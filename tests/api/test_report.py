@@ -179,3 +179,49 @@ def test_report_to_a_missing_folder_exits_2(tmp_path, capsys):
 def test_a_result_without_its_captured_graph_is_refused():
     with pytest.raises(PlanError, match="holds no captured graph"):
         original_graph(types.SimpleNamespace(captured=None))
+
+
+@pytest.fixture(scope="module")
+def moe_page():
+    import torch
+
+    from autopar.models.moe import build_moe, moe_loss
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (8, 16))
+    result = autopar.plan(build_moe("switch"), {"dp": 2}, example_inputs=(idx,), loss_fn=moe_loss,
+                          example_target=idx, expert_parallel=2, num_microbatches=1, moe_capacity_factor=1.5)
+    return result, render_report(result)
+
+
+def _cells(row: str) -> list[str]:
+    return [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+
+
+def test_expert_placement_table_gives_each_ranks_experts_and_groups(moe_page, page):
+    result, moe = moe_page
+    section = re.search(r'<section id="experts">.*?</section>', moe, flags=re.S).group(0)
+    head = re.findall(r"<th>(.*?)</th>", section.split("</tr>")[0])
+    assert head[-2:] == ["blocks.0.moe", "blocks.1.moe"]  # one column per MoE layer
+    rows = [_cells(r) for r in re.findall(r'<tr class="expert-row" id="experts-rank-\d">(.*?)</tr>', section)]
+    # rank, dp, pp, tp, ep rank, ep group, edp group, then the experts of each layer (4 experts over ep=2)
+    assert rows == [["rank 0", "0", "0", "0", "0", "0, 1", "0", "0\u20131", "0\u20131"],
+                    ["rank 1", "1", "0", "0", "1", "0, 1", "1", "2\u20133", "2\u20133"]]
+    assert '<a href="#experts">Experts</a>' in moe
+    assert 'id="experts"' not in page and "#experts" not in page  # without expert parallelism: no section
+
+
+def test_token_movement_lists_each_layers_all_to_all_nodes_on_each_rank(moe_page):
+    from autopar.runtime.moe_ops import moe_exchange_nodes
+
+    result, page = moe_page
+    graph = graph_groups(result)[0].graph.gm
+    names = [n.name for n in moe_exchange_nodes(graph)]
+    assert names == ["moe_dispatch_0", "moe_combine_0", "moe_dispatch_1", "moe_combine_1"]
+    rows = [_cells(r) for r in re.findall(r'<tr class="exchange-row">(.*?)</tr>', page, flags=re.S)]
+    assert [(r[0], r[1], r[3]) for r in rows] == [
+        (f"blocks.{i}.moe", f"rank {k}", f"moe_dispatch_{i} moe_combine_{i}") for i in (0, 1) for k in (0, 1)]
+    # the group each all-to-all runs over; the capacity: ceil(1.5 * 64 rows / 4 experts) of a rank's
+    # 4 samples x 16 tokens x top-1 rows
+    assert {r[4] for r in rows} == {"all_to_all over ep: ranks 0, 1"}
+    assert {r[5] for r in rows} == {"capacity factor 1.5: at most 24 of its 64 rows to each expert"}

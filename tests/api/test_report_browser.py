@@ -81,3 +81,23 @@ def test_chromium_screenshot_is_not_blank(report, tmp_path):
     assert non_white > 0.05 * 1280 * 1800
     pixels = {rgb for _count, rgb in colors}
     assert (0x4C, 0x72, 0xB0) in pixels and (0x55, 0xA8, 0x68) in pixels  # the timeline's F and B bars
+
+
+def test_chromium_renders_the_expert_placement_and_its_links(tmp_path):
+    import torch
+
+    from autopar.models.moe import build_moe, moe_loss
+
+    browser = _browser()
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (8, 16))
+    result = autopar.plan(build_moe("switch"), {"dp": 2}, example_inputs=(idx,), loss_fn=moe_loss,
+                          example_target=idx, expert_parallel=2, num_microbatches=1)
+    path = write_report(result, tmp_path / "moe.html")
+    done = _run(browser, "--dump-dom", path.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert len(re.findall(r'<tr class="expert-row" id="experts-rank-\d">', dom)) == 2  # one row per rank
+    assert len(re.findall(r'<tr class="exchange-row">', dom)) == 4  # 2 layers x 2 ranks
+    targets = set(re.findall(r'<a href="#(graph-s\d-t\d)"><code class="exchange', dom))
+    assert targets and all(f'id="{t}"' in dom for t in targets)  # each node links to its graph's section

@@ -58,11 +58,14 @@ def _ckpt_pair(name, saved_on, resumed_on):
 
 
 CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP)]
+# compile(plan="auto") on a cluster where replicated experts do not fit: the planner picks ep=2
+AUTO = Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:auto_train",
+            options=(("zero_stage", 0), ("num_microbatches", 1), ("recompute", "none")))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values())
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + [AUTO]
              + [c for pair in CKPT for c in pair] if c.world_size == world]
     root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
     os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
@@ -211,3 +214,16 @@ def test_bf16_zero1_with_split_experts_equals_zero0():
     assert zero1["losses"] == zero0["losses"]
     for key, value in zero0["state"].items():
         assert torch.equal(zero1["state"][key], value), key
+
+
+def test_plan_auto_splits_the_experts_where_replicated_ones_do_not_fit():
+    result = _results(AUTO.world_size)[AUTO]
+    plan = json.loads(result["plan"])
+    assert plan["expert_parallel"] == 2 and plan["mesh"]["dp"] == 2
+    for rank in result["rank_results"]:  # the planner's own figures: split experts fit, replicated ones do not
+        assert rank["needs"][1] < rank["needs"][0]
+    assert_equivalent(AUTO, result, _reference(AUTO))
+    full = sum(p.numel() for n, p in moe_runners.build(AUTO).named_parameters() if n in set(plan["expert_params"]))
+    for rank in result["rank_results"]:
+        assert rank["expert_elements"] == full // 2
+        assert rank["all_to_all"] == (2 * LAYERS, 2 * LAYERS)
