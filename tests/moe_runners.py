@@ -148,8 +148,7 @@ def train(case: Case, mesh) -> dict:
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
     state = program.full_state_dict()
-    pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
-        ep > 1 and program.plan.mesh.tp > 1 else None
+    pretrained = _pretrained_round_trip(case, program, state) if pretrained_round_trip(case) else None
     from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
@@ -157,12 +156,22 @@ def train(case: Case, mesh) -> dict:
             "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
 
 
+def pretrained_round_trip(case: Case) -> bool:
+    """Does ``train`` save this case with ``save_pretrained``? Split experts cut further: over tp, or into
+    ZeRO-3 blocks over edp (dp > ep)."""
+    options, (dp, _, tp) = dict(case.options), case.mesh
+    ep = options.get("expert_parallel", 1)
+    return case.model.startswith(HF_PREFIX) and ep > 1 and (tp > 1 or (options.get("zero_stage") == 3 and dp > ep))
+
+
 def _pretrained_round_trip(case: Case, program, state: dict):
     """``save_pretrained`` of split experts, read back by transformers on rank 0: the keys whose weights differ."""
     import os
     import autopar.hf
     import torch.distributed as dist
-    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}"))
+    mesh = "x".join(map(str, case.mesh))  # one folder per case
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}-{mesh}-"
+                                                              f"z{dict(case.options)['zero_stage']}"))
     if dist.get_rank() != 0:
         return None
     back = type(build(case)).from_pretrained(folder).state_dict()
