@@ -187,7 +187,9 @@ def _recompute(st: LoweringState, *, s: _Setting) -> LoweringState:
 
 
 def _zero3(st: LoweringState, *, s: _Setting) -> LoweringState:
-    return replace(st, stages=tuple(shard_parameters_zero3(g, dp=s.plan.mesh.dp) for g in st.stages))
+    experts = frozenset(user_name(t) for t in st.experts)  # MoE experts split over ep: sharded over edp = dp / ep
+    return replace(st, stages=tuple(shard_parameters_zero3(g, dp=s.plan.mesh.dp, experts=experts,
+                                                           ep=s.plan.expert_parallel) for g in st.stages))
 
 
 def _sharding_steps(s: _Setting) -> list[PassStep]:

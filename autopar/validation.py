@@ -208,18 +208,12 @@ def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str
         return None
     if mesh.dp % ep:
         return f"expert_parallel={ep} does not divide dp={mesh.dp}", f"use an expert_parallel that divides {mesh.dp}"
-    if opts.zero_stage == 3:
-        return (f"expert_parallel={ep} with zero_stage=3: ZeRO-3 does not shard expert tensors over dp/ep yet",
-                "use zero_stage 0, 1 or 2")
     if opts.data_parallel != "ddp":
         return f"expert_parallel={ep} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
     if mesh.tp > 1 and opts.tensor_parallel and opts.sequence_parallel:
         return (f"expert_parallel={ep} with sequence_parallel is not supported yet: the rows an ep rank receives "
                 f"vary in number, and the experts' reduce-scatter on them needs a multiple of tp={mesh.tp}",
                 "drop sequence_parallel (ep with tp shards the experts without it)")
-    if opts.max_grad_norm is not None:
-        return (f"expert_parallel={ep} with max_grad_norm: the global norm does not count expert shards yet",
-                "drop max_grad_norm")
     return None
 
 

@@ -7,9 +7,15 @@ inserts, visibly in the stage graph:
 - ``zero3_gather_k = ZeroGather(*shards)`` just before the group's first use, with one
   ``getitem`` per parameter; every use now reads the gathered full parameter. Forward
   all-gathers (and starts the next group's gather: prefetch); backward reduce-scatters.
-- ``zero3_free_k = ZeroFree(last_use, *full_params)`` right after the group's last use; the
-  nodes that read ``last_use`` read ``zero3_free_k`` instead. Forward frees the full parameters;
+- ``zero3_free_k = ZeroFree(last_use, *full_params)`` right after the group's last use (a use of
+  a view of the parameters, such as a transposed weight, counts); the nodes that read ``last_use``
+  read ``zero3_free_k`` instead. Forward frees the full parameters;
   backward gathers them again (and prefetches the group whose free comes before: backward's next).
+
+Mixture-of-experts expert tensors split over ep (``experts``, :mod:`autopar.passes.moe_expert_parallel`)
+are grouped apart from the other parameters of their unit and sharded over ``edp``, the dp/ep ranks
+that hold the same experts, so a rank keeps 1/(ep * edp) = 1/dp of each expert tensor; with
+dp == ep (edp = 1) each rank already holds its experts alone and ZeRO-3 leaves them whole.
 
 Runtime behaviour is in :mod:`autopar.runtime.zero3_ops`. The parameters stay full-sized in the
 GraphModule, so a plan made in a plain process reads as the program; the runtime swaps in each
@@ -35,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
 from autopar.passes.pipeline_split import StageGraph
 from autopar.runtime.schedules.registry import splits_backward
@@ -62,8 +69,9 @@ def _is_trainable(gm: fx.GraphModule, node: fx.Node) -> bool:
     return isinstance(p, torch.nn.Parameter) and p.requires_grad and p.dtype.is_floating_point
 
 
-def zero3_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """get_attr nodes of trainable parameters, grouped by the unit of their first use (and dtype), in use order."""
+def zero3_groups(gm: fx.GraphModule, *, experts: frozenset[str] = frozenset()) -> list[list[fx.Node]]:
+    """get_attr nodes of trainable parameters, grouped by the unit of their first use (and dtype, and whether
+    they are ``experts``: user names of expert tensors split over ep), in use order."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict[tuple, list[fx.Node]] = {}
     first: dict[tuple, int] = {}
@@ -72,7 +80,8 @@ def zero3_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
             continue
         user = min(node.users, key=order.__getitem__)
         info = get_meta(user, MODULE)
-        unit = (info.unit if info is not None else node.target, gm.get_parameter(node.target).dtype)
+        unit = (info.unit if info is not None else node.target, gm.get_parameter(node.target).dtype,
+                user_name(node.target) in experts)
         groups.setdefault(unit, []).append(node)
         first[unit] = min(first.get(unit, order[user]), order[user])
     return [groups[u] for u in sorted(groups, key=first.__getitem__)]
@@ -84,15 +93,40 @@ def _token_after(node: fx.Node, order: dict) -> fx.Node:
     return max(items, key=order.__getitem__) if items else node
 
 
-def _insert_group(gm: fx.GraphModule, k: int, nodes: list[fx.Node], *, dp: int, num_groups: int) -> None:
+def _is_view(node: fx.Node) -> bool:
+    """Does ``node``'s output alias an input's storage (a view: transpose, view, expand, chunk, ...)?"""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _last_use(fulls: list[fx.Node], order: dict) -> fx.Node:
+    """The last node reading the full parameters' storage: their users, and through views the views' users
+    (a free after a transpose would leave the transposed weight pointing at freed storage)."""
+    last, frontier, seen = None, list(fulls), set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            last = user if last is None or order[user] > order[last] else last
+            if _is_view(user) or (user.target is operator.getitem and _is_view(node)):
+                frontier.append(user)
+    return last
+
+
+def _insert_group(gm: fx.GraphModule, k: int, nodes: list[fx.Node], *, dp: int, num_groups: int,
+                  axis: str = "dp", size: int | None = None) -> None:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_use = min((u for n in nodes for u in n.users), key=order.__getitem__)
     params = [gm.get_parameter(n.target) for n in nodes]
     name = f"zero3_gather_{k}"
-    gm.add_submodule(name, ZeroGather(size=dp, index=k, targets=tuple(n.target for n in nodes),
+    size = dp if size is None else size
+    gm.add_submodule(name, ZeroGather(size=size, index=k, targets=tuple(n.target for n in nodes),
                                       shapes=tuple(tuple(p.shape) for p in params), dtype=params[0].dtype,
-                                      next_gather=f"zero3_gather_{k + 1}" if k + 1 < num_groups else None))
+                                      next_gather=f"zero3_gather_{k + 1}" if k + 1 < num_groups else None,
+                                      axis=axis, divide_by=dp))
     with graph.inserting_before(first_use):
         attrs = []
         for n in nodes:
@@ -109,24 +143,29 @@ def _insert_group(gm: fx.GraphModule, k: int, nodes: list[fx.Node], *, dp: int, 
         n.replace_all_uses_with(full)
         graph.erase_node(n)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    last_use = max((u for f in fulls for u in f.users), key=order.__getitem__)
-    token = _token_after(last_use, order)
+    token = _token_after(_last_use(fulls, order), order)
     free_name = f"zero3_free_{k}"
-    gm.add_submodule(free_name, ZeroFree(size=dp, gather=name))
+    gm.add_submodule(free_name, ZeroFree(size=size, gather=name, axis=axis))
     with graph.inserting_after(token):
         free = graph.call_module(free_name, (token, *fulls))
     free.meta = {key: v for key, v in token.meta.items() if key in (TENSOR, MODULE)}
     token.replace_all_uses_with(free, delete_user_cb=lambda user: user is not free)
 
 
-def shard_parameters_zero3(stage: StageGraph, *, dp: int) -> StageGraph:
-    """Rewrite ``stage.gm`` in place for ZeRO-3 over ``dp`` ranks (a no-op for dp=1)."""
+def shard_parameters_zero3(stage: StageGraph, *, dp: int, experts: frozenset[str] = frozenset(),
+                           ep: int = 1) -> StageGraph:
+    """Rewrite ``stage.gm`` in place for ZeRO-3 over ``dp`` ranks (a no-op for dp=1); ``experts`` (user
+    names of the expert tensors split over ``ep``) over the dp/ep ranks holding the same experts."""
     if dp == 1:
         return stage
     gm = stage.gm
-    groups = zero3_groups(gm)
+    edp = dp // ep
+    groups = [g for g in zero3_groups(gm, experts=experts)
+              if edp > 1 or user_name(g[0].target) not in experts]  # edp = 1: each rank holds its experts alone
     for k, nodes in enumerate(groups):
-        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups))
+        on_edp = user_name(nodes[0].target) in experts
+        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups), axis="edp" if on_edp else "dp",
+                      size=edp if on_edp else dp)
     # backward meets the frees in reverse graph order: each prefetches the gather of the free before it
     frees = [gm.get_submodule(n.target) for n in gm.graph.nodes
              if n.op == "call_module" and isinstance(gm.get_submodule(n.target), ZeroFree)]

@@ -9,8 +9,13 @@ gradients it *counts* (:func:`counted_here`), and one all-reduce over the whole 
 - pipeline parallelism: parameters of different stages are summed; a weight tied across stages
   (``Plan.shared_params``, gradients already summed) is counted only on its first stage's rank;
 - data parallelism: after the dp reduction every replica holds the same gradient, so it is
-  counted on dp rank 0 only; under ZeRO-1/2 (owners) and ZeRO-3 (flat shards) each dp rank
-  counts what it owns (``ShardedOptimizer.owned_parameters``), which partitions the model.
+  counted on dp rank 0 only; under ZeRO-1/2 (owners) each dp rank counts what it owns
+  (``ShardedOptimizer.owned_parameters``), and a ZeRO-3 flat shard is counted on the rank holding it:
+  both partition the model;
+- expert parallelism: an expert tensor split over ep holds other experts on each rank of an ep
+  group and the same ones on the dp/ep ranks of its edp group (:mod:`autopar.runtime.moe_groups`),
+  so it is counted on the ranks of the first ep group (dp index < ep), each expert once; a
+  ZeRO-3 shard of it (over edp) on the rank holding it, as every ZeRO-3 shard.
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient.
 """
@@ -19,32 +24,40 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.passes.graph_names import user_name
 from autopar.runtime.collectives import issue
+from autopar.runtime.zero3_ops import zero3_targets
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_gradients"]
 
 
 def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[int],
-                 owned: set[str] | None) -> bool:
-    """Does this rank count ``name``'s gradient in the global norm?"""
+                 owned: set[str] | None, sharded: frozenset[str] = frozenset()) -> bool:
+    """Does this rank count ``name``'s gradient in the global norm? (``owned``: the ZeRO-1/2 parameters this
+    dp rank owns, None when nothing is owned whole; ``sharded``: those held as ZeRO-3 flat shards.)"""
     if name not in plan.param_shards and coords["tp"] != 0:
         return False
     stages = plan.shared_params.get(name)
     if stages and stage_to_pp[min(stages)] != coords["pp"]:
         return False
+    if name in sharded:
+        return True
+    if plan.expert_parallel > 1 and name in plan.expert_params:  # each ep rank of the first ep group: its experts
+        return coords["dp"] < plan.expert_parallel
     if owned is not None:
         return name in owned
     return coords["dp"] == 0
 
 
 def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
-                     stage_to_pp: list[int], owned: set[str] | None, group=None, guard=None) -> torch.Tensor:
+                     stage_to_pp: list[int], owned: set[str] | None, sharded: frozenset[str] = frozenset(),
+                     group=None, guard=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
     squares = torch.zeros((), dtype=torch.float64, device=named[0][1].device if named else None)
     for name, p in named:
         if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
-                                               owned=owned):
+                                               owned=owned, sharded=sharded):
             squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         issue("all_reduce", dist.all_reduce, squares, group=group, guard=guard, purpose="the global gradient norm")
@@ -54,10 +67,10 @@ def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coord
 @torch.no_grad()
 def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: float, plan,
                    coords: dict[str, int], stage_to_pp: list[int], owned: set[str] | None,
-                   group=None, guard=None) -> torch.Tensor:
+                   sharded: frozenset[str] = frozenset(), group=None, guard=None) -> torch.Tensor:
     """Scale every local gradient so the global norm is at most ``max_norm``; returns the norm before."""
-    total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned, group=group,
-                             guard=guard)
+    total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned,
+                             sharded=sharded, group=group, guard=guard)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, p in named:
         if p.grad is not None:
@@ -67,14 +80,14 @@ def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: flo
 
 def clip_program_gradients(program: ProgramState, *, max_norm: float) -> torch.Tensor:
     """Clip a RankProgram's gradients (after gradient sync, before the step); returns the global norm."""
-    plan, names = program.plan, {n for n, _ in program.named_params}
+    plan = program.plan
     owners = program.optimizer.owner_of() if hasattr(program.optimizer, "owner_of") else None
-    if plan.zero_stage == 3 and plan.mesh.dp > 1:
-        owned = names  # flat 1/N shards: each dp rank counts its own
-    elif owners is not None:
+    # flat ZeRO-3 shards (over dp; expert tensors over edp): each rank counts its own
+    sharded = frozenset(user_name(t) for s in program.stages.values() for t in zero3_targets(s.gm))
+    if owners is not None:
         owned = {n for n, k in owners.items() if k == program.info.coords["dp"]}
     else:
         owned = None  # replicated over dp: dp rank 0 counts
     return clip_grad_norm(program.named_params, max_norm=max_norm, plan=plan, coords=program.info.coords,
-                          stage_to_pp=list(program.schedule.stage_to_rank), owned=owned,
+                          stage_to_pp=list(program.schedule.stage_to_rank), owned=owned, sharded=sharded,
                           guard=program.comm_guard)

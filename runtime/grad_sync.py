@@ -7,6 +7,10 @@ after it, before the optimizer steps.
   backward runs* (:class:`autopar.runtime.ddp_buckets.GradBuckets`): all-reduced (DDP) or reduced
   to the parameter's owner (ZeRO-1/2). ZeRO-3 reduce-scatters inside the graph's backward
   (:mod:`autopar.passes.zero3`), so nothing is left to do here.
+- Mixture-of-experts experts split over ep: summed over the ranks holding the same experts (edp)
+  and divided by dp after backward (:func:`autopar.runtime.moe_groups.sync_expert_gradients`),
+  under ZeRO-3 too where it leaves them whole (edp = 1); those ZeRO-3 shards over edp reduce-scatter
+  in the graph like every other shard.
 - Parameters that live on several pipeline stages (a tied embedding and LM head) first have
   their gradients summed across the ranks holding them, by a p2p exchange inside the pp group,
   so they are left out of the overlapped buckets and reduced over dp after that exchange.
@@ -25,6 +29,8 @@ from autopar.runtime.comm_guard import CommGuard
 from autopar.runtime.ddp_buckets import GradBuckets
 from autopar.runtime.rank_context import RankContext
 from autopar.runtime.moe_groups import sync_expert_gradients
+from autopar.runtime.zero3_ops import zero3_targets
+from autopar.passes.graph_names import user_name
 
 __all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
 
@@ -103,13 +109,14 @@ class GradientSync:
         mode = getattr(plan, "data_parallel", "ddp")
         self.active = plan.mesh.dp > 1 and mode == "ddp" and plan.zero_stage != 3
         self.buckets = self.post = None
-        self.experts = []
+        named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
+        experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/moe_groups.py)
+        in_graph = {user_name(t) for r in zero3_runtimes for t in zero3_targets(r.gm)}  # ZeRO-3's reduce-scatters
+        self.experts = [p for n, p in named_params if n in experts and n not in in_graph] \
+            if plan.mesh.dp > 1 and mode == "ddp" else []
         if not self.active:
             return
         shared_ids = {id(p) for p, _ in shared}
-        named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
-        experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/moe_groups.py)
-        self.experts = [p for n, p in named_params if n in experts]
         named_params = [(n, p) for n, p in named_params if n not in experts]
         common = dict(dp=ctx.axis("dp"), bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
                       keep_unowned=plan.zero_stage <= 1, comm_log=ctx.comm_log, current_action=current_action)

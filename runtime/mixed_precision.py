@@ -156,7 +156,7 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
     """fp32 masters of every parameter of this rank's stages, from the user's fp32 model, cut as the
     program holds them (tensor-parallel shards; this ep rank's experts; ZeRO-3's flat 1/N blocks of the
     parameters it shards)."""
-    from autopar.runtime.zero3_ops import zero3_targets
+    from autopar.runtime.zero3_ops import zero3_shards
 
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
     names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))
@@ -168,7 +168,7 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
         masters = {n: t.chunk(ep, dim=0)[info.coords["dp"] % ep].clone() if n in experts else t
                    for n, t in masters.items()}
     if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
-        sharded = {user_name(t) for s in mine for t in zero3_targets(s.gm)}
-        masters = {n: zero3_block(t, rank=info.coords["dp"], size=info.shape.dp) if n in sharded else t
-                   for n, t in masters.items()}
+        sharded = {user_name(t): z for t, z in zero3_shards([s.gm for s in mine]).items()}  # experts: over edp
+        masters = {n: zero3_block(t, rank=sharded[n].index(dp_rank=info.coords["dp"], ep=ep), size=sharded[n].size)
+                   if n in sharded else t for n, t in masters.items()}
     return masters

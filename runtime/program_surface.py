@@ -165,8 +165,7 @@ class ProgramSurface:
     # -- the weights ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
-        named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()],
-                                group=self.info.groups["dp"], size=self.plan.mesh.dp)
+        named = full_parameters(self.parameter_values(), [s.gm for s in self.stages.values()])
         if self.plan.expert_parallel > 1:  # every ep rank's experts (runtime/moe_groups.py)
             named = full_expert_parameters(list(named), experts=self.plan.expert_params, group=self.info.groups["ep"],
                                            guard=self.comm_guard)

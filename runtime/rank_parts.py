@@ -101,7 +101,8 @@ def _rank_stages(lowered: LoweredStages, *, ctx: RankContext, schedule: Schedule
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
     _own_parameters(mine)
     if lowered.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
-        shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp)
+        shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp,
+                               ep=lowered.plan.expert_parallel)  # MoE experts: over edp = dp / ep
     refuse_meta_experts(lowered.plan, meta=materialize is not None)  # runtime/moe_groups.py
     if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
         materialize([s.gm for s in mine])
@@ -116,7 +117,7 @@ def _bind(mine: list[StageGraph], *, ctx: RankContext, channel: P2PChannel) -> t
         for module in stage.gm.modules():
             if isinstance(module, P2PNode):
                 module.bind(channel)
-    zero3 = [bind_zero3(s.gm, group=info.groups["dp"], size=info.shape.dp, comm_log=ctx.comm_log) for s in mine]
+    zero3 = [bind_zero3(s.gm, comm_log=ctx.comm_log) for s in mine]  # gathers over dp (experts: edp)
     return tuple(r for r in zero3 if r is not None)
 
 

@@ -43,17 +43,11 @@ class Held:
 
 
 # -- what this rank holds -----------------------------------------------------------------------
-def _zero3_shapes(program: ProgramState) -> dict[str, tuple[int, ...]]:
-    """{single-device name: tp-local shape} of the parameters held as flat ZeRO-3 shards (by name, so
-    their fp32 masters under bf16, flat blocks too, are found as well)."""
-    from autopar.runtime.zero3_ops import ZeroGather
-    shapes = {}
-    for stage in program.stages.values():
-        for module in stage.gm.modules():
-            if isinstance(module, ZeroGather):
-                for target, shape in zip(module.targets, module.shapes):
-                    shapes[user_name(target)] = tuple(shape)
-    return shapes
+def _zero3_shards(program: ProgramState) -> dict:
+    """{single-device name: :class:`~autopar.runtime.zero3_ops.Zero3Shard`} of the parameters held as flat
+    ZeRO-3 shards (by name, so their fp32 masters under bf16, flat blocks too, are found as well)."""
+    from autopar.runtime.zero3_ops import zero3_shards
+    return {user_name(t): z for t, z in zero3_shards([s.gm for s in program.stages.values()]).items()}
 
 
 def model_buffers(program: ProgramState) -> list[tuple[str, torch.Tensor]]:
@@ -75,7 +69,7 @@ def model_buffers(program: ProgramState) -> list[tuple[str, torch.Tensor]]:
 def held_tensors(program: ProgramState) -> list[Held]:
     """Every parameter and persistent buffer this rank holds, with its layout."""
     plan, coords = program.plan, program.info.coords
-    z3 = _zero3_shapes(program)
+    z3 = _zero3_shards(program)  # flat blocks over dp, or over edp (dp / ep) for expert tensors
     ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
     experts = set(plan.expert_params) if ep > 1 else set()
     held = []
@@ -88,7 +82,7 @@ def held_tensors(program: ProgramState) -> list[Held]:
                 where=f"parameter {name}, rank {program.info.rank}",
                 fix="use full_state_dict() to take the weights out, or tensor_parallel=False / a tp that keeps "
                     "the fused projection in equal blocks")
-        local = z3.get(name, tuple(p.shape))
+        local = z3[name].shape if name in z3 else tuple(p.shape)
         shape = list(local)
         ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
         if spec is not None:
@@ -97,8 +91,9 @@ def held_tensors(program: ProgramState) -> list[Held]:
             shape[0] *= ep
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
         layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                        z3=plan.mesh.dp if name in z3 else None, ep=ep if name in experts else None)
-        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, coords["dp"], "param",
+                        z3=z3[name].size if name in z3 else None, ep=ep if name in experts else None)
+        z_index = z3[name].index(dp_rank=coords["dp"], ep=ep) if name in z3 else coords["dp"]
+        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, z_index, "param",
                          ep_index=coords["dp"] % ep if name in experts else 0))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))

@@ -15,19 +15,26 @@
 Layout: each parameter is flattened and zero-padded to a multiple of N; rank r holds block r.
 A group's shards are concatenated, so one collective serves the whole group.
 :func:`shard_zero3_parameters` replaces a stage graph's full parameters with this rank's shards.
+
+Axes: a group is sharded over ``dp`` (N = dp, rank r = the dp index), or, for mixture-of-experts
+expert tensors split over ep, over ``edp``, the dp/ep ranks holding the same experts (N = dp/ep,
+rank r = dp index // ep: :mod:`autopar.runtime.moe_groups`). Either way the reduce-scattered
+gradient is divided by dp (``divide_by``): an expert's gradient already sums every token of its ep
+group, so its sum over edp divided by dp is the dp mean every other parameter gets.
 """
 from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 
-__all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "shard_zero3_parameters", "full_parameters",
-           "bind_zero3", "padded_numel", "zero3_targets"]
+__all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "Zero3Shard", "shard_zero3_parameters", "full_parameters",
+           "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards", "shard_index"]
 
 
 def padded_numel(numel: int, size: int) -> int:
@@ -35,21 +42,40 @@ def padded_numel(numel: int, size: int) -> int:
     return math.ceil(numel / size) * size
 
 
-class Zero3Runtime:
-    """One stage graph's ZeRO-3 state at run time: the dp group, the comm log, prefetched gathers."""
+def shard_index(axis: str, *, dp_rank: int, ep: int = 1) -> int:
+    """This rank's block of a group sharded over ``axis``: its dp index (``dp``) or its edp index (``edp``)."""
+    return dp_rank if axis == "dp" else dp_rank // ep
 
-    def __init__(self, gm, *, group, size: int, comm_log=None):
-        self.gm, self.group, self.size, self.comm_log = gm, group, size, comm_log
+
+@dataclass(frozen=True)
+class Zero3Shard:
+    """How a graph holds one ZeRO-3 parameter: its (tp-local) shape, the mesh axis and size it is sharded over."""
+
+    shape: tuple[int, ...]
+    axis: str
+    size: int
+
+    def index(self, *, dp_rank: int, ep: int = 1) -> int:
+        """The block this rank (dp index ``dp_rank``) holds."""
+        return shard_index(self.axis, dp_rank=dp_rank, ep=ep)
+
+
+class Zero3Runtime:
+    """One stage graph's ZeRO-3 state at run time: the comm log and prefetched gathers (each gather
+    communicates over the group its axis is bound to: :func:`autopar.runtime.collectives.bind_collectives`)."""
+
+    def __init__(self, gm, *, comm_log=None):
+        self.gm, self.comm_log = gm, comm_log
         self.pending: dict[tuple[str, int], tuple] = {}
 
     def start(self, gather: "ZeroGather", purpose: str):
         """Start an async all-gather of ``gather``'s group; returns (work, [N, S] buffer)."""
         shards = [self.gm.get_parameter(t).detach() for t in gather.targets]
         flat = torch.cat([s.reshape(-1) for s in shards])
-        out = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        work = comm.all_gather_into(out, flat, group=self.group, size=self.size, log=self.comm_log,
+        out = torch.empty(gather.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        work = comm.all_gather_into(out, flat, group=gather.group, size=gather.size, log=self.comm_log,
                                     purpose=purpose, async_op=True)
-        return work, out.view(self.size, -1)
+        return work, out.view(gather.size, -1)
 
     def take(self, gather: "ZeroGather", phase: str):
         """The group's gathered [N, S] buffer: the prefetched one, or gathered now."""
@@ -118,9 +144,9 @@ class _Gather(torch.autograd.Function):
                 inp[:, offset: offset + block] = padded.view(n, block)
             offset += block
         out = torch.empty(sum(blocks), dtype=module.dtype, device=device)
-        comm.reduce_scatter_into(out, inp.view(-1), group=module.runtime.group, size=n,
+        comm.reduce_scatter_into(out, inp.view(-1), group=module.group, size=n,
                                  log=module.runtime.comm_log, purpose="zero3_reduce_scatter")
-        out.div_(n)
+        out.div_(module.divide_by)
         for ref in ctx.fulls:
             full = ref()
             if full is not None:
@@ -149,14 +175,18 @@ class _Free(torch.autograd.Function):
 
 
 class ZeroGather(GraphCollective):
-    """All-gather a group of dp-sharded parameters (forward); reduce-scatter their gradients (backward)."""
+    """All-gather a group of sharded parameters (forward); reduce-scatter their gradients (backward).
+
+    ``axis``: ``dp``, or ``edp`` for expert tensors split over ep; ``divide_by``: the mean's divisor of the
+    reduce-scattered gradients (dp for both axes; default ``size``)."""
 
     kind = "all_gather(forward), reduce_scatter(backward)"
 
     def __init__(self, *, size: int, index: int, targets: tuple[str, ...], shapes: tuple, dtype: torch.dtype,
-                 next_gather: str | None = None):
-        super().__init__(axis="dp", size=size)
+                 next_gather: str | None = None, axis: str = "dp", divide_by: int | None = None):
+        super().__init__(axis=axis, size=size)
         self.index, self.targets, self.dtype, self.next_gather = index, tuple(targets), dtype, next_gather
+        self.divide_by = size if divide_by is None else divide_by
         self.shapes = tuple(tuple(s) for s in shapes)
         self.numels = tuple(math.prod(s) for s in self.shapes)
         self.runtime = None
@@ -169,7 +199,7 @@ class ZeroGather(GraphCollective):
         return tuple(torch.empty(s, dtype=self.dtype, device=shards[0].device if shards else "cpu") for s in self.shapes)
 
     def extra_repr(self) -> str:
-        return f"axis='dp', size={self.size}, params={len(self.targets)}"
+        return f"axis={self.axis!r}, size={self.size}, params={len(self.targets)}"
 
 
 class ZeroFree(GraphCollective):
@@ -177,8 +207,8 @@ class ZeroFree(GraphCollective):
 
     kind = "free(forward), all_gather(backward)"
 
-    def __init__(self, *, size: int, gather: str, prev_gather: str | None = None):
-        super().__init__(axis="dp", size=size)
+    def __init__(self, *, size: int, gather: str, prev_gather: str | None = None, axis: str = "dp"):
+        super().__init__(axis=axis, size=size)
         self.gather, self.prev_gather = gather, prev_gather
         self._gather_ref = None
 
@@ -193,7 +223,7 @@ class ZeroFree(GraphCollective):
         return torch.empty_like(token)
 
     def extra_repr(self) -> str:
-        return f"axis='dp', size={self.size}, gather={self.gather!r}"
+        return f"axis={self.axis!r}, size={self.size}, gather={self.gather!r}"
 
 
 def _gathers(gm) -> list[ZeroGather]:
@@ -205,29 +235,39 @@ def zero3_targets(gm) -> list[str]:
     return [t for gather in _gathers(gm) for t in gather.targets]
 
 
-def shard_zero3_parameters(gms: list, *, dp_rank: int, dp_size: int) -> None:
-    """Replace each gathered parameter of ``gms`` by this rank's flat 1/N shard (ties kept)."""
+def zero3_shards(gms: list) -> dict[str, Zero3Shard]:
+    """{graph target: its :class:`Zero3Shard`} of every parameter the graphs hold as flat ZeRO-3 blocks."""
+    return {t: Zero3Shard(tuple(shape), gather.axis, gather.size) for gm in gms for gather in _gathers(gm)
+            for t, shape in zip(gather.targets, gather.shapes)}
+
+
+def shard_zero3_parameters(gms: list, *, dp_rank: int, dp_size: int, ep: int = 1) -> None:
+    """Replace each gathered parameter of ``gms`` by this rank's flat 1/N shard (ties kept): N = ``dp_size``
+    over dp, ``dp_size // ep`` over edp (expert tensors split over ``ep``)."""
+    sizes = {"dp": dp_size, "edp": dp_size // ep}
     shards: dict[int, torch.nn.Parameter] = {}
     for gm in gms:
         for gather in _gathers(gm):
+            size, rank = sizes[gather.axis], shard_index(gather.axis, dp_rank=dp_rank, ep=ep)
+            assert gather.size == size, (gather.axis, gather.size, size)
             for target in gather.targets:
                 full = gm.get_parameter(target)
                 if id(full) not in shards:
-                    block = padded_numel(full.numel(), dp_size) // dp_size
-                    flat = torch.zeros(block * dp_size, dtype=full.dtype, device=full.device)
+                    block = padded_numel(full.numel(), size) // size
+                    flat = torch.zeros(block * size, dtype=full.dtype, device=full.device)
                     flat[:full.numel()] = full.detach().reshape(-1)
-                    shards[id(full)] = torch.nn.Parameter(flat[dp_rank * block:(dp_rank + 1) * block].clone(),
+                    shards[id(full)] = torch.nn.Parameter(flat[rank * block:(rank + 1) * block].clone(),
                                                           requires_grad=full.requires_grad)
                 owner, _, leaf = target.rpartition(".")
                 setattr(gm.get_submodule(owner) if owner else gm, leaf, shards[id(full)])
 
 
-def bind_zero3(gm, *, group, size: int, comm_log=None) -> Zero3Runtime | None:
-    """Give ``gm``'s ZeRO-3 nodes their run-time state; None if the graph has none."""
+def bind_zero3(gm, *, comm_log=None) -> Zero3Runtime | None:
+    """Give ``gm``'s ZeRO-3 nodes their run-time state (after ``bind_collectives``); None if it has none."""
     gathers = _gathers(gm)
     if not gathers:
         return None
-    runtime = Zero3Runtime(gm, group=group, size=size, comm_log=comm_log)
+    runtime = Zero3Runtime(gm, comm_log=comm_log)
     for gather in gathers:
         gather.runtime = runtime
     for module in gm.modules():
@@ -236,21 +276,24 @@ def bind_zero3(gm, *, group, size: int, comm_log=None) -> Zero3Runtime | None:
     return runtime
 
 
-def full_parameters(named: list[tuple[str, torch.nn.Parameter]], gms: list, *, group, size: int):
-    """(name, full tensor) for every parameter: ZeRO-3 shards all-gathered over dp, others as they are."""
+def full_parameters(named: list[tuple[str, torch.nn.Parameter]], gms: list):
+    """(name, full tensor) for every parameter: ZeRO-3 shards all-gathered over their gather's bound group
+    (dp, or edp for expert tensors: still this ep rank's experts), others as they are."""
     layout, by_name = {}, {}
     for gm in gms:
         for gather in _gathers(gm):
             for target, shape in zip(gather.targets, gather.shapes):
-                layout[id(gm.get_parameter(target))] = shape
-                by_name[target.partition(".")[2]] = shape  # user name: bf16 runs gather their fp32 masters
+                layout[id(gm.get_parameter(target))] = (shape, gather)
+                by_name[target.partition(".")[2]] = (shape, gather)  # user name: bf16 runs gather their fp32 masters
     out = []
     for name, p in named:
-        shape = layout.get(id(p), by_name.get(name))
-        if shape is None:
+        found = layout.get(id(p), by_name.get(name))
+        if found is None:
             out.append((name, p))
             continue
-        buffer = torch.empty(size * p.numel(), dtype=p.dtype, device=p.device)
-        comm.all_gather_into(buffer, p.detach().contiguous(), group=group, size=size, log=None, purpose="state_dict")
+        shape, gather = found
+        buffer = torch.empty(gather.size * p.numel(), dtype=p.dtype, device=p.device)
+        comm.all_gather_into(buffer, p.detach().contiguous(), group=gather.group, size=gather.size, log=None,
+                             purpose="state_dict")
         out.append((name, buffer[:math.prod(shape)].view(shape)))
     return out

@@ -44,17 +44,22 @@ def _loss(model, batch):
 
 
 def reference(case: Case) -> dict:
-    """One device: losses per step and the final state_dict."""
+    """One device: losses per step, the final state_dict, and the gradient norms torch's clipping saw
+    (with ``max_grad_norm``)."""
     model = build(case)
     opt = make_optimizer(case)(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
+    max_norm = dict(case.options).get("max_grad_norm")
     for batch in batches(case):
         opt.zero_grad()
         loss = _loss(model, batch)
         loss.backward()
+        if max_norm is not None:  # torch's clipping is the reference for autopar's
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grad_norms": norms}
 
 
 def _dropped(program) -> tuple[int, int]:
@@ -124,23 +129,31 @@ def _compile(case: Case, mesh, model=None, more: dict | None = None):
     return program, step, data
 
 
+def _norm(program) -> float | None:
+    """The last step's global gradient norm before clipping (None without max_grad_norm)."""
+    return None if program.last_grad_norm is None else program.last_grad_norm.item()
+
+
 def train(case: Case, mesh, more: dict | None = None) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
     program, step, data = _compile(case, mesh, more=more)
-    losses = [step(b).item() for b in data[:-1]]
+    losses, norms = [], []
+    for b in data[:-1]:
+        losses.append(step(b).item())
+        norms.append(_norm(program))
     with _CountExchanges() as counted:
         losses.append(step(data[-1]).item())
+    norms.append(_norm(program))
     record = replica_record(program)
     ep = program.plan.expert_parallel
     coords = dict(record["coords"])
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
     state = program.full_state_dict()
-    pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
-        ep > 1 and program.plan.mesh.tp > 1 else None
+    pretrained = _pretrained_round_trip(case, program, state) if pretrained_round_trip(case) else None
     from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
-            "dropped": _dropped(program), **record, **_expert_record(program),
+            "dropped": _dropped(program), **record, **_expert_record(program), "grad_norms": norms,
             "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
 
 
@@ -158,12 +171,22 @@ def auto_train(case: Case, mesh) -> dict:
     return {**train(case, mesh, more={"plan": "auto", "cluster": tight}), "needs": need}
 
 
+def pretrained_round_trip(case: Case) -> bool:
+    """Does ``train`` save this case with ``save_pretrained``? Split experts cut further: over tp, or into
+    ZeRO-3 blocks over edp (dp > ep)."""
+    options, (dp, _, tp) = dict(case.options), case.mesh
+    ep = options.get("expert_parallel", 1)
+    return case.model.startswith(HF_PREFIX) and ep > 1 and (tp > 1 or (options.get("zero_stage") == 3 and dp > ep))
+
+
 def _pretrained_round_trip(case: Case, program, state: dict):
     """``save_pretrained`` of split experts, read back by transformers on rank 0: the keys whose weights differ."""
     import os
     import autopar.hf
     import torch.distributed as dist
-    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}"))
+    mesh = "x".join(map(str, case.mesh))  # one folder per case
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}-{mesh}-"
+                                                              f"z{dict(case.options)['zero_stage']}"))
     if dist.get_rank() != 0:
         return None
     back = type(build(case)).from_pretrained(folder).state_dict()

@@ -118,7 +118,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
         params, buffers, owned = groups[(c["pp"], c["tp"])]
         states: StateFigures = state_figures(params, buffers, zero_stage=zero, dp=shape.dp, dp_index=c["dp"],
                                              precision=plan.precision, optimizer=optimizer, owned=owned,
-                                             local=local)
+                                             local=local, ep=plan.expert_parallel)
         peak, count, saved = activations[c["pp"]]
         ranks[rank] = RankMemory(rank=rank, coords=dict(c), params=states.params,
                                  master_params=states.master_params, grads=states.grads,

@@ -7,7 +7,9 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
   so a meta-device model costs nothing;
 - ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
   (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
-  trainable parameter (flattened, zero-padded to a multiple of dp);
+  trainable parameter (flattened, zero-padded to a multiple of dp), and of an expert tensor split over
+  ep (``local``) ``ceil(n / (dp / ep))`` of its ep-local ``n`` (ZeRO-3 shards it over the dp/ep
+  ranks holding the same experts; whole where dp == ep);
 - ``precision="bf16"`` keeps a bf16 compute copy of every parameter and fp32 gradients, and an fp32
   master where the parameter is stepped: the master is optimizer state (ZeRO's K = 12 bytes per
   parameter for mixed-precision Adam), so ZeRO-1/2 keep it on the owner only and ZeRO-3 keeps the
@@ -86,8 +88,9 @@ def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = fr
 
 def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dp: int, dp_index: int,
                   precision: str, optimizer: str, owned: list[list[str]] | None = None,
-                  local: frozenset[str] = frozenset()) -> StateFigures:
-    """Model-state bytes of the rank at ``dp_index`` holding ``params`` (``local``: see :func:`owned_names`)."""
+                  local: frozenset[str] = frozenset(), ep: int = 1) -> StateFigures:
+    """Model-state bytes of the rank at ``dp_index`` holding ``params`` (``local``: see :func:`owned_names`,
+    split over ``ep`` ranks of dp)."""
     if optimizer not in OPTIMIZER_STATE:
         raise PlanError(f"unknown optimizer kind {optimizer!r}", where="estimate_memory(optimizer=...)",
                         fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
@@ -95,7 +98,8 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
     sharded3 = zero_stage == 3 and dp > 1
 
     def held(p: ParamEntry) -> int:  # elements of p this rank keeps
-        return -(-p.numel // dp) if sharded3 and p.trainable else p.numel
+        ways = dp // ep if p.name in local else dp  # expert tensors: ZeRO-3 over edp = dp / ep
+        return -(-p.numel // ways) if sharded3 and p.trainable else p.numel
 
     trainable = [p for p in params if p.trainable]
     if zero_stage in (1, 2) and dp > 1:

@@ -260,13 +260,14 @@ class _Frontier:
 
 
 def constraint(c: Candidate) -> str | None:
-    """Why the runtime refuses ``c``'s combination of schedule, ZeRO stage and recomputation, if it does."""
+    """Why the runtime refuses ``c``'s combination of schedule, ZeRO stage, recomputation and ep (or the planner
+    cannot cost it yet), if it does."""
     if c.zero_stage == 3 and c.dp > 1 and splits_backward(c.schedule):
         return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
                 f"graph's reduce-scatter")
     if c.zero_stage == 3 and c.expert_parallel > 1:
-        return (f"ZeRO-3 does not shard expert tensors over dp/ep yet (expert_parallel={c.expert_parallel}, "
-                f"docs/moe.md)")
+        return (f"the planner does not cost ZeRO-3 of expert tensors over dp/ep yet (expert_parallel="
+                f"{c.expert_parallel}; compile runs it when asked, docs/moe.md)")
     if c.recompute == "selective" and splits_backward(c.schedule):
         return f"selective recompute does not combine with {c.schedule}: its W action walks each recomputed region " \
                f"a second time"

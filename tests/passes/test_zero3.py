@@ -66,3 +66,79 @@ def test_plan_records_the_data_parallel_choice():
     assert "ZeRO stage 3 over dp (ddp, 25 MB buckets)" in plan.summary()
     with pytest.raises(PlanError, match="bucket_mb"):
         _plan(bucket_mb=0)
+
+
+def _moe_plan(dp):
+    from autopar.models.moe import build_moe, moe_loss
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (8, 16))
+    return autopar.plan(build_moe("switch"), {"dp": dp}, example_inputs=(idx,), loss_fn=moe_loss,
+                        example_target=idx, expert_parallel=2, zero_stage=3, num_microbatches=1)
+
+
+def _gathers_by_axis(result):
+    from autopar.passes.graph_names import user_name
+    gm = result.graph(0)
+    out = {}
+    for node in collective_nodes(gm, ZeroGather):
+        gather = gm.get_submodule(node.target)
+        out.setdefault((gather.axis, gather.size, gather.divide_by), set()).update(user_name(t) for t in gather.targets)
+    return out
+
+
+def test_expert_tensors_are_gathered_over_the_ranks_holding_the_same_experts():
+    result = _moe_plan(4)  # ep=2 of dp=4: each expert tensor over edp = 2 ranks, its gradient divided by dp
+    by_axis = _gathers_by_axis(result)
+    assert set(by_axis) == {("dp", 4, 4), ("edp", 2, 4)}
+    assert by_axis[("edp", 2, 4)] == set(result.plan.expert_params)
+    assert not by_axis[("dp", 4, 4)] & set(result.plan.expert_params)
+    assert "axis='edp', size=2" in str(result.graph(0))
+
+
+def test_experts_stay_whole_when_dp_equals_ep():
+    result = _moe_plan(2)  # edp = 1: every rank already holds its experts alone
+    by_axis = _gathers_by_axis(result)
+    assert set(by_axis) == {("dp", 2, 2)} and not by_axis[("dp", 2, 2)] & set(result.plan.expert_params)
+
+
+def test_memory_calculator_counts_zero3_expert_shards():
+    from autopar.memory import estimate_memory
+    for dp, ways in ((4, 2), (2, 1)):  # expert tensors over edp = dp / ep, everything else over dp
+        result = _moe_plan(dp)
+        gm = result.graph(0)
+        experts = set(result.plan.expert_params)
+        elements = 0
+        for target, p in gm.named_parameters():
+            ways_here = ways if target.partition(".")[2] in experts else dp
+            elements += -(-p.numel() // ways_here)
+        assert estimate_memory(result, optimizer="sgd").ranks[0].params == 4 * elements  # fp32
+
+
+class _TransposedWeight(torch.nn.Module):
+    """A weight read only through its transpose: the transpose is the weight's one direct user."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(x @ self.w.t()))
+
+
+def test_free_follows_the_uses_of_a_view_of_the_weight():
+    from autopar.passes.zero3 import _is_view
+    x = torch.randn(8, 8)
+    gm = autopar.plan(_TransposedWeight(), (2, 1, 1), example_inputs=(x,), zero_stage=3,
+                      loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y),
+                      example_target=torch.randn(8, 2)).graph(0)
+    assert "torch.ops.aten.t.default(getitem" in gm.code  # the weight is read through its transpose
+    for free in collective_nodes(gm, ZeroFree):
+        views, frontier = set(), list(free.args[1:])
+        while frontier:  # every view of the freed parameters
+            for user in frontier.pop().users:
+                if _is_view(user) and user not in views:
+                    views.add(user)
+                    frontier.append(user)
+        # what passes through the free (and every node after it reads) is no view of the freed storage
+        assert free.args[0] not in views, gm.code

@@ -22,16 +22,27 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp, pp=1, zero=0, tp=1):
+CLIP = 0.05  # max_grad_norm: below every step's global gradient norm here, so clipping bites
+
+
+def _case(model, dp, pp=1, zero=0, tp=1, clip=None):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
-    options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ())
+    options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ()) \
+        + ((("max_grad_norm", clip),) if clip is not None else ())
     return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options)
 
 
+# ZeRO-3: the experts over edp = dp / ep (whole at dp=2, where edp = 1), the rest over dp
+ZERO3 = [_case("switch", 2, zero=3), _case("hf_mixtral", 2, zero=3), _case("switch", 4, zero=3),
+         _case("hf_qwen3_moe", 4, zero=3)]
+# max_grad_norm: the global norm counts every expert once (runtime/clip.py), clipping equal to one device's
+CLIPPED = [_case("switch", 2, clip=CLIP), _case("deepseek", 2, zero=2, clip=CLIP), _case("switch", 4, clip=CLIP),
+           _case("switch", 4, zero=1, clip=CLIP), _case("deepseek", 4, zero=3, clip=CLIP)]
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
          _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
          # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
-         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch"))]
+         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")),
+         *ZERO3, *CLIPPED]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -57,7 +68,10 @@ def _ckpt_pair(name, saved_on, resumed_on):
             Case(model="deepseek", mesh=resumed_on[0], kind="moe_runners:resume", options=resumed_on[1], extra=extra))
 
 
-CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP)]
+# and ZeRO-3 of the experts over edp (dp=4 ep=2: each rank one flat quarter of every expert tensor), both ways
+_EP2Z3 = ((4, 1, 1), (("expert_parallel", 2), ("zero_stage", 3), ("num_microbatches", 1)))
+CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP),
+        _ckpt_pair("ep4-to-ep2-zero3", _EP4, _EP2Z3), _ckpt_pair("ep2-zero3-to-ep2-tp2", _EP2Z3, _EP_TP)]
 # compile(plan="auto") on a cluster where replicated experts do not fit: the planner picks ep=2
 AUTO = Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:auto_train",
             options=(("zero_stage", 0), ("num_microbatches", 1), ("recompute", "none")))
@@ -98,11 +112,36 @@ def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
     _, pp, tp = case.mesh  # each pipeline stage holds its layers' experts, each tp rank a shard of every one
     share = full // 2 // pp // tp  # ep = 2
+    if dict(case.options)["zero_stage"] == 3 and case.mesh[0] > 2:
+        share = _zero3_expert_shards(case)
     for rank in _results(case.world_size)[case]["rank_results"]:
         assert rank["expert_elements"] == share, "expert weights on this rank"
         assert rank["expert_state_elements"] == share, "SGD momentum of the experts on this rank"
     if tp > 1:  # 1/ep of the experts (dim 0), each one's MLP cut into 1/tp of its columns or rows
         _expert_shards_are_tp_cut(case, tp)
+
+
+def _zero3_expert_shards(case) -> int:
+    """ZeRO-3 at dp=4, ep=2: every rank stores each expert tensor as a flat block of 1/(ep * edp) = 1/4 of its
+    elements (read off the shapes of the rank's stored shards); the elements of them all."""
+    result = _results(case.world_size)[case]
+    full = dict(moe_runners.build(case).named_parameters())
+    ep, edp = 2, case.mesh[0] // 2
+    for rank in result["rank_results"]:
+        assert set(rank["expert_shapes"]) == set(json.loads(result["plan"])["expert_params"])
+        for name, local in rank["expert_shapes"].items():
+            assert local == [-(-full[name].numel() // (ep * edp))], (name, rank["coords"])
+    return sum(-(-full[n].numel() // (ep * edp)) for n in rank["expert_shapes"])
+
+
+@pytest.mark.parametrize("case", by_world(CLIPPED, ids=Case.name))
+def test_clipping_counts_every_expert_once(case):
+    """The global norm before clipping equals one device's every step, and bites (clipping is active)."""
+    result, reference = _results(case.world_size)[case], _reference(case)
+    assert "error" not in result, result.get("traceback")
+    assert all(n > CLIP for n in reference["grad_norms"])
+    for rank in result["rank_results"]:
+        assert rank["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), rank["coords"]
 
 
 def _expert_shards_are_tp_cut(case, tp: int) -> None:
@@ -145,7 +184,9 @@ def test_full_state_has_every_expert():
 @pytest.mark.slow
 @pytest.mark.skipif(not _HF, reason="transformers is not installed")
 def test_save_pretrained_of_split_experts_reads_back_in_transformers():
-    for case in (c for c in CASES if c.model.startswith("hf_") and c.mesh[2] > 1):
+    cases = [c for c in CASES if moe_runners.pretrained_round_trip(c)]  # ep x tp, and ZeRO-3 blocks over edp
+    assert len(cases) == 3
+    for case in cases:
         assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
 
 

@@ -98,7 +98,8 @@ def test_masters_only_where_stepped():
 
 
 def _plan(**kw):
-    defaults = dict(param_shards={"sharded": object()}, shared_params={"tied": (0, 3)})
+    defaults = dict(param_shards={"sharded": object()}, shared_params={"tied": (0, 3)}, expert_parallel=1,
+                    expert_params=())
     return SimpleNamespace(**{**defaults, **kw})
 
 
@@ -114,6 +115,18 @@ def _plan(**kw):
 ])
 def test_each_gradient_counted_once(name, coords, owned, counted):
     assert counted_here(name, plan=_plan(), coords=coords, stage_to_pp=[0, 0, 1, 1], owned=owned) is counted
+
+
+@pytest.mark.parametrize("dp,owned,sharded,counted", [
+    (0, None, frozenset(), True), (1, None, frozenset(), True),  # the first ep group holds every expert once
+    (2, None, frozenset(), False), (3, None, frozenset(), False),  # its edp replicas do not count it again
+    (1, {"other"}, frozenset(), True),  # ZeRO-1/2: experts stay outside the owners' partition
+    (3, None, frozenset({"expert"}), True),  # ZeRO-3 over edp: every rank its own flat shard
+])
+def test_each_expert_gradient_counted_once(dp, owned, sharded, counted):
+    plan = _plan(expert_parallel=2, expert_params=("expert",))  # dp=4, ep=2: edp groups {0, 2} and {1, 3}
+    assert counted_here("expert", plan=plan, coords={"dp": dp, "pp": 0, "tp": 0}, stage_to_pp=[0], owned=owned,
+                        sharded=sharded) is counted
 
 
 def test_clip_on_one_rank_is_torchs():
