@@ -260,8 +260,7 @@ class _Frontier:
 
 
 def constraint(c: Candidate) -> str | None:
-    """Why the runtime refuses ``c``'s combination of schedule, ZeRO stage, recomputation and ep (or the planner
-    cannot cost it yet), if it does."""
+    """Why the runtime refuses (or the planner cannot cost yet) ``c``'s schedule, ZeRO, recompute and ep."""
     if c.zero_stage == 3 and c.dp > 1 and splits_backward(c.schedule):
         return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
                 f"graph's reduce-scatter")
