@@ -7,8 +7,10 @@ rank's own piece, which a **filler** provides:
 
 ``fill(slots: list[Slot]) -> dict[str, torch.Tensor]``
     one local tensor per ``slot.name``, of ``slot.layout.piece_shape()`` and ``slot.dtype``: the
-    piece ``checkpoint_layout.split(full, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index)``
-    of the single-device tensor named ``slot.name`` (any of ``slot.aliases`` in the model).
+    piece ``checkpoint_layout.split(full, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index,
+    ep_index=slot.ep_index)`` of the single-device tensor named ``slot.name`` (any of ``slot.aliases``
+    in the model). A mixture-of-experts expert tensor split over ep ranks (``plan.expert_params``)
+    has ``layout.ep`` set: the rank's piece is its experts' block of dim 0 (then its tp cut).
 
 Two fillers share this contract: :func:`autopar.runtime.init_replay.init_filler` (the model's own
 initialisers, replayed one module at a time) and a pretrained loader that reads only the slices a
@@ -50,6 +52,7 @@ class Slot:
     dtype: torch.dtype
     kind: str  # "param" | "buffer"
     requires_grad: bool = False
+    ep_index: int = 0  # this rank's block of an expert tensor split over ep (``layout.ep``)
 
 
 Filler = Callable[[list[Slot]], dict[str, torch.Tensor]]
@@ -88,6 +91,8 @@ def _meta_targets(gm: fx.GraphModule):
 def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> list[Slot]:
     """Every meta tensor of this rank's stage graphs as a :class:`Slot` (one per distinct tensor)."""
     z3 = _zero3_shapes(gms)
+    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    experts = set(plan.expert_params) if ep > 1 else set()
     seen: set[int] = set()
     slots = []
     for gm in gms:
@@ -106,11 +111,15 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
             ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
             if spec is not None:
                 shape[spec.dim] *= ways
+            split_ep = is_param and name in experts
+            if split_ep:
+                shape[0] *= ep
             layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                            z3=plan.mesh.dp if target in z3 else None)
+                            z3=plan.mesh.dp if target in z3 else None, ep=ep if split_ep else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
                               tp_index=coords["tp"] * ways // plan.mesh.tp, z_index=coords["dp"], dtype=tensor.dtype,
-                              kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad))
+                              kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad,
+                              ep_index=coords["dp"] % ep if split_ep else 0))
     return slots
 
 
@@ -122,7 +131,7 @@ def _check_piece(slot: Slot, value, where: str) -> torch.Tensor:
     if tuple(value.shape) != tuple(want):
         raise PlanError(f"the filler gave {slot.name} of shape {tuple(value.shape)}, the rank holds {want}",
                         where=where, fix="cut the piece with autopar.runtime.checkpoint_layout.split(full, slot.layout, "
-                                         "tp_index=slot.tp_index, z_index=slot.z_index)")
+                                         "tp_index=slot.tp_index, z_index=slot.z_index, ep_index=slot.ep_index)")
     return value
 
 
