@@ -17,11 +17,12 @@ from equivalence import Case, make_optimizer, replica_record
 HF_PREFIX = "hf_"
 
 
-def build(case: Case):
+def build(case: Case, device=None):
     torch.manual_seed(1234)
     if case.model.startswith(HF_PREFIX):
         from autopar.models.moe import build_hf_moe
-        return build_hf_moe(case.model[len(HF_PREFIX):], **dict(case.overrides))
+        with torch.device(device or "cpu"):
+            return build_hf_moe(case.model[len(HF_PREFIX):], **dict(case.overrides))
     from autopar.models.moe import build_moe
     return build_moe(case.model, **dict(case.overrides))
 
@@ -104,16 +105,42 @@ class _CountExchanges:
         self.ops.all_to_all_rows = self.original
 
 
+# a case with ("weights", True) builds its model on meta and loads it from this folder under CKPT_ENV, which
+# the test writes before spawning (write_weights: the CPU build's save_pretrained, in the model's own names)
+WEIGHTS = "weights"
+
+
+def weights_folder(case: Case) -> str:
+    import os
+    return os.path.join(os.environ[CKPT_ENV], f"weights-{case.model}")
+
+
+def write_weights(case: Case) -> None:
+    import os
+    if not os.path.isdir(weights_folder(case)):
+        build(case).save_pretrained(weights_folder(case), save_original_format=False)
+
+
+def _meta_model(case: Case):
+    """The case's model built on meta and compile's filler reading each rank's pieces from the folder."""
+    import autopar.hf
+    model = build(case, device="meta")
+    return model, autopar.hf.pretrained_weights(weights_folder(case), model)
+
+
 def _compile(case: Case, mesh, model=None):
     """(program, a step function of one batch, the batches) of an MoE case on this rank."""
     import autopar
     from autopar.models.moe import moe_loss
+    weights = None
+    if model is None and dict(case.extra).get(WEIGHTS):
+        model, weights = _meta_model(case)
     model = model if model is not None else build(case)
     data = batches(case)
     first = data[0]
     if isinstance(first, dict):
         program = autopar.compile(model, mesh, example_inputs=first, optimizer=make_optimizer(case),
-                                  p2p_timeout_s=120, **dict(case.options))
+                                  p2p_timeout_s=120, weights=weights, **dict(case.options))
         step = lambda b: program.train_step(program.shard_batch(b))  # noqa: E731
     else:
         program = autopar.compile(model, mesh, example_inputs=(first[0],), loss_fn=moe_loss,
@@ -135,7 +162,7 @@ def train(case: Case, mesh) -> dict:
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
     state = program.full_state_dict()
     pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
-        ep > 1 and program.plan.mesh.tp > 1 else None
+        ep > 1 and (program.plan.mesh.tp > 1 or dict(case.extra).get(WEIGHTS)) else None
     from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
@@ -148,7 +175,7 @@ def _pretrained_round_trip(case: Case, program, state: dict):
     import os
     import autopar.hf
     import torch.distributed as dist
-    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}"))
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.name()}"))
     if dist.get_rank() != 0:
         return None
     back = type(build(case)).from_pretrained(folder).state_dict()

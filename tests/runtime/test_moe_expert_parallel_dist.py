@@ -22,16 +22,20 @@ _EP = (("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 1))
 _HF = importlib.util.find_spec("transformers") is not None
 
 
-def _case(model, dp, pp=1, zero=0, tp=1):
+def _case(model, dp, pp=1, zero=0, tp=1, extra=()):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
     options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ())
-    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options)
+    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options, extra=extra)
 
 
+# built on meta, each rank's pieces (its experts only) read from the CPU build's save_pretrained folder by
+# compile(weights=autopar.hf.pretrained_weights(...)); equal to the CPU build trained on one device
+_META = ((moe_runners.WEIGHTS, True),)
+META = [_case("hf_mixtral", 2, extra=_META), _case("hf_qwen3_moe", 2, tp=2, extra=_META)]
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
          _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
          # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
-         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch"))]
+         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")), *META]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -66,6 +70,9 @@ def _results(world: int) -> dict:
              + [c for pair in CKPT for c in pair] if c.world_size == world]
     root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
     os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
+    for case in cases:
+        if dict(case.extra).get(moe_runners.WEIGHTS):
+            moe_runners.write_weights(case)
     try:
         return dict(zip(cases, run_cases(cases)))
     finally:
@@ -144,6 +151,14 @@ def test_full_state_has_every_expert():
 def test_save_pretrained_of_split_experts_reads_back_in_transformers():
     for case in (c for c in CASES if c.model.startswith("hf_") and c.mesh[2] > 1):
         assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
+
+
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_meta_built_model_from_weights_saves_a_folder_transformers_reads():
+    case = META[0]  # dp=2 ep=2, built on meta, loaded by compile(weights=...), trained 3 steps, saved
+    result = _results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback")
+    assert result["pretrained"] == []  # rank 0: from_pretrained gives every weight as full_state_dict's
 
 
 @pytest.mark.parametrize("pair", by_world(CKPT, world_of=lambda pair: pair[0].world_size,
