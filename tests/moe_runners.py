@@ -10,6 +10,8 @@ its position; :func:`equivalence.judge_ranks` then compares every rank with the 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from equivalence import Case, make_optimizer, replica_record
@@ -108,11 +110,12 @@ class _CountExchanges:
 # a case with ("weights", True) builds its model on meta and loads it from this folder under CKPT_ENV, which
 # the test writes before spawning (write_weights: the CPU build's save_pretrained, in the model's own names)
 WEIGHTS = "weights"
+SAVE = "save_pretrained"  # (at tp > 1 always) save_pretrained after training, read back by transformers on rank 0
 
 
 def weights_folder(case: Case) -> str:
     import os
-    return os.path.join(os.environ[CKPT_ENV], f"weights-{case.model}")
+    return os.path.join(os.environ[CKPT_ENV], f"weights-{case.model}" + "".join(f"-{k}={v}" for k, v in case.overrides))
 
 
 def write_weights(case: Case) -> None:
@@ -150,9 +153,31 @@ def _compile(case: Case, mesh, model=None):
     return program, step, data
 
 
+class _Logged(logging.Handler):
+    """The messages one logger gives at INFO while the block runs (what the block template did)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.logger, self.messages = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
 def train(case: Case, mesh) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
-    program, step, data = _compile(case, mesh)
+    with _Logged("autopar.passes.block_template") as template:
+        program, step, data = _compile(case, mesh)
     losses = [step(b).item() for b in data[:-1]]
     with _CountExchanges() as counted:
         losses.append(step(data[-1]).item())
@@ -162,12 +187,14 @@ def train(case: Case, mesh) -> dict:
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
     state = program.full_state_dict()
     pretrained = _pretrained_round_trip(case, program, state) if case.model.startswith(HF_PREFIX) and \
-        ep > 1 and (program.plan.mesh.tp > 1 or dict(case.extra).get(WEIGHTS)) else None
+        ep > 1 and (program.plan.mesh.tp > 1 or dict(case.extra).get(SAVE)) else None
+    reloaded = _reload(case, program) if dict(case.extra).get(WEIGHTS) and dict(case.extra).get(SAVE) else None
     from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
             "dropped": _dropped(program), **record, **_expert_record(program),
-            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
+            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained,
+            "block_template": template.messages, "reloaded": reloaded}
 
 
 def _pretrained_round_trip(case: Case, program, state: dict):
@@ -180,6 +207,15 @@ def _pretrained_round_trip(case: Case, program, state: dict):
         return None
     back = type(build(case)).from_pretrained(folder).state_dict()
     return sorted(k for k in state if k not in back or not torch.equal(back[k], state[k]))
+
+
+def _reload(case: Case, program) -> list[str]:
+    """``load_pretrained`` of the case's weight folder into the trained program (each rank its experts' rows):
+    the keys whose weights then differ from the CPU build's."""
+    import autopar.hf
+    autopar.hf.load_pretrained(program, weights_folder(case))
+    state, want = program.full_state_dict(), build(case).state_dict()
+    return sorted(k for k in want if k not in state or not torch.equal(state[k], want[k]))
 
 
 # -- checkpoints of split experts: saved on one (dp, ep, tp), resumed on another ---------------------

@@ -2,6 +2,7 @@
 and moves tokens through the dispatch/combine all-to-alls the rewritten graph shows."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import importlib.util
@@ -30,8 +31,12 @@ def _case(model, dp, pp=1, zero=0, tp=1, extra=()):
 
 # built on meta, each rank's pieces (its experts only) read from the CPU build's save_pretrained folder by
 # compile(weights=autopar.hf.pretrained_weights(...)); equal to the CPU build trained on one device
-_META = ((moe_runners.WEIGHTS, True),)
+_META = ((moe_runners.WEIGHTS, True), (moe_runners.SAVE, True))
 META = [_case("hf_mixtral", 2, extra=_META), _case("hf_qwen3_moe", 2, tp=2, extra=_META)]
+# and captured three blocks at a time (block_capture='once', the default of a large meta-built model): the
+# experts of the repeated fourth block split too; no router loss (it reads every block: no template then)
+ONCE = dataclasses.replace(_case("hf_mixtral", 2, extra=_META[:1]), options=_EP + (("block_capture", "once"),),
+                           overrides=(("num_hidden_layers", 4), ("output_router_logits", False)))
 CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
          _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
          # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
@@ -66,7 +71,7 @@ CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2",
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values())
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + ([ONCE] if _HF else [])
              + [c for pair in CKPT for c in pair] if c.world_size == world]
     root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
     os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
@@ -159,6 +164,19 @@ def test_meta_built_model_from_weights_saves_a_folder_transformers_reads():
     result = _results(case.world_size)[case]
     assert "error" not in result, result.get("traceback")
     assert result["pretrained"] == []  # rank 0: from_pretrained gives every weight as full_state_dict's
+    assert result["reloaded"] == []  # then load_pretrained of the original folder: every rank its experts' rows
+
+
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_blocks_captured_once_split_the_experts_of_every_block():
+    result = _results(ONCE.world_size)[ONCE]
+    assert_equivalent(ONCE, result, _reference(ONCE))
+    assert any("3 blocks captured, 1 repeated" in m for m in result["block_template"]), result["block_template"]
+    model = moe_runners.build(ONCE)
+    experts = json.loads(result["plan"])["expert_params"]
+    assert len(experts) == 2 * 4  # the repeated block's too
+    full = sum(p.numel() for n, p in model.named_parameters() if n in experts)
+    assert all(r["expert_elements"] * 2 == full for r in result["rank_results"])
 
 
 @pytest.mark.parametrize("pair", by_world(CKPT, world_of=lambda pair: pair[0].world_size,
