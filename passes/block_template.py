@@ -10,8 +10,8 @@ stamps the last captured block out for the remaining ones: the same nodes with t
 their module paths and weight names changed, reading block ``j``'s own weights (sharded with the
 template's :class:`~autopar.passes.tensor_parallel.ShardSpec`; MoE expert tensors split over ep keep
 this ep rank's experts first, as :mod:`autopar.passes.moe_expert_parallel` cut the template's),
-their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last block. Node metadata (shapes,
-FLOPs, placements) is copied, so nothing is propagated again.
+their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last
+block. Node metadata (shapes, FLOPs, placements) is copied, so nothing is propagated again.
 
 The result is the graph a full capture gives, node for node (``tests/passes/test_block_template.py``
 compares both). When the captured graph does not show the regular structure (code between the

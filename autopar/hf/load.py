@@ -3,10 +3,11 @@
 ``load_pretrained(program, folder)`` sets the weights (and persistent buffers) of a compiled
 program from a local ``transformers`` checkpoint. Every rank reads, for each tensor it holds
 (:func:`autopar.runtime.rank_tensors.held_tensors`: only its stages, its tensor-parallel shard,
-its ZeRO-3 block, its experts of a tensor split over ep), just those index ranges of the file, with safetensors slicing: a fused
-projection's tp shard is ``chunks`` ranges on the sharded dim, a ZeRO-3 block the rows that hold
-its flat range. Nothing is asked of the model's own weights: the program's tensors are filled, so
-a model whose program was built without materialising the whole model loads the same way.
+its ZeRO-3 block, its experts of a tensor split over ep), just those index ranges of the file, with
+safetensors slicing: a fused projection's tp shard is ``chunks`` ranges on the sharded dim, a ZeRO-3
+block the rows that hold its flat range, an ep rank's experts their range of dim 0. Nothing is
+asked of the model's own weights: the program's tensors are filled, so a model whose program was
+built without materialising the whole model loads the same way.
 
 Checks before anything changes, on every rank together: the folder exists and is readable, every
 tensor the program holds has a checkpoint name (a tied weight needs one of its names), every

@@ -159,8 +159,9 @@ def test_save_pretrained_of_split_experts_reads_back_in_transformers():
 
 
 @pytest.mark.skipif(not _HF, reason="transformers is not installed")
-def test_meta_built_model_from_weights_saves_a_folder_transformers_reads():
-    case = META[0]  # dp=2 ep=2, built on meta, loaded by compile(weights=...), trained 3 steps, saved
+@pytest.mark.parametrize("case", by_world(META, ids=Case.name))
+def test_meta_built_model_from_weights_saves_a_folder_transformers_reads(case):
+    # built on meta, loaded by compile(weights=...), trained 3 steps, saved
     result = _results(case.world_size)[case]
     assert "error" not in result, result.get("traceback")
     assert result["pretrained"] == []  # rank 0: from_pretrained gives every weight as full_state_dict's
