@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
 from autopar.lowering import _is_meta, batch_inputs, lower
 from autopar.mesh import mesh_info
 from autopar.options import resolve_plan
@@ -48,7 +48,13 @@ def _shared_seed() -> int:
 def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights, masters):
     """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers;
     ``masters`` (bf16): receives each parameter's fp32 piece."""
-    if not _is_meta(model) and weights is None:
+    if not _is_meta(model):
+        if weights is not None:  # a filler fills meta tensors only: on real weights it would silently do nothing
+            raise InputError("compile(weights=...) fills the tensors of a model built on the meta device, but "
+                             f"this {type(model).__name__} holds real tensors: the weights would be ignored",
+                             where="compile(weights=...)",
+                             fix="build the model under torch.device('meta') to load weights this way, or load "
+                                 "them into the model before compile (load_state_dict / from_pretrained)")
         return None
     fill = weights if weights is not None else init_filler(model, seed=_shared_seed())
     return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh),

@@ -145,8 +145,9 @@ def _fork_random(st: LoweringState, *, s: _Setting) -> LoweringState:
 
 def _repeat_blocks(st: LoweringState, *, s: _Setting) -> LoweringState:
     specs = dict(st.specs)  # (repeat adds the later blocks' shards)
-    gm = s.template.repeat(st.gm, tp_rank=s.tp_rank, tp_size=s.plan.mesh.tp, specs=specs)
-    return replace(st, gm=gm, specs=specs,
+    gm = s.template.repeat(st.gm, tp_rank=s.tp_rank, tp_size=s.plan.mesh.tp, specs=specs,
+                           experts=(s.plan.expert_parallel, s.ep_rank, frozenset(st.experts)))
+    return replace(st, gm=gm, specs=specs, experts=st.experts + tuple(s.template.repeated_names(st.experts)),
                    partial_grads=st.partial_grads + tuple(s.template.repeated_names(st.partial_grads)),
                    region_plans=s.template.extend_regions(st.region_plans))
 
@@ -408,10 +409,6 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
 
 
 def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None, dp_rank: int = 0) -> _Setting:
-    if cap.plan.expert_parallel > 1 and cap.template is not None:  # repeated blocks would not split their experts
-        raise PlanError("expert_parallel does not combine with capturing identical blocks once yet",
-                        where="block_capture (auto: a meta-built model with 8 or more identical blocks)",
-                        fix="pass block_capture='every'")
     vocab = _select_vocab(gm, cap)
     regions = _select_regions(gm, cap, skip=[vocab.head] if vocab.head else [])
     if cap.plan.mesh.tp > 1 and cap.options.tensor_parallel:  # weight products no rule covers stay replicated: say so

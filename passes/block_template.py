@@ -8,9 +8,10 @@ shared between blocks); the model is then captured with only its first :data:`CA
 (:meth:`BlockTemplate.truncated`), analysed and sharded as usual, and :meth:`BlockTemplate.repeat`
 stamps the last captured block out for the remaining ones: the same nodes with the block index in
 their module paths and weight names changed, reading block ``j``'s own weights (sharded with the
-template's :class:`~autopar.passes.tensor_parallel.ShardSpec`), their inputs wired to block
-``j - 1``'s outputs, and the code after the blocks reading the last block. Node metadata (shapes,
-FLOPs, placements) is copied, so nothing is propagated again.
+template's :class:`~autopar.passes.tensor_parallel.ShardSpec`; MoE expert tensors split over ep keep
+this ep rank's experts first, as :mod:`autopar.passes.moe_expert_parallel` cut the template's),
+their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last
+block. Node metadata (shapes, FLOPs, placements) is copied, so nothing is propagated again.
 
 The result is the graph a full capture gives, node for node (``tests/passes/test_block_template.py``
 compares both). When the captured graph does not show the regular structure (code between the
@@ -147,12 +148,9 @@ class BlockTemplate:
         return text
 
     def repeated_names(self, names, *, user: bool = False) -> list[str]:
-        """For each name of the template block, the same name in every block after it."""
-        out = []
-        for name in names:
-            out += [r for j in range(self.captured, self.num_blocks)
-                    if (r := self._rename(name, j, user=user)) != name]
-        return out
+        """The names of the template block in every block after it, block by block."""
+        return [r for j in range(self.captured, self.num_blocks) for name in names
+                if (r := self._rename(name, j, user=user)) != name]
 
     def extend_regions(self, plans: tuple) -> tuple:
         """Region plans (user paths) with the template block's regions repeated for every later block."""
@@ -178,8 +176,13 @@ class BlockTemplate:
         return None
 
     # -- the transform ---------------------------------------------------------------------
-    def repeat(self, gm: fx.GraphModule, *, tp_rank: int, tp_size: int, specs: dict) -> fx.GraphModule:
-        """Stamp the template block out for blocks ``captured .. num_blocks - 1`` (``specs`` is extended)."""
+    def repeat(self, gm: fx.GraphModule, *, tp_rank: int, tp_size: int, specs: dict,
+               experts: tuple[int, int, frozenset] = (1, 0, frozenset())) -> fx.GraphModule:
+        """Stamp the template block out for blocks ``captured .. num_blocks - 1`` (``specs`` is extended).
+
+        ``experts``: (ep, ep rank, the graph targets of the expert tensors split over ep,
+        :mod:`autopar.passes.moe_expert_parallel`): a later block's copy of one keeps this ep rank's
+        experts (dim 0), then its tp shard, as the template's was cut."""
         try:
             runs = _runs(gm, self.prefix, self.captured)
         except _Irregular as exc:
@@ -195,7 +198,8 @@ class BlockTemplate:
         anchor = template[-1]
         for j in range(self.captured, self.num_blocks):
             anchor, stamped[j] = self._stamp_block(gm, j, template, position, corr, stamped[j - 1], anchor,
-                                                   counters, tp_rank=tp_rank, tp_size=tp_size, specs=specs)
+                                                   counters, tp_rank=tp_rank, tp_size=tp_size, specs=specs,
+                                                   experts=experts)
         last = stamped[self.num_blocks - 1]
         for user, node in tail_users:
             user.replace_input_with(node, last[position[node]])
@@ -205,7 +209,8 @@ class BlockTemplate:
                  self.num_blocks - self.captured)
         return gm
 
-    def _stamp_block(self, gm, j, template, position, corr, before, anchor, counters, *, tp_rank, tp_size, specs):
+    def _stamp_block(self, gm, j, template, position, corr, before, anchor, counters, *, tp_rank, tp_size, specs,
+                     experts):
         graph = gm.graph
         attrs: dict[str, fx.Node] = {}
         new_nodes: list[fx.Node] = []
@@ -220,7 +225,7 @@ class BlockTemplate:
                 if target == a.target:
                     return a
                 if target not in attrs:
-                    self._register(gm, a, target, tp_rank=tp_rank, tp_size=tp_size, specs=specs)
+                    self._register(gm, a, target, tp_rank=tp_rank, tp_size=tp_size, specs=specs, experts=experts)
                     with graph.inserting_before(first):
                         attrs[target] = graph.get_attr(target)
                     attrs[target].meta = _renamed_meta(a.meta, lambda s: self._rename(s, j), target)
@@ -237,8 +242,9 @@ class BlockTemplate:
             new_nodes.append(new)
         return new_nodes[-1], new_nodes
 
-    def _register(self, gm: fx.GraphModule, template_node: fx.Node, target: str, *, tp_rank, tp_size, specs):
-        """Put block j's own tensor at ``target`` (sharded like the template's)."""
+    def _register(self, gm: fx.GraphModule, template_node: fx.Node, target: str, *, tp_rank, tp_size, specs,
+                  experts):
+        """Put block j's own tensor at ``target`` (its experts and tp shard cut like the template's)."""
         j_path = target[len(self.prefix) + 1:]
         index, _, leaf_path = j_path.partition(".")
         block = self.blocks[int(index)]
@@ -246,9 +252,15 @@ class BlockTemplate:
         owner = block.get_submodule(owner_path) if owner_path else block
         tensor = owner._parameters.get(leaf) if leaf in owner._parameters else owner._buffers[leaf]
         spec = specs.get(template_node.target)
-        if spec is not None:
-            specs[target] = spec
-            value = shard_tensor(tensor.detach(), spec, rank=tp_rank, size=tp_size)
+        ep, ep_rank, split = experts
+        if spec is not None or template_node.target in split:
+            value = tensor.detach()
+            if template_node.target in split:  # this ep rank's experts: block ep_rank of dim 0, a copy
+                local = value.shape[0] // ep
+                value = value[ep_rank * local:(ep_rank + 1) * local].clone()
+            if spec is not None:
+                specs[target] = spec
+                value = shard_tensor(value, spec, rank=tp_rank, size=tp_size)
             tensor = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
                 else value
         _set_attr(gm, target, tensor, persistent=leaf not in owner._non_persistent_buffers_set)

@@ -127,7 +127,7 @@ class _Replay:
             slot = self.by_name.get(first)
             if slot is None:
                 continue
-            piece = split(twin, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index)
+            piece = split(twin, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index, ep_index=slot.ep_index)
             old = self.pieces.get(slot.name)
             if old is not None and piece.is_floating_point():
                 piece = torch.where(torch.isnan(piece), old, piece)

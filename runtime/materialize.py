@@ -7,8 +7,10 @@ rank's own piece, which a **filler** provides:
 
 ``fill(slots: list[Slot]) -> dict[str, torch.Tensor]``
     one local tensor per ``slot.name``, of ``slot.layout.piece_shape()`` and ``slot.dtype``: the
-    piece ``checkpoint_layout.split(full, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index)``
-    of the single-device tensor named ``slot.name`` (any of ``slot.aliases`` in the model).
+    piece ``checkpoint_layout.split(full, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index,
+    ep_index=slot.ep_index)`` of the single-device tensor named ``slot.name`` (any of ``slot.aliases``
+    in the model). A mixture-of-experts expert tensor split over ep ranks (``plan.expert_params``)
+    has ``layout.ep`` set: the rank's piece is its experts' block of dim 0 (then its tp cut).
 
 Two fillers share this contract: :func:`autopar.runtime.init_replay.init_filler` (the model's own
 initialisers, replayed one module at a time) and a pretrained loader that reads only the slices a
@@ -50,6 +52,7 @@ class Slot:
     dtype: torch.dtype
     kind: str  # "param" | "buffer"
     requires_grad: bool = False
+    ep_index: int = 0  # this rank's block of an expert tensor split over ep (``layout.ep``)
 
 
 Filler = Callable[[list[Slot]], dict[str, torch.Tensor]]
@@ -58,13 +61,6 @@ Filler = Callable[[list[Slot]], dict[str, torch.Tensor]]
 def _user_name(target: str) -> str:
     prefix = MODEL_PREFIX + "."
     return target[len(prefix):] if target.startswith(prefix) else target
-
-
-def _zero3_shapes(gms) -> dict[str, tuple[int, ...]]:
-    """{graph target: tp-local shape} of the parameters a ZeRO-3 graph holds as flat blocks."""
-    from autopar.runtime.zero3_ops import ZeroGather
-    return {t: tuple(s) for gm in gms for m in gm.modules() if isinstance(m, ZeroGather)
-            for t, s in zip(m.targets, m.shapes)}
 
 
 def _owner(gm: fx.GraphModule, target: str):
@@ -87,7 +83,10 @@ def _meta_targets(gm: fx.GraphModule):
 
 def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> list[Slot]:
     """Every meta tensor of this rank's stage graphs as a :class:`Slot` (one per distinct tensor)."""
-    z3 = _zero3_shapes(gms)
+    from autopar.runtime.zero3_ops import zero3_shards
+    z3 = zero3_shards(gms)  # flat ZeRO-3 blocks: over dp, or (experts split over ep) over edp = dp / ep
+    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    experts = set(plan.expert_params) if ep > 1 else set()
     seen: set[int] = set()
     slots = []
     for gm in gms:
@@ -102,15 +101,21 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
                                 "with fewer kv heads than query heads): a meta-built model cannot materialise it yet",
                                 where=f"parameter {name}",
                                 fix="build the model on a real device, or compile with tensor_parallel=False")
-            shape = list(z3.get(target, tuple(tensor.shape)))
+            shard = z3.get(target)
+            shape = list(shard.shape if shard is not None else tuple(tensor.shape))
             ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
             if spec is not None:
                 shape[spec.dim] *= ways
+            split_ep = is_param and name in experts
+            if split_ep:
+                shape[0] *= ep
             layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                            z3=plan.mesh.dp if target in z3 else None)
+                            z3=shard.size if shard is not None else None, ep=ep if split_ep else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
-                              tp_index=coords["tp"] * ways // plan.mesh.tp, z_index=coords["dp"], dtype=tensor.dtype,
-                              kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad))
+                              tp_index=coords["tp"] * ways // plan.mesh.tp, dtype=tensor.dtype,
+                              z_index=shard.index(dp_rank=coords["dp"], ep=ep) if shard is not None else coords["dp"],
+                              kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad,
+                              ep_index=coords["dp"] % ep if split_ep else 0))
     return slots
 
 
@@ -122,7 +127,7 @@ def _check_piece(slot: Slot, value, where: str) -> torch.Tensor:
     if tuple(value.shape) != tuple(want):
         raise PlanError(f"the filler gave {slot.name} of shape {tuple(value.shape)}, the rank holds {want}",
                         where=where, fix="cut the piece with autopar.runtime.checkpoint_layout.split(full, slot.layout, "
-                                         "tp_index=slot.tp_index, z_index=slot.z_index)")
+                                         "tp_index=slot.tp_index, z_index=slot.z_index, ep_index=slot.ep_index)")
     return value
 
 

@@ -20,11 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.errors import PlanError
 from autopar.runtime.collectives import issue
 
-__all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters",
-           "refuse_meta_experts"]
+__all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters"]
 
 
 def ep_layout(*, dp: int, ep: int) -> dict[str, list[list[int]]]:
@@ -77,11 +75,3 @@ def full_expert_parameters(named: list, *, experts: tuple[str, ...], group, guar
         out.append((name, p))
     return out
 
-
-def refuse_meta_experts(plan, *, meta: bool) -> None:
-    """PlanError for a meta-built model (or pretrained weights) with experts split over ep (not supported yet)."""
-    if meta and plan.expert_parallel > 1:
-        raise PlanError(f"a meta-built model (or compile(weights=...)) cannot be compiled with expert_parallel="
-                        f"{plan.expert_parallel} yet: the fillers do not cut expert shards",
-                        where="compile(expert_parallel=...)",
-                        fix="build the model on a real device, or use expert_parallel=1")

@@ -27,7 +27,7 @@ from autopar.passes.pipeline_split import StageGraph
 from autopar.passes.tensor_parallel import ShardSpec
 from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
-from autopar.runtime.moe_groups import add_expert_groups, refuse_meta_experts
+from autopar.runtime.moe_groups import add_expert_groups
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.p2p import P2PChannel, P2PNode
@@ -103,8 +103,7 @@ def _rank_stages(lowered: LoweredStages, *, ctx: RankContext, schedule: Schedule
     if lowered.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
         shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp,
                                ep=lowered.plan.expert_parallel)  # MoE experts: over edp = dp / ep
-    refuse_meta_experts(lowered.plan, meta=materialize is not None)  # runtime/moe_groups.py
-    if materialize is not None:  # a meta-built model: this rank's pieces only (runtime/materialize.py)
+    if materialize is not None:  # a meta-built model: this rank's pieces only, its experts (runtime/materialize.py)
         materialize([s.gm for s in mine])
     return mine
 

@@ -10,6 +10,8 @@ its position; :func:`equivalence.judge_ranks` then compares every rank with the 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from equivalence import Case, make_optimizer, replica_record
@@ -17,11 +19,12 @@ from equivalence import Case, make_optimizer, replica_record
 HF_PREFIX = "hf_"
 
 
-def build(case: Case):
+def build(case: Case, device=None):
     torch.manual_seed(1234)
     if case.model.startswith(HF_PREFIX):
         from autopar.models.moe import build_hf_moe
-        return build_hf_moe(case.model[len(HF_PREFIX):], **dict(case.overrides))
+        with torch.device(device or "cpu"):
+            return build_hf_moe(case.model[len(HF_PREFIX):], **dict(case.overrides))
     from autopar.models.moe import build_moe
     return build_moe(case.model, **dict(case.overrides))
 
@@ -109,17 +112,44 @@ class _CountExchanges:
         self.ops.all_to_all_rows = self.original
 
 
+# a case with ("weights", True) builds its model on meta and loads it from this folder under CKPT_ENV, which
+# the test writes before spawning (write_weights: the CPU build's save_pretrained, in the model's own names)
+WEIGHTS = "weights"
+SAVE = "save_pretrained"  # (at tp > 1 always) save_pretrained after training, read back by transformers on rank 0
+
+
+def weights_folder(case: Case) -> str:
+    import os
+    return os.path.join(os.environ[CKPT_ENV], f"weights-{case.model}" + "".join(f"-{k}={v}" for k, v in case.overrides))
+
+
+def write_weights(case: Case) -> None:
+    import os
+    if not os.path.isdir(weights_folder(case)):
+        build(case).save_pretrained(weights_folder(case), save_original_format=False)
+
+
+def _meta_model(case: Case):
+    """The case's model built on meta and compile's filler reading each rank's pieces from the folder."""
+    import autopar.hf
+    model = build(case, device="meta")
+    return model, autopar.hf.pretrained_weights(weights_folder(case), model)
+
+
 def _compile(case: Case, mesh, model=None, more: dict | None = None):
     """(program, a step function of one batch, the batches) of an MoE case on this rank."""
     import autopar
     from autopar.models.moe import moe_loss
+    weights = None
+    if model is None and dict(case.extra).get(WEIGHTS):
+        model, weights = _meta_model(case)
     model = model if model is not None else build(case)
     data = batches(case)
     first = data[0]
     options = {**dict(case.options), **(more or {})}
     if isinstance(first, dict):
         program = autopar.compile(model, mesh, example_inputs=first, optimizer=make_optimizer(case),
-                                  p2p_timeout_s=120, **options)
+                                  p2p_timeout_s=120, weights=weights, **options)
         step = lambda b: program.train_step(program.shard_batch(b))  # noqa: E731
     else:
         program = autopar.compile(model, mesh, example_inputs=(first[0],), loss_fn=moe_loss,
@@ -129,6 +159,27 @@ def _compile(case: Case, mesh, model=None, more: dict | None = None):
     return program, step, data
 
 
+class _Logged(logging.Handler):
+    """The messages one logger gives at INFO while the block runs (what the block template did)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.logger, self.messages = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
 def _norm(program) -> float | None:
     """The last step's global gradient norm before clipping (None without max_grad_norm)."""
     return None if program.last_grad_norm is None else program.last_grad_norm.item()
@@ -136,7 +187,8 @@ def _norm(program) -> float | None:
 
 def train(case: Case, mesh, more: dict | None = None) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
-    program, step, data = _compile(case, mesh, more=more)
+    with _Logged("autopar.passes.block_template") as template:
+        program, step, data = _compile(case, mesh, more=more)
     losses, norms = [], []
     for b in data[:-1]:
         losses.append(step(b).item())
@@ -150,11 +202,13 @@ def train(case: Case, mesh, more: dict | None = None) -> dict:
     record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
     state = program.full_state_dict()
     pretrained = _pretrained_round_trip(case, program, state) if pretrained_round_trip(case) else None
+    reloaded = _reload(case, program) if dict(case.extra).get(WEIGHTS) and dict(case.extra).get(SAVE) else None
     from autopar.runtime.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
             "dropped": _dropped(program), **record, **_expert_record(program), "grad_norms": norms,
-            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained}
+            "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained,
+            "block_template": template.messages, "reloaded": reloaded}
 
 
 def auto_train(case: Case, mesh) -> dict:
@@ -173,10 +227,11 @@ def auto_train(case: Case, mesh) -> dict:
 
 def pretrained_round_trip(case: Case) -> bool:
     """Does ``train`` save this case with ``save_pretrained``? Split experts cut further: over tp, or into
-    ZeRO-3 blocks over edp (dp > ep)."""
+    ZeRO-3 blocks over edp (dp > ep), or a case that asks (``SAVE``)."""
     options, (dp, _, tp) = dict(case.options), case.mesh
     ep = options.get("expert_parallel", 1)
-    return case.model.startswith(HF_PREFIX) and ep > 1 and (tp > 1 or (options.get("zero_stage") == 3 and dp > ep))
+    return case.model.startswith(HF_PREFIX) and ep > 1 and (tp > 1 or bool(dict(case.extra).get(SAVE))
+                                                            or (options.get("zero_stage") == 3 and dp > ep))
 
 
 def _pretrained_round_trip(case: Case, program, state: dict):
@@ -184,13 +239,20 @@ def _pretrained_round_trip(case: Case, program, state: dict):
     import os
     import autopar.hf
     import torch.distributed as dist
-    mesh = "x".join(map(str, case.mesh))  # one folder per case
-    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.model}-{mesh}-"
-                                                              f"z{dict(case.options)['zero_stage']}"))
+    folder = autopar.hf.save_pretrained(program, os.path.join(os.environ[CKPT_ENV], f"hf-{case.name()}"))
     if dist.get_rank() != 0:
         return None
     back = type(build(case)).from_pretrained(folder).state_dict()
     return sorted(k for k in state if k not in back or not torch.equal(back[k], state[k]))
+
+
+def _reload(case: Case, program) -> list[str]:
+    """``load_pretrained`` of the case's weight folder into the trained program (each rank its experts' rows):
+    the keys whose weights then differ from the CPU build's."""
+    import autopar.hf
+    autopar.hf.load_pretrained(program, weights_folder(case))
+    state, want = program.full_state_dict(), build(case).state_dict()
+    return sorted(k for k in want if k not in state or not torch.equal(state[k], want[k]))
 
 
 # -- checkpoints of split experts: saved on one (dp, ep, tp), resumed on another ---------------------

@@ -5,11 +5,12 @@
     program = autopar.compile(model, mesh, example_inputs=..., weights=pretrained_weights(folder, model))
 
 Each rank then allocates and reads only the pieces it holds (its stages, its tensor-parallel shard,
-its ZeRO-3 block) with safetensors slicing (:func:`autopar.hf.load.read_piece`); no rank ever holds
-the whole model, and nothing is initialised twice. What a checkpoint does not carry (buffers the
-model computes at construction and does not save, such as rotary ``inv_freq``) is drawn by the
-model's own initialisers (:func:`autopar.runtime.init_replay.init_filler`), which replay every
-module's initialiser once on that rank: for a very large model that costs time, never memory.
+its ZeRO-3 block, its own experts of a mixture-of-experts layer split over ep) with safetensors
+slicing (:func:`autopar.hf.load.read_piece`); no rank ever holds the whole model, and nothing is
+initialised twice. What a checkpoint does not carry (buffers the model computes at construction and
+does not save, such as rotary ``inv_freq``) is drawn by the model's own initialisers
+(:func:`autopar.runtime.init_replay.init_filler`), which replay every module's initialiser once on
+that rank: for a very large model that costs time, never memory.
 
 The checkpoint is checked against the whole model when the filler is made, the same way on every
 rank: every persistent tensor needs a name in the folder (a tied weight one of its names), every
@@ -84,7 +85,7 @@ def pretrained_weights(folder: str, model: nn.Module) -> Filler:
                 rest.append(slot)  # not saved (a buffer computed at construction)
                 continue
             pieces[slot.name] = read_piece(ckpt, key, slot.layout, tp_index=slot.tp_index, z_index=slot.z_index,
-                                           dtype=slot.dtype)
+                                           dtype=slot.dtype, ep_index=slot.ep_index)
         if rest:
             log.info("%d tensors are not in %s (%s...): drawn by the model's initialisers", len(rest), ckpt.path,
                      rest[0].name)

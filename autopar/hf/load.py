@@ -3,10 +3,11 @@
 ``load_pretrained(program, folder)`` sets the weights (and persistent buffers) of a compiled
 program from a local ``transformers`` checkpoint. Every rank reads, for each tensor it holds
 (:func:`autopar.runtime.rank_tensors.held_tensors`: only its stages, its tensor-parallel shard,
-its ZeRO-3 block), just those index ranges of the file, with safetensors slicing: a fused
-projection's tp shard is ``chunks`` ranges on the sharded dim, a ZeRO-3 block the rows that hold
-its flat range. Nothing is asked of the model's own weights: the program's tensors are filled, so
-a model whose program was built without materialising the whole model loads the same way.
+its ZeRO-3 block, its experts of a tensor split over ep), just those index ranges of the file, with
+safetensors slicing: a fused projection's tp shard is ``chunks`` ranges on the sharded dim, a ZeRO-3
+block the rows that hold its flat range, an ep rank's experts their range of dim 0. Nothing is
+asked of the model's own weights: the program's tensors are filled, so a model whose program was
+built without materialising the whole model loads the same way.
 
 Checks before anything changes, on every rank together: the folder exists and is readable, every
 tensor the program holds has a checkpoint name (a tied weight needs one of its names), every
@@ -44,15 +45,20 @@ class LoadReport:
     checkpoint_elements: int
 
 
-def piece_runs(layout: Layout, *, tp_index: int) -> list[list[tuple[int, int]]]:
+def piece_runs(layout: Layout, *, tp_index: int, ep_index: int = 0) -> list[list[tuple[int, int]]]:
     """Per dim of the logical tensor, the index ranges whose concatenation is tp shard ``tp_index``
-    (as :func:`autopar.passes.tensor_parallel.shard_tensor` cuts it)."""
-    runs = [[(0, n)] for n in layout.shape]
+    (as :func:`autopar.passes.tensor_parallel.shard_tensor` cuts it) of ep block ``ep_index`` (an
+    expert tensor split over ep ranks: its experts' rows of dim 0, then the tp cut inside them)."""
+    block_shape = layout.ep_local_shape()
+    runs = [[(0, n)] for n in block_shape]
     if layout.tp:
         dim, chunks, size = layout.tp
-        block = layout.shape[dim] // chunks
+        block = block_shape[dim] // chunks
         part = block // size
         runs[dim] = [(c * block + tp_index * part, c * block + (tp_index + 1) * part) for c in range(chunks)]
+    if layout.ep:  # the ep block's rows of dim 0: ranges inside the block, moved to where the block starts
+        offset = ep_index * block_shape[0]
+        runs[0] = [(start + offset, stop + offset) for start, stop in runs[0]]
     return runs
 
 
@@ -68,10 +74,10 @@ def _rows(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]
 
 
 def read_piece(folder: PretrainedFolder, name: str, layout: Layout, *, tp_index: int, z_index: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The piece of checkpoint tensor ``name`` that rank (tp_index, z_index) holds under ``layout``;
+               dtype: torch.dtype, ep_index: int = 0) -> torch.Tensor:
+    """The piece of checkpoint tensor ``name`` that rank (ep_index, tp_index, z_index) holds under ``layout``;
     equal to :func:`autopar.runtime.checkpoint_layout.split` of the whole tensor, reading only the piece."""
-    runs = piece_runs(layout, tp_index=tp_index)
+    runs = piece_runs(layout, tp_index=tp_index, ep_index=ep_index)
     if not layout.z3:
         return folder.read(name, runs, dtype=dtype)
     local = layout.tp_local_shape()
@@ -152,7 +158,8 @@ def load_pretrained(program, folder: str) -> LoadReport:
         with torch.no_grad():
             for h in held:
                 key = next(by_program[a] for a in h.aliases if a in by_program)
-                piece = read_piece(ckpt, key, h.layout, tp_index=h.tp_index, z_index=h.z_index, dtype=h.tensor.dtype)
+                piece = read_piece(ckpt, key, h.layout, tp_index=h.tp_index, z_index=h.z_index, dtype=h.tensor.dtype,
+                                   ep_index=h.ep_index)
                 h.tensor.copy_(piece)
     except CheckpointError as exc:
         error = exc

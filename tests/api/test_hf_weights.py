@@ -211,6 +211,16 @@ def test_saving_refuses_an_occupied_folder_and_a_model_without_a_library_model(o
     assert sorted(os.listdir(tmp_path)) == ["store", "taken"]
 
 
+def test_weights_for_a_model_with_real_tensors_are_refused_not_ignored(one_rank_mesh, tmp_path):
+    source = _library(_llama(1))
+    source.save_pretrained(tmp_path / "llama")
+    model = CausalLM(_library(_llama(2)))  # real tensors: a filler has nothing to fill
+    with pytest.raises(autopar.errors.InputError, match="holds real tensors: the weights would be ignored") as info:
+        autopar.compile(model, one_rank_mesh, example_inputs=(_tokens(),),
+                        weights=autopar.hf.pretrained_weights(os.fspath(tmp_path / "llama"), model))
+    assert info.value.where == "compile(weights=...)" and "torch.device('meta')" in info.value.fix
+
+
 def test_pretrained_weights_fill_a_meta_built_model_and_refuse_a_filler_for_another_module(one_rank_mesh, tmp_path):
     source = _library(_llama(1))
     source.save_pretrained(tmp_path / "llama")

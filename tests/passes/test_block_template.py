@@ -93,3 +93,31 @@ def test_different_blocks_are_not_a_template():
     model = nn.Sequential()
     model.blocks = nn.ModuleList([nn.Linear(8, 8)] * 2 + [nn.Linear(8, 4)] * 4)
     assert find_block_template(model, mode="once") is None
+
+
+def test_experts_split_over_ep_are_cut_in_every_repeated_block():
+    """A Mixtral captured three blocks at a time, its experts split over ep=2 and each cut over tp=2: the graphs
+    and weights of ep rank 0 on tp rank 0 and ep rank 1 on tp rank 1 (its own experts of every block, the repeated
+    one's included) are the full capture's."""
+    pytest.importorskip("transformers")
+    from autopar.lowering import lower_captured
+    from autopar.models.moe import build_hf_moe
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_hidden_layers=4, output_router_logits=False)  # no aux loss across blocks
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    every, once = (autopar.plan(model, {"dp": 2, "tp": 2}, example_inputs={"input_ids": idx, "labels": idx},
+                                expert_parallel=2, zero_stage=0, num_microbatches=1, block_capture=mode, ranks=[0])
+                   for mode in ("every", "once"))
+    assert every.captured.template is None and once.captured.template is not None
+    assert once.plan == every.plan and len(once.plan.expert_params) == 2 * 4
+    for ep_rank, tp_rank in ((0, 0), (1, 1)):
+        a, b = ((r.ranks[0].stages[0].gm if ep_rank == 0 else
+                 lower_captured(r.captured, tp_rank=tp_rank, dp_rank=ep_rank).stages[0].gm) for r in (every, once))
+        assert _signature(a) == _signature(b)
+        pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+        assert pa.keys() == pb.keys()
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), (ep_rank, tp_rank)
+        # the repeated block: this ep rank's 2 of the 4 experts, each its tp half of the rows of [E, H, I]
+        full = model.model.layers[3].mlp.experts.down_proj.detach()
+        want = full[2 * ep_rank:2 * ep_rank + 2, :, 32 * tp_rank:32 * tp_rank + 32]
+        assert torch.equal(pb["model.model.layers.3.mlp.experts.down_proj"], want)

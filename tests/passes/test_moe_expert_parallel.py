@@ -162,11 +162,3 @@ def test_capacity_factor_option():
     with pytest.raises(PlanError, match="moe_capacity_factor has no effect with expert_parallel=1"):
         _plan(build_moe("switch"), 2, expert_parallel=1, moe_capacity_factor=1.25)
 
-
-def test_meta_built_models_with_split_experts_are_refused():
-    from autopar.runtime.moe_groups import refuse_meta_experts
-    plan = autopar.Plan(global_batch_size=8, mesh={"dp": 2}, expert_parallel=2)
-    refuse_meta_experts(plan, meta=False)
-    refuse_meta_experts(plan.model_copy(update={"expert_parallel": 1}), meta=True)
-    with pytest.raises(PlanError, match="cannot be compiled with expert_parallel=2 yet"):
-        refuse_meta_experts(plan, meta=True)

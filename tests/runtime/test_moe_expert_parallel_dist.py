@@ -2,6 +2,7 @@
 and moves tokens through the dispatch/combine all-to-alls the rewritten graph shows."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import importlib.util
@@ -25,11 +26,11 @@ _HF = importlib.util.find_spec("transformers") is not None
 CLIP = 0.05  # max_grad_norm: below every step's global gradient norm here, so clipping bites
 
 
-def _case(model, dp, pp=1, zero=0, tp=1, clip=None):
+def _case(model, dp, pp=1, zero=0, tp=1, clip=None, extra=()):
     # pp: GPipe with one microbatch, so the router statistics cover each rank's whole batch
     options = _EP[:1] + (("zero_stage", zero),) + _EP[2:] + ((("schedule", "gpipe"),) if pp > 1 else ()) \
         + ((("max_grad_norm", clip),) if clip is not None else ())
-    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options)
+    return Case(model=model, mesh=(dp, pp, tp), kind="moe_runners:train", options=options, extra=extra)
 
 
 # ZeRO-3: the experts over edp = dp / ep (whole at dp=2, where edp = 1), the rest over dp
@@ -38,11 +39,21 @@ ZERO3 = [_case("switch", 2, zero=3), _case("hf_mixtral", 2, zero=3), _case("swit
 # max_grad_norm: the global norm counts every expert once (runtime/clip.py), clipping equal to one device's
 CLIPPED = [_case("switch", 2, clip=CLIP), _case("deepseek", 2, zero=2, clip=CLIP), _case("switch", 4, clip=CLIP),
            _case("switch", 4, zero=1, clip=CLIP), _case("deepseek", 4, zero=3, clip=CLIP)]
-CASES = [_case("switch", 2), _case("hf_mixtral", 2), _case("hf_qwen3_moe", 4), _case("deepseek", 4),
-         _case("hf_mixtral", 2, pp=2), _case("deepseek", 2, zero=1), _case("switch", 4, zero=2),
-         # ep x tp: each ep rank's experts column/row-sharded over tp (passes/tp_expert.py)
-         *(_case(m, 2, tp=2) for m in ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")),
-         *ZERO3, *CLIPPED]
+# built on meta, each rank's pieces (its experts only) read from the CPU build's save_pretrained folder by
+# compile(weights=autopar.hf.pretrained_weights(...)); equal to the CPU build trained on one device
+_META = ((moe_runners.WEIGHTS, True), (moe_runners.SAVE, True))
+META = [_case("hf_mixtral", 2, extra=_META), _case("hf_qwen3_moe", 2, tp=2, extra=_META),
+        _case("hf_mixtral", 4, zero=3, extra=_META[:1])]  # and each expert's ZeRO-3 block over edp read from the file
+# and captured three blocks at a time (block_capture='once', the default of a large meta-built model): the
+# experts of the repeated fourth block split too; no router loss (it reads every block: no template then)
+ONCE = dataclasses.replace(_case("hf_mixtral", 2, extra=_META[:1]), options=_EP + (("block_capture", "once"),),
+                           overrides=(("num_hidden_layers", 4), ("output_router_logits", False)))
+_MODELS = ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")
+# every model on each mesh of the issue: dp=2 ep=2, dp=4 ep=2, dp=2 ep=2 x tp=2 (each ep rank's experts
+# column/row-sharded over tp, passes/tp_expert.py) and dp=2 ep=2 x pp=2; then ZeRO stages, clipping, meta
+CASES = [*(_case(m, 2) for m in _MODELS), *(_case(m, 4) for m in _MODELS),
+         *(_case(m, 2, tp=2) for m in _MODELS), *(_case(m, 2, pp=2) for m in _MODELS),
+         _case("deepseek", 2, zero=1), _case("switch", 4, zero=2), *ZERO3, *CLIPPED, *META]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -79,10 +90,13 @@ AUTO = Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:auto_train",
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + [AUTO]
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + [AUTO] + ([ONCE] if _HF else [])
              + [c for pair in CKPT for c in pair] if c.world_size == world]
     root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
     os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
+    for case in cases:
+        if dict(case.extra).get(moe_runners.WEIGHTS):
+            moe_runners.write_weights(case)
     try:
         return dict(zip(cases, run_cases(cases)))
     finally:
@@ -188,6 +202,28 @@ def test_save_pretrained_of_split_experts_reads_back_in_transformers():
     assert len(cases) == 3
     for case in cases:
         assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
+
+
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+@pytest.mark.parametrize("case", by_world(META, ids=Case.name))
+def test_meta_built_model_from_weights_saves_a_folder_transformers_reads(case):
+    # built on meta, loaded by compile(weights=...), trained 3 steps, saved
+    result = _results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback")
+    assert result["pretrained"] == []  # rank 0: from_pretrained gives every weight as full_state_dict's
+    assert result["reloaded"] == []  # then load_pretrained of the original folder: every rank its experts' rows
+
+
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_blocks_captured_once_split_the_experts_of_every_block():
+    result = _results(ONCE.world_size)[ONCE]
+    assert_equivalent(ONCE, result, _reference(ONCE))
+    assert any("3 blocks captured, 1 repeated" in m for m in result["block_template"]), result["block_template"]
+    model = moe_runners.build(ONCE)
+    experts = json.loads(result["plan"])["expert_params"]
+    assert len(experts) == 2 * 4  # the repeated block's too
+    full = sum(p.numel() for n, p in model.named_parameters() if n in experts)
+    assert all(r["expert_elements"] * 2 == full for r in result["rank_results"])
 
 
 @pytest.mark.parametrize("pair", by_world(CKPT, world_of=lambda pair: pair[0].world_size,
