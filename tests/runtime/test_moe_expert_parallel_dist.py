@@ -42,8 +42,8 @@ CLIPPED = [_case("switch", 2, clip=CLIP), _case("deepseek", 2, zero=2, clip=CLIP
 # built on meta, each rank's pieces (its experts only) read from the CPU build's save_pretrained folder by
 # compile(weights=autopar.hf.pretrained_weights(...)); equal to the CPU build trained on one device
 _META = ((moe_runners.WEIGHTS, True), (moe_runners.SAVE, True))
-META = [_case("hf_mixtral", 2, extra=_META), _case("hf_qwen3_moe", 2, tp=2, extra=_META),
-        _case("hf_mixtral", 4, zero=3, extra=_META[:1])]  # and each expert's ZeRO-3 block over edp read from the file
+META = [_case("hf_mixtral", 2, extra=_META), _case("hf_qwen3_moe", 2, tp=2, extra=_META)]
+META_ZERO3 = _case("hf_mixtral", 4, zero=3, extra=_META[:1])  # each expert's ZeRO-3 block over edp read from the file
 # and captured three blocks at a time (block_capture='once', the default of a large meta-built model): the
 # experts of the repeated fourth block split too; no router loss (it reads every block: no template then)
 ONCE = dataclasses.replace(_case("hf_mixtral", 2, extra=_META[:1]), options=_EP + (("block_capture", "once"),),
@@ -53,7 +53,7 @@ _MODELS = ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")
 # column/row-sharded over tp, passes/tp_expert.py) and dp=2 ep=2 x pp=2; then ZeRO stages, clipping, meta
 CASES = [*(_case(m, 2) for m in _MODELS), *(_case(m, 4) for m in _MODELS),
          *(_case(m, 2, tp=2) for m in _MODELS), *(_case(m, 2, pp=2) for m in _MODELS),
-         _case("deepseek", 2, zero=1), _case("switch", 4, zero=2), *ZERO3, *CLIPPED, *META]
+         _case("deepseek", 2, zero=1), _case("switch", 4, zero=2), *ZERO3, *CLIPPED, *META, META_ZERO3]
 if not _HF:
     CASES = [c for c in CASES if not c.model.startswith("hf_")]
 LAYERS = 2  # every model here has two MoE layers
@@ -198,10 +198,13 @@ def test_full_state_has_every_expert():
 @pytest.mark.slow
 @pytest.mark.skipif(not _HF, reason="transformers is not installed")
 def test_save_pretrained_of_split_experts_reads_back_in_transformers():
-    cases = [c for c in CASES if moe_runners.pretrained_round_trip(c)]  # ep x tp, and ZeRO-3 blocks over edp
-    assert len(cases) == 3
+    cases = [c for c in CASES if moe_runners.pretrained_round_trip(c)]
+    # ep x tp (Mixtral, Qwen3-MoE), ZeRO-3 blocks over edp (Qwen3-MoE, meta-built Mixtral), the meta-built
+    # cases that ask (Mixtral; Qwen3-MoE at tp=2)
+    assert len(cases) == 6, [c.name() for c in cases]
     for case in cases:
-        assert _results(4)[case]["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
+        result = _results(case.world_size)[case]
+        assert result["pretrained"] == [], case.name()  # rank 0: every weight as full_state_dict's
 
 
 @pytest.mark.skipif(not _HF, reason="transformers is not installed")
