@@ -1,10 +1,12 @@
-"""Which spawned cases the default suite runs: the 4-rank ones of the family and MoE matrices and the
-8-rank ones of the equivalence and data-parallel matrices (3-D: dp=2 x pp=2 x tp=2) are ``slow``.
+"""Which spawned cases the default suite runs: 4- and 8-rank cases are ``slow``.
 
 The default suite (``python3 -m pytest -q``, the README's test command) stays under 15 minutes on the
-2-core machine; ``python3 -m pytest -q -m slow`` runs the 4-rank groups of the tensor-parallel family
-matrices (tp=4, pp=2 x tp=2) and of expert parallelism (dp=4, ep x tp, checkpoints of split experts)
-and the 8-rank 3-D cases, and ``.ci/run`` runs both, so CI judges every case.
+2-core machine by judging every strategy on 1 and 2 ranks; ``python3 -m pytest -q -m slow`` runs the
+4-rank groups (dp=4, pp=2 x tp=2, dp=2 x pp=2, tp=4, ep x tp, ...) of the equivalence, data-parallel,
+tensor-parallel, schedule, asynchronous, recompute, memory, precision, family, MoE, Hugging Face weight
+and meta-built matrices, and the 8-rank 3-D cases; ``.ci/run`` runs both, so CI judges every case.
+One 4-rank group stays in the default suite: tests/shared_groups.py's, whose checkpoints the 2-rank
+group loads.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 
+from case_marks import by_world  # noqa: E402
 from equivalence import RTOL, Case, assert_equivalent, batches, build, make_optimizer, run_cases
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
@@ -110,6 +111,11 @@ def _folder_state(case: Case) -> dict:
     return _library_model(case, dict(case.extra)["folder"]).state_dict()
 
 
+def _cases_of(kind: str) -> list:
+    """The cases whose runner ends in ``kind``, as params (4 ranks: the ``slow`` set, tests/case_marks.py)."""
+    return by_world([c for c in CASES if c.kind.endswith(kind)], ids=Case.name)
+
+
 @functools.lru_cache(maxsize=None)
 def _results() -> dict:
     _write_pretrained()
@@ -133,7 +139,7 @@ def _eager_logits(case: Case, folder: str) -> list[torch.Tensor]:
         return [model(x).logits for x, _ in batches(case, model.config.vocab_size)]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith("pretrained_logits")], ids=lambda c: c.name())
+@pytest.mark.parametrize("case", _cases_of("pretrained_logits"))
 def test_pretrained_folder_gives_the_eager_logits(case):
     result = _result(case)
     folder = dict(case.extra)["folder"]
@@ -148,7 +154,7 @@ def test_pretrained_folder_gives_the_eager_logits(case):
     assert report.elements_read == result["held_elements"] < report.checkpoint_elements
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith("train_save")], ids=lambda c: c.name())
+@pytest.mark.parametrize("case", _cases_of("train_save"))
 def test_trained_and_saved_folder_loads_in_transformers(case):
     import transformers
     result = _result(case)
@@ -172,7 +178,7 @@ def test_trained_and_saved_folder_loads_in_transformers(case):
     assert not [f for f in os.listdir(_root()) if f.startswith(".")], "a temporary folder was left behind"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.kind.endswith(":loaded")], ids=lambda c: c.name())
+@pytest.mark.parametrize("case", _cases_of(":loaded"))
 def test_pretrained_weights_set_zero3_blocks_and_fp32_masters_with_their_bf16_copies(case):
     result = _result(case)
     expected = _folder_state(case)

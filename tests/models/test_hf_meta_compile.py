@@ -21,6 +21,7 @@ from autopar.runtime.checkpoint_layout import split  # noqa: E402
 from autopar.runtime.init_replay import init_filler  # noqa: E402
 from autopar.runtime.materialize import materialize_rank  # noqa: E402
 from autopar.runtime.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
+from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from hf_runners import cpu_reference, hf_loop_reference, logits_loss, padded_batches  # noqa: E402
 
@@ -115,7 +116,7 @@ def _results():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(_CASES, ids=lambda c: c.name()))
 def test_meta_built_model_trains_equal_to_cpu_build(case):
     result = _results()[case]
     assert_equivalent(case, result, cpu_reference(case))
@@ -133,7 +134,7 @@ def test_meta_built_model_trains_equal_to_cpu_build(case):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", _HF_CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(_HF_CASES, ids=lambda c: c.name()))
 def test_hf_model_as_users_hold_it_trains_equal_to_hf_single_device_loop(case):
     result = _results()[case]
     assert_equivalent(case, result, hf_loop_reference(case))

@@ -15,6 +15,7 @@ from autopar.passes.recompute import Recompute, apply_recompute, recompute_modul
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.memory_probe import SavedLedger
 from autopar.runtime.p2p import p2p_nodes
+from case_marks import by_world
 from equivalence import assert_equivalent, reference_run
 from memory_harness import RECOMPUTE, results
 
@@ -132,7 +133,7 @@ def test_full_keeps_only_block_inputs():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", RECOMPUTE, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(RECOMPUTE, ids=lambda c: c.name().split("-", 1)[1]))
 def test_recompute_trains_like_one_device(case):
     """pp x tp with recompute (collectives recomputed inside regions, p2p never) equals one device at 1e-5.
 

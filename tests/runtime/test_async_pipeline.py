@@ -15,6 +15,7 @@ from autopar.models import build_model, lm_loss
 from autopar.runtime.async_emulation import StageLayout, emulate
 from autopar.runtime.schedules import StageCosts, StalenessRule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, stream_segment
+from case_marks import by_world
 from equivalence import ATOL, RTOL, build, make_optimizer
 from schedule_runners import ASYNC_CASES, ASYNC_DICT_CASES, results
 
@@ -27,7 +28,7 @@ def _emulate(case, result, rule=None):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ASYNC_CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(ASYNC_CASES, ids=lambda c: c.name()))
 def test_distributed_run_is_the_emulated_staleness_rule(case):
     result = results(case.world_size)[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
@@ -55,7 +56,7 @@ def test_distributed_run_is_the_emulated_staleness_rule(case):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ASYNC_DICT_CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(ASYNC_DICT_CASES, ids=lambda c: c.name()))
 def test_dict_batches_on_the_models_own_loss_count_label_tokens_per_update(case):
     """PipeDream updates after every microbatch: each microbatch's own label tokens divide its loss
     sum, so a dict batch on the model's own loss trains as positional inputs with a mean loss_fn."""

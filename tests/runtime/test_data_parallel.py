@@ -65,7 +65,7 @@ def _reference() -> dict:
     return reference_run(Case(model="gpt_tiny"))
 
 
-@pytest.mark.parametrize("case", by_world(EQUIVALENCE, ids=lambda c: c.name(), slow_worlds=(8,)))
+@pytest.mark.parametrize("case", by_world(EQUIVALENCE, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_matches_single_device(case: Case):
     assert_equivalent(case, _result(case), _reference())
 
@@ -110,7 +110,7 @@ def test_dataparallel_inference_returns_the_whole_batch_everywhere():
 
 
 # -- DDP overlaps communication with backward ------------------------------------------------------
-@pytest.mark.parametrize("case", OVERLAP, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(OVERLAP, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_ddp_buckets_launch_during_the_last_backward(case: Case):
     """Every bucket starts inside the last microbatch's B action of its stage, before it ends."""
     m = dict(case.options).get("num_microbatches", 2)
@@ -132,7 +132,7 @@ def _param_bytes(rank: dict) -> int:
     return 4 * sum(rank["param_numels"].values())
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])  # dp=4: the 4-rank group (slow)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_bytes_match_zero_theory(dp: int, stage: int):
     """DDP, ZeRO-1, ZeRO-2 send 2Ψ(N-1)/N per step; ZeRO-3 3Ψ(N-1)/N (1.5x), Ψ padded to N."""
@@ -154,7 +154,8 @@ def test_comm_bytes_match_zero_theory(dp: int, stage: int):
 
 
 # -- measured model-state memory ----------------------------------------------------------------------
-@pytest.mark.parametrize("dp,optimizer,k", [(2, "sgd", 4), (4, "sgd", 4), (2, "adamw", 8)])
+@pytest.mark.parametrize("dp,optimizer,k", [(2, "sgd", 4), pytest.param(4, "sgd", 4, marks=pytest.mark.slow),
+                                              (2, "adamw", 8)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_state_memory_follows_zero(stage: int, dp: int, optimizer: str, k: int):
     """Bytes held per rank: exactly what each stage keeps, and the ZeRO formula's share of DDP."""
@@ -180,10 +181,10 @@ def test_model_state_memory_follows_zero(stage: int, dp: int, optimizer: str, k:
         assert abs(mem["total"] - share * ref["memory"]["total"]) <= slack, (stage, mem)
 
 
-def test_zero_ownership_is_balanced():
+@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])  # dp=4: the 4-rank group (slow)
+def test_zero_ownership_is_balanced(dp: int):
     """ZeRO-1/2 own whole parameters: a rank's share is 1/N of the weights within one parameter."""
-    for dp in (2, 4):
-        for rank in _result(AUDIT[(dp, 1, "sgd")])["ranks"]:
-            numels = rank["param_numels"]
-            owned = sum(numels[n] for n in rank["owned"])
-            assert abs(owned - sum(numels.values()) / dp) <= max(numels.values())
+    for rank in _result(AUDIT[(dp, 1, "sgd")])["ranks"]:
+        numels = rank["param_numels"]
+        owned = sum(numels[n] for n in rank["owned"])
+        assert abs(owned - sum(numels.values()) / dp) <= max(numels.values())

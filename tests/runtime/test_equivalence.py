@@ -42,13 +42,13 @@ def _reference(model: str) -> dict:
     return reference_run(Case(model=model))
 
 
-@pytest.mark.parametrize("case", by_world(CASES + EXTRA, ids=lambda c: c.name(), slow_worlds=(8,)))
+@pytest.mark.parametrize("case", by_world(CASES + EXTRA, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_matches_single_device(case: Case):
     result = _results(case.world_size)[case]
     assert_equivalent(case, result, _reference(case.model))
 
 
-@pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name(), slow_worlds=(8,)))
+@pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_inference_matches_single_device(case: Case):
     assert_outputs_match(case, _results(case.world_size)[case])  # every rank's slice, not rank 0's alone
 

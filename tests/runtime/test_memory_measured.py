@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from case_marks import by_world
 from equivalence import assert_equivalent, reference_run
 from memory_harness import ALL, MEMORY, RECOMPUTE, estimate, results
 
@@ -24,7 +25,7 @@ def _result(case):
     return result
 
 
-@pytest.mark.parametrize("case", MEMORY, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(MEMORY, ids=lambda c: c.name().split("-", 1)[1]))
 def test_model_states_match_the_calculator(case):
     predicted = estimate(case)
     for rank, seen in _result(case)["ranks"].items():
@@ -35,7 +36,7 @@ def test_model_states_match_the_calculator(case):
         assert seen["states"].buffers == want.buffers
 
 
-@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(ALL, ids=lambda c: c.name().split("-", 1)[1]))
 def test_activations_match_the_calculator(case):
     predicted = estimate(case)
     for rank, seen in _result(case)["ranks"].items():
@@ -64,8 +65,8 @@ def test_recompute_lowers_measured_memory_as_predicted():
                 full, selective, none]
 
 
-@pytest.mark.parametrize("case", [c for c in MEMORY if c.optimizer == "sgd" and ("precision", "fp32") in c.options],
-                         ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world([c for c in MEMORY if c.optimizer == "sgd" and ("precision", "fp32") in c.options],
+                                          ids=lambda c: c.name().split("-", 1)[1]))
 def test_fp32_memory_cases_still_train_like_one_device(case):
     """ZeRO 0-3 over dp=4 with clipping: the norm each rank counts (owned parameters, shards) adds up."""
     assert_equivalent(case, _result(case), reference_run(case))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import autopar
+from case_marks import by_world
 from equivalence import Case, assert_equivalent, batches, build, make_optimizer
 from memory_harness import ALL, MEMORY, PRECISION, ROUND_TRIP, results
 from autopar.runtime.clip import clip_grad_norm, counted_here
@@ -177,7 +178,7 @@ def _reference(case: Case) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", CLIPPED, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(CLIPPED, ids=lambda c: c.name().split("-", 1)[1]))
 def test_clipping_matches_torch_on_one_device(case):
     result, reference = _result(case), _reference(case)
     assert_equivalent(case, result, reference)
@@ -189,7 +190,7 @@ def test_clipping_matches_torch_on_one_device(case):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", BF16, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(BF16, ids=lambda c: c.name().split("-", 1)[1]))
 def test_bf16_trains_like_fp32_within_bf16_tolerance(case):
     result = _result(case)
     reference = _reference(Case(model=case.model, options=(), optimizer=case.optimizer, steps=case.steps))
@@ -209,7 +210,7 @@ def _zero0_twin(case: Case) -> Case:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ZERO_BF16, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(ZERO_BF16, ids=lambda c: c.name().split("-", 1)[1]))
 def test_zero_bf16_equals_zero0_bf16(case):
     """ZeRO-1/2 step each fp32 master on its owner only and broadcast its bf16 rounding: bitwise
     ZeRO-0's training (same fp32 gradient sums, same steps, same rounding), SGD and Adam alike.
@@ -235,7 +236,7 @@ def test_zero_bf16_equals_zero0_bf16(case):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ROUND_TRIP, ids=lambda c: c.name().split("-", 1)[1])
+@pytest.mark.parametrize("case", by_world(ROUND_TRIP, ids=lambda c: c.name().split("-", 1)[1]))
 def test_bf16_zero_checkpoint_round_trip(case):
     """Masters live on their owners (ZeRO-1/2) or as 1/N blocks (ZeRO-3); a checkpoint still holds every
     fp32 master, and loading it restores them exactly and rounds them into every rank's bf16 weights."""

@@ -13,6 +13,7 @@ import torch
 import autopar
 from autopar.errors import PlanError, ScheduleError
 from autopar.models import build_model, lm_loss
+from case_marks import by_world
 from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run
 from schedule_runners import INFER_CASES, SYNC_CASES, results
 
@@ -23,13 +24,13 @@ def _reference(model: str, overrides: tuple) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", SYNC_CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(SYNC_CASES, ids=lambda c: c.name()))
 def test_schedule_matches_single_device(case: Case):
     assert_equivalent(case, results(case.world_size)[case], _reference(case.model, case.overrides))
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", INFER_CASES, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(INFER_CASES, ids=lambda c: c.name()))
 def test_forward_only_schedule_matches_single_device(case: Case):
     assert_outputs_match(case, results(case.world_size)[case])  # every rank's outputs
 

@@ -18,6 +18,7 @@ import functools
 import pytest
 import torch
 
+from case_marks import by_world
 from equivalence import Case, assert_equivalent, assert_outputs_match, batches, build, reference_run, run_cases
 
 pytestmark = pytest.mark.dist
@@ -58,18 +59,18 @@ def _result(case: Case) -> dict:
     return result
 
 
-@pytest.mark.parametrize("case", TRAIN, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(TRAIN, ids=lambda c: c.name()))
 def test_trains_like_one_device(case: Case):
     reference = reference_run(Case(model=case.model, overrides=case.overrides))
     assert_equivalent(case, _results(case.world_size)[case], reference)
 
 
-@pytest.mark.parametrize("case", INFER, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name()))
 def test_inference_returns_the_gathered_logits(case: Case):
     assert_outputs_match(case, _result(case))  # every rank returns the gathered logits
 
 
-@pytest.mark.parametrize("case", MASKS, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", by_world(MASKS, ids=lambda c: c.name()))
 def test_dropout_masks_match_where_replicated_and_differ_where_sharded(case: Case):
     result = _result(case)
     ranks = [r["masks"] for r in result["per_rank"]]
