@@ -14,8 +14,9 @@ gradients it *counts* (:func:`counted_here`), and one all-reduce over the whole 
   both partition the model;
 - expert parallelism: an expert tensor split over ep holds other experts on each rank of an ep
   group and the same ones on the dp/ep ranks of its edp group (:mod:`autopar.runtime.moe_groups`),
-  so it is counted on the ranks of the first ep group (dp index < ep), each expert once; a
-  ZeRO-3 shard of it (over edp) on the rank holding it, as every ZeRO-3 shard.
+  so it is counted on the ranks of the first ep group (dp index < ep), each expert once; under
+  ZeRO-1/2 with edp > 1 (each expert owned by one edp rank) on its owner; a ZeRO-3 shard of it (over
+  edp) on the rank holding it, as every ZeRO-3 shard.
 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient.
 """
@@ -33,9 +34,11 @@ __all__ = ["counted_here", "global_grad_norm", "clip_grad_norm", "clip_program_g
 
 
 def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[int],
-                 owned: set[str] | None, sharded: frozenset[str] = frozenset()) -> bool:
+                 owned: set[str] | None, sharded: frozenset[str] = frozenset(),
+                 owned_experts: set[str] | None = None) -> bool:
     """Does this rank count ``name``'s gradient in the global norm? (``owned``: the ZeRO-1/2 parameters this
-    dp rank owns, None when nothing is owned whole; ``sharded``: those held as ZeRO-3 flat shards.)"""
+    dp rank owns, None when nothing is owned whole; ``sharded``: those held as ZeRO-3 flat shards;
+    ``owned_experts``: the expert tensors this rank owns in its edp group, None when not partitioned.)"""
     if name not in plan.param_shards and coords["tp"] != 0:
         return False
     stages = plan.shared_params.get(name)
@@ -44,7 +47,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
     if name in sharded:
         return True
     if plan.expert_parallel > 1 and name in plan.expert_params:  # each ep rank of the first ep group: its experts
-        return coords["dp"] < plan.expert_parallel
+        return name in owned_experts if owned_experts is not None else coords["dp"] < plan.expert_parallel
     if owned is not None:
         return name in owned
     return coords["dp"] == 0
@@ -52,12 +55,12 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
 
 def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
                      stage_to_pp: list[int], owned: set[str] | None, sharded: frozenset[str] = frozenset(),
-                     group=None, guard=None) -> torch.Tensor:
+                     group=None, guard=None, owned_experts: set[str] | None = None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, the same value on every rank (collective over ``group``)."""
     squares = torch.zeros((), dtype=torch.float64, device=named[0][1].device if named else None)
     for name, p in named:
         if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
-                                               owned=owned, sharded=sharded):
+                                               owned=owned, sharded=sharded, owned_experts=owned_experts):
             squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         issue("all_reduce", dist.all_reduce, squares, group=group, guard=guard, purpose="the global gradient norm")
@@ -67,10 +70,11 @@ def global_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, plan, coord
 @torch.no_grad()
 def clip_grad_norm(named: list[tuple[str, torch.nn.Parameter]], *, max_norm: float, plan,
                    coords: dict[str, int], stage_to_pp: list[int], owned: set[str] | None,
-                   sharded: frozenset[str] = frozenset(), group=None, guard=None) -> torch.Tensor:
+                   sharded: frozenset[str] = frozenset(), group=None, guard=None,
+                   owned_experts: set[str] | None = None) -> torch.Tensor:
     """Scale every local gradient so the global norm is at most ``max_norm``; returns the norm before."""
     total = global_grad_norm(named, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned,
-                             sharded=sharded, group=group, guard=guard)
+                             sharded=sharded, group=group, guard=guard, owned_experts=owned_experts)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, p in named:
         if p.grad is not None:
@@ -88,6 +92,11 @@ def clip_program_gradients(program: ProgramState, *, max_norm: float) -> torch.T
         owned = {n for n, k in owners.items() if k == program.info.coords["dp"]}
     else:
         owned = None  # replicated over dp: dp rank 0 counts
+    expert_owners = program.optimizer.expert_owner_of() if hasattr(program.optimizer, "expert_owner_of") else None
+    owned_experts = None  # ZeRO-1/2 with experts owned over edp: each counted by its owner
+    if expert_owners is not None:
+        edp_index = program.info.coords["dp"] // plan.expert_parallel
+        owned_experts = {n for n, k in expert_owners.items() if k == edp_index}
     return clip_grad_norm(program.named_params, max_norm=max_norm, plan=plan, coords=program.info.coords,
                           stage_to_pp=list(program.schedule.stage_to_rank), owned=owned, sharded=sharded,
-                          guard=program.comm_guard)
+                          guard=program.comm_guard, owned_experts=owned_experts)

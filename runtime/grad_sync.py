@@ -8,7 +8,8 @@ after it, before the optimizer steps.
   to the parameter's owner (ZeRO-1/2). ZeRO-3 reduce-scatters inside the graph's backward
   (:mod:`autopar.passes.zero3`), so nothing is left to do here.
 - Mixture-of-experts experts split over ep: summed over the ranks holding the same experts (edp)
-  and divided by dp after backward (:func:`autopar.runtime.moe_groups.sync_expert_gradients`),
+  and divided by dp after backward (:func:`autopar.runtime.moe_groups.sync_expert_gradients`;
+  under ZeRO-2 with the experts owned over edp, reduced to their owner),
   under ZeRO-3 too where it leaves them whole (edp = 1); those ZeRO-3 shards over edp reduce-scatter
   in the graph like every other shard.
 - Parameters that live on several pipeline stages (a tied embedding and LM head) first have
@@ -102,7 +103,9 @@ class GradientSync:
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, ctx: RankContext, shared: list,
                  plan, owners: dict[str, int] | None, uses: dict[str, int],
-                 current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = ()):
+                 current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = (),
+                 expert_owners: dict[str, int] | None = None):
+        """``expert_owners``: {expert name: owning edp index} when ZeRO-1/2 partition the experts over edp."""
         self.shared, self.info, self.guard = shared, ctx.info, ctx.guard
         self.zero3_runtimes = zero3_runtimes
         self._t0 = time.perf_counter()
@@ -112,8 +115,13 @@ class GradientSync:
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
         experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/moe_groups.py)
         in_graph = {user_name(t) for r in zero3_runtimes for t in zero3_targets(r.gm)}  # ZeRO-3's reduce-scatters
-        self.experts = [p for n, p in named_params if n in experts and n not in in_graph] \
+        expert_named = [(n, p) for n, p in named_params if n in experts and n not in in_graph] \
             if plan.mesh.dp > 1 and mode == "ddp" else []
+        self.experts = [p for _, p in expert_named]
+        self.expert_dst = None  # ZeRO-2: each expert's gradient reduced to its edp owner (global rank)
+        if expert_owners is not None and plan.zero_stage == 2 and expert_named:
+            edp_ranks = self.info.axis_ranks["edp"]
+            self.expert_dst = [edp_ranks[expert_owners[n]] for n, _ in expert_named]
         if not self.active:
             return
         shared_ids = {id(p) for p, _ in shared}
@@ -137,7 +145,7 @@ class GradientSync:
             self.buckets.finish()
         if self.experts:
             sync_expert_gradients(self.experts, group=self.info.groups["edp"], size=len(self.info.axis_ranks["edp"]),
-                                  dp=self.info.shape.dp, guard=self.guard)
+                                  dp=self.info.shape.dp, guard=self.guard, owners=self.expert_dst, rank=self.info.rank)
         for runtime in self.zero3_runtimes:
             runtime.drain()
         sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"], guard=self.guard)

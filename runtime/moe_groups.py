@@ -8,7 +8,8 @@ shards into the part inside ep and the part outside it. The dp ranks that hold t
 Gradients: an expert's gradient on its rank already sums the contributions of every token the ep
 group routed to it (the combine's backward brings them back). So the expert gradient is summed over
 ``edp`` and divided by dp, which is the mean over dp of one device's per-rank gradients, the value DDP
-gives every other parameter.
+gives every other parameter. Under ZeRO-1/2 each expert tensor is owned by one edp rank
+(:class:`autopar.runtime.zero.ShardedOptimizer`); ZeRO-2 reduces its gradient to that owner only.
 
 Example::
 
@@ -49,12 +50,22 @@ def add_expert_groups(info, *, ep: int) -> None:
                     info.groups[axis], info.axis_ranks[axis] = group, ranks
 
 
-def sync_expert_gradients(params: list[torch.nn.Parameter], *, group, size: int, dp: int, guard=None) -> None:
-    """Sum the expert gradients over the ``size`` ranks of ``group`` (edp) and divide by ``dp``."""
-    for p in params:
+def sync_expert_gradients(params: list[torch.nn.Parameter], *, group, size: int, dp: int, guard=None,
+                          owners: list[int] | None = None, rank: int | None = None) -> None:
+    """Sum the expert gradients over the ``size`` ranks of ``group`` (edp) and divide by ``dp``.
+
+    ``owners`` (ZeRO-2, the experts partitioned over edp): each gradient's owner's global rank; the sum is
+    reduced to that owner only, and the other ranks drop their gradient (this rank is ``rank``)."""
+    for i, p in enumerate(params):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if size > 1:
+        if size > 1 and owners is not None:
+            issue("reduce", dist.reduce, p.grad, owners[i], group=group, guard=guard,
+                  purpose="the expert gradients to their owner among the ranks holding the same experts")
+            if owners[i] != rank:
+                p.grad = None
+                continue
+        elif size > 1:
             issue("all_reduce", dist.all_reduce, p.grad, group=group, guard=guard,
                   purpose="the expert gradients over the ranks holding the same experts")
         p.grad.div_(dp)

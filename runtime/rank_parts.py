@@ -31,7 +31,7 @@ from autopar.runtime.moe_groups import add_expert_groups
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.p2p import P2PChannel, P2PNode
-from autopar.runtime.rank_context import RankContext
+from autopar.runtime.rank_context import AxisGroup, RankContext
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.zero import ShardedOptimizer, stepped_here
 from autopar.runtime.zero3_ops import bind_zero3, shard_zero3_parameters
@@ -129,6 +129,13 @@ def _uses(mine: list[StageGraph], named_params) -> dict[str, int]:
     return {n: per_id[id(p)] for n, p in named_params}
 
 
+def _edp_axis(info, *, ep: int) -> AxisGroup | None:
+    """The edp group of this rank (the dp/ep ranks holding its experts; its index there is dp // ep), or None."""
+    if ep <= 1 or "edp" not in info.groups:
+        return None
+    return AxisGroup(group=info.groups["edp"], ranks=tuple(info.axis_ranks["edp"]), index=info.coords["dp"] // ep)
+
+
 def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule, optimizer_factory,
                 state_keys: tuple[str, ...], masters: dict | None = None, materialize=None) -> RankParts:
     """This rank's parts of ``lowered`` (one tp rank's lowering: ``autopar.lowering.Lowered``)."""
@@ -144,14 +151,15 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     named = _named_parameters(stages)
     uses = _uses(mine, named)  # by the compute parameters, before masters replace them
     stepped = stepped_here(named, zero_stage=plan.zero_stage, dp_size=info.shape.dp,
-                           dp_rank=info.coords["dp"], local=frozenset(plan.expert_params))  # ZeRO-1/2: masters only where a parameter is stepped
+                           dp_rank=info.coords["dp"], local=frozenset(plan.expert_params),
+                           ep=plan.expert_parallel)  # ZeRO-1/2: masters only where a parameter is stepped (experts: over edp)
     mixed = MasterWeights(named, masters, stepped=stepped) if masters is not None else None
     if mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
         named = mixed.named
     optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
                                  comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
                                  synced=mixed.compute if mixed is not None else None,
-                                 local=frozenset(plan.expert_params))  # MoE experts: stepped where held
+                                 local=frozenset(plan.expert_params), edp=_edp_axis(info, ep=plan.expert_parallel))
     aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
                for s in lowered.stages for n in s.gm.graph.nodes
                if n.op == "get_attr" and get_meta(n, PARAM) is not None}

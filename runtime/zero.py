@@ -11,6 +11,10 @@
   rank owns (they are optimizer state, as in ZeRO's K = 12 bytes per parameter for Adam): the
   owner rounds its masters into its bf16 compute copies (``publish``) and broadcasts those, half
   the bytes, and exactly what a non-owner would get by rounding the master itself.
+- Mixture-of-experts experts split over ep (``local``): under ZeRO-1/2 each is owned whole by one rank
+  of its ``edp`` group (the dp/ep ranks holding the same experts; :mod:`autopar.runtime.moe_groups`),
+  partitioned as the dp partition is (greedy by size) over edp, and its owner broadcasts it over edp
+  after the step. With dp == ep (edp of one rank) every holder steps its experts.
 - ZeRO-3: the parameters themselves are flat 1/N shards (:mod:`autopar.passes.zero3`), so each
   rank steps its shards and nothing is broadcast. An optimizer on flat shards computes the
   unsharded update only if it treats every element on its own, so ZeRO-3 accepts the
@@ -49,16 +53,19 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
 
 
 def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dp_size: int,
-                 dp_rank: int, local: frozenset[str] = frozenset()) -> set[str] | None:
+                 dp_rank: int, local: frozenset[str] = frozenset(), ep: int = 1) -> set[str] | None:
     """Names of the trainable parameters dp rank ``dp_rank`` steps under ZeRO-1/2; None when it steps all.
 
-    ``local`` parameters (MoE experts split over ep) are stepped by every rank that holds them, outside the
-    dp partition, as :class:`ShardedOptimizer` steps them."""
+    ``local`` parameters (MoE experts split over ``ep`` ranks of dp) are partitioned over the rank's edp
+    group (``dp_size // ep`` ranks, this one at edp index ``dp_rank // ep``), as :class:`ShardedOptimizer`
+    steps them."""
     if zero_stage not in (1, 2) or dp_size == 1:
         return None
     trainable = [(n, p) for n, p in named if p.requires_grad]
     shared = [(n, p) for n, p in trainable if n not in local]
-    return set(partition_params(shared, dp_size)[dp_rank]) | {n for n, _ in trainable if n in local}
+    experts = [(n, p) for n, p in trainable if n in local]
+    edp = max(dp_size // ep, 1)
+    return set(partition_params(shared, dp_size)[dp_rank]) | set(partition_params(experts, edp)[dp_rank // ep % edp])
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
@@ -81,11 +88,12 @@ class ShardedOptimizer:
                  factory: Callable[[list], torch.optim.Optimizer], *, zero_stage: int,
                  dp: AxisGroup, comm_log: comm.CommLog | None = None,
                  publish: Callable[[], None] | None = None, synced: dict[str, torch.Tensor] | None = None,
-                 local: frozenset[str] = frozenset()):
+                 local: frozenset[str] = frozenset(), edp: AxisGroup | None = None):
         """``publish`` runs after the local step, before the owners' broadcast (mixed precision rounds the
         masters into the compute copies there); ``synced`` are the tensors the owners broadcast, by name
         (default: the parameters; the bf16 compute copies under mixed precision). ``local``: parameters every
-        rank steps itself, outside the dp partition (MoE experts split over ep: runtime/moe_groups.py)."""
+        rank steps itself, outside the dp partition (MoE experts split over ep: runtime/moe_groups.py); under
+        ZeRO-1/2 they are partitioned over ``edp`` (the ranks holding the same experts) when it has several ranks."""
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         steps_all = [(n, p) for n, p in named_params if n in local]
         self.named = [(n, p) for n, p in named_params if n not in local]
@@ -95,9 +103,12 @@ class ShardedOptimizer:
         self.comm_log = comm_log
         sharded = zero_stage in (1, 2) and dp.size > 1
         self.owners = partition_params(self.named, dp.size) if sharded else [[n for n, _ in self.named]]
+        self.edp = edp if sharded and edp is not None and edp.size > 1 else None
+        self.expert_owners = partition_params(steps_all, self.edp.size) if self.edp else [[n for n, _ in steps_all]]
         self.named += steps_all
         by_name = dict(self.named)
-        mine = (self.owners[dp.index] if sharded else self.owners[0]) + [n for n, _ in steps_all]
+        mine = (self.owners[dp.index] if sharded else self.owners[0]) + \
+            self.expert_owners[self.edp.index if self.edp else 0]
         self.local_names = mine
         self.sharded = sharded
         self.optimizer = factory([by_name[n] for n in mine]) if mine else None
@@ -111,6 +122,12 @@ class ShardedOptimizer:
         if not self.sharded:
             return None
         return {n: k for k, names in enumerate(self.owners) for n in names}
+
+    def expert_owner_of(self) -> dict[str, int] | None:
+        """{expert tensor name: edp index that owns it} when ZeRO-1/2 partition the experts over edp; else None."""
+        if self.edp is None:
+            return None
+        return {n: k for k, names in enumerate(self.expert_owners) for n in names}
 
     def owned_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose (dp-reduced) gradient this rank holds and steps.
@@ -137,6 +154,7 @@ class ShardedOptimizer:
         if self.sharded:
             synced = self._synced if self._synced is not None else {n: p.data for n, p in self.named}
             self._broadcast_owned(synced, log=self.comm_log, purpose="param_broadcast")
+            self._broadcast_experts(synced, log=self.comm_log, purpose="param_broadcast")
 
     def owners_values(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``named`` with each trainable tensor this rank does not step replaced by a copy of its owner's
@@ -147,23 +165,19 @@ class ShardedOptimizer:
         values = {n: t if n in mine else torch.empty(t.shape, dtype=t.dtype, device=t.device)
                   for n, t in named if n in self._by_name}
         self._broadcast_owned(values, log=None, purpose="state_dict")
+        self._broadcast_experts(values, log=None, purpose="state_dict")
         return [(n, values.get(n, t)) for n, t in named]
 
-    @torch.no_grad()
     def _broadcast_owned(self, tensors: dict[str, torch.Tensor], *, log, purpose: str) -> None:
         """Each owner's ``tensors`` into the same-named tensors of the other dp ranks (one flat buffer per owner)."""
-        for owner_index, names in enumerate(self.owners):
-            if not names:
-                continue
-            chosen = [tensors[n] for n in names]
-            flat = torch.cat([t.detach().reshape(-1) for t in chosen])
-            comm.broadcast(flat, src=self.dp_ranks[owner_index], group=self.dp_group, size=len(self.dp_ranks),
-                           log=log, purpose=purpose)
-            if owner_index != self.dp_rank:
-                offset = 0
-                for t in chosen:
-                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        _broadcast_parts(tensors, self.owners, ranks=self.dp_ranks, group=self.dp_group, index=self.dp_rank,
+                         log=log, purpose=purpose)
+
+    def _broadcast_experts(self, tensors: dict[str, torch.Tensor], *, log, purpose: str) -> None:
+        """Each edp owner's expert ``tensors`` into the other ranks of the edp group (the same experts)."""
+        if self.edp is not None:
+            _broadcast_parts(tensors, self.expert_owners, ranks=list(self.edp.ranks), group=self.edp.group,
+                             index=self.edp.index, log=log, purpose=purpose)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict() if self.optimizer is not None else {}
@@ -206,3 +220,20 @@ class ShardedOptimizer:
                       for g, h in zip(groups, hyperparameters)]
         state = {index[id(self._by_name[n])]: s for n, s in states.items() if n in self.local_names}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+@torch.no_grad()
+def _broadcast_parts(tensors: dict[str, torch.Tensor], parts: list[list[str]], *, ranks: list[int], group,
+                     index: int, log, purpose: str) -> None:
+    """Each part's ``tensors`` from the rank owning it (``ranks[k]`` owns ``parts[k]``) into the others'."""
+    for owner_index, names in enumerate(parts):
+        if not names:
+            continue
+        chosen = [tensors[n] for n in names]
+        flat = torch.cat([t.detach().reshape(-1) for t in chosen])
+        comm.broadcast(flat, src=ranks[owner_index], group=group, size=len(ranks), log=log, purpose=purpose)
+        if owner_index != index:
+            offset = 0
+            for t in chosen:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -101,7 +101,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     lowered0 = result.lowered[0]
     stage_to_rank = result.schedule.stage_to_rank
     activations, memo = {}, {}
-    local = frozenset(plan.expert_params)  # MoE experts split over ep: stepped by their holders, outside ZeRO
+    local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp = dp / ep
     for pp in range(shape.pp):
         mine = [s for s in lowered0.stages if stage_to_rank[s.stage] == pp]
         activations[pp] = _activations(result, pp, mine, memo)  # tp ranks share shapes: tp rank 0 stands for all

@@ -9,7 +9,9 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
   (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
   trainable parameter (flattened, zero-padded to a multiple of dp), and of an expert tensor split over
   ep (``local``) ``ceil(n / (dp / ep))`` of its ep-local ``n`` (ZeRO-3 shards it over the dp/ep
-  ranks holding the same experts; whole where dp == ep);
+  ranks holding the same experts; whole where dp == ep), and ZeRO-1/2 partition the expert tensors
+  whole over those dp/ep ranks (edp) as the runtime does, so their optimizer state (and ZeRO-2's
+  gradients) is on one edp rank;
 - ``precision="bf16"`` keeps a bf16 compute copy of every parameter and fp32 gradients, and an fp32
   master where the parameter is stepped: the master is optimizer state (ZeRO's K = 12 bytes per
   parameter for mixed-precision Adam), so ZeRO-1/2 keep it on the owner only and ZeRO-3 keeps the
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 from autopar.errors import PlanError
 
-__all__ = ["OPTIMIZER_STATE", "ParamEntry", "StateFigures", "rank_params", "owned_names", "state_figures"]
+__all__ = ["OPTIMIZER_STATE", "ParamEntry", "StateFigures", "rank_params", "owned_names", "owned_experts",
+           "state_figures"]
 
 #: fp32 state tensors per parameter element, and bytes of per-tensor scalars (Adam's ``step``).
 OPTIMIZER_STATE = {"sgd": (0, 0), "momentum": (1, 0), "adam": (2, 4), "adamw": (2, 4)}
@@ -80,10 +83,20 @@ class _Numel:
 
 def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = frozenset()) -> list[list[str]]:
     """The names each dp rank owns under ZeRO-1/2, partitioned as the runtime partitions them
-    (``local`` parameters, MoE experts split over ep, are outside the partition: every holder steps them)."""
+    (``local`` parameters, MoE experts split over ep, are outside it: see :func:`owned_experts`)."""
     from autopar.runtime.zero import partition_params
 
     return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name not in local], dp)
+
+
+def owned_experts(params: list[ParamEntry], *, dp: int, dp_index: int, local: frozenset[str], ep: int) -> set[str]:
+    """The expert tensors (``local``) the rank at ``dp_index`` owns under ZeRO-1/2: partitioned over its edp
+    group (``dp // ep`` ranks, this one at edp index ``dp_index // ep``) as the runtime partitions them."""
+    from autopar.runtime.zero import partition_params
+
+    edp = max(dp // ep, 1)
+    experts = [(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name in local]
+    return set(partition_params(experts, edp)[dp_index // ep % edp])
 
 
 def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dp: int, dp_index: int,
@@ -103,7 +116,8 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
 
     trainable = [p for p in params if p.trainable]
     if zero_stage in (1, 2) and dp > 1:
-        mine = set((owned or owned_names(params, dp=dp, local=local))[dp_index]) | local
+        mine = set((owned or owned_names(params, dp=dp, local=local))[dp_index]) | \
+            owned_experts(params, dp=dp, dp_index=dp_index, local=local, ep=ep)
         stepped = [p for p in trainable if p.name in mine]
     else:
         stepped = trainable

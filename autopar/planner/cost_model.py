@@ -30,7 +30,8 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
 
 Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
 (the memory calculator's formulas, by ZeRO stage and precision; split experts at ``1/ep`` of their
-elements, outside the ZeRO partition, as ``state_figures(local=...)`` counts them) plus activations: the bytes a
+elements, their ZeRO-1/2 state partitioned over ``dp / ep``, as ``state_figures(local=..., ep=...)`` counts
+them) plus activations: the bytes a
 microbatch saves on each of the rank's stages times the microbatches the schedule keeps in flight
 there (:func:`autopar.memory.peak_bytes` on the schedule's action list), plus the largest
 recompute transient.
@@ -43,7 +44,7 @@ from functools import lru_cache
 
 from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
-from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, state_figures
+from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, owned_experts, state_figures
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
@@ -203,9 +204,9 @@ def _max_share(numels: tuple[int, ...], dp: int) -> list[int]:
 
 
 def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, precision: str, optimizer: str,
-            local: frozenset[str] = frozenset()):
+            local: frozenset[str] = frozenset(), ep: int = 1):
     """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas;
-    ``local``: MoE experts split over ep, outside the ZeRO partition, stepped by every holder)."""
+    ``local``: MoE experts split over ``ep``, under ZeRO-1/2 partitioned over edp = dp / ep)."""
     owned = None
     trainable = [p for p in params if p.trainable]
     stepped = sum(p.numel for p in trainable)
@@ -213,11 +214,12 @@ def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, pr
         shared = [p for p in trainable if p.name not in local]
         share = _max_share(tuple(p.numel for p in shared), dp)
         owned = [[shared[i].name for i in share]] + [[] for _ in range(dp - 1)]
-        stepped = sum(shared[i].numel for i in share) + sum(p.numel for p in trainable if p.name in local)
+        experts = owned_experts(list(params), dp=dp, dp_index=0, local=local, ep=ep)
+        stepped = sum(shared[i].numel for i in share) + sum(p.numel for p in trainable if p.name in experts)
     elif zero == 3 and dp > 1:
         stepped = sum(-(-p.numel // dp) for p in trainable)
     figures = state_figures(list(params), buffers, zero_stage=zero, dp=dp, dp_index=0, precision=precision,
-                            optimizer=optimizer, owned=owned, local=local)
+                            optimizer=optimizer, owned=owned, local=local, ep=ep)
     return figures, stepped
 
 
@@ -321,7 +323,7 @@ class CostModel:
         if key not in self._states:
             params, buffers, _, _ = self.rank_params(tp, ranges, ep)
             local = self.experts(tp) if ep > 1 else frozenset()
-            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer, local)
+            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer, local, ep)
         return self._states[key]
 
     def _b(self, c: Candidate) -> int:

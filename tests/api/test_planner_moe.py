@@ -84,7 +84,8 @@ def test_all_to_all_cost_is_the_alpha_beta_formula_and_grows_with_ep_and_tokens(
     assert model.estimate(Candidate(4, 1, 1, 2)).parts["ep_comm"] == 0.0
 
 
-@pytest.mark.parametrize("mesh,zero", [((2, 1, 1), 1), ((2, 1, 2), 1), ((2, 2, 1), 0)], ids=["dp2", "dp2-tp2", "dp2-pp2"])
+@pytest.mark.parametrize("mesh,zero", [((2, 1, 1), 1), ((2, 1, 2), 1), ((2, 2, 1), 0), ((4, 1, 1), 2)],
+                         ids=["dp2", "dp2-tp2", "dp2-pp2", "dp4-zero2"])  # dp4: expert state over edp = 2
 def test_experts_count_one_ep_th_per_rank_as_the_memory_calculator_counts_them(profile, mesh, zero):
     from autopar.options import CompileOptions
     from autopar.planner.auto import plan_from_estimate

@@ -60,11 +60,13 @@ LAYERS = 2  # every model here has two MoE layers
 # a capacity factor: 4.0 takes every row (ceil(4 * rows / 4 experts)), 0.5 drops some and counts them
 CAPACITY = {cf: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
                      options=_EP + (("moe_capacity_factor", cf),)) for cf in (4.0, 0.5)}
-# bf16 with its experts split: ZeRO-1 steps the shared parameters' fp32 masters on their owners and every
-# holder steps its experts' masters itself (cut from the fp32 originals), bitwise ZeRO-0's training
-BF16 = {z: Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:train",
-                options=(("expert_parallel", 2), ("zero_stage", z), ("num_microbatches", 1), ("precision", "bf16")))
-        for z in (0, 1)}
+# bf16 with its experts split: ZeRO-1 steps the shared parameters' fp32 masters on their owners and the
+# experts' masters (cut from the fp32 originals) on their edp owners (every holder at dp=2, where edp = 1),
+# bitwise ZeRO-0's training; keyed by (dp, zero stage)
+BF16 = {(dp, z): Case(model="switch", mesh=(dp, 1, 1), kind="moe_runners:train",
+                      options=(("expert_parallel", 2), ("zero_stage", z), ("num_microbatches", 1),
+                               ("precision", "bf16")))
+        for dp in (2, 4) for z in (0, 1)}
 
 
 # checkpoints of split experts: 2 steps saved on one mesh, step 3 resumed on another (both ways between
@@ -81,8 +83,11 @@ def _ckpt_pair(name, saved_on, resumed_on):
 
 # and ZeRO-3 of the experts over edp (dp=4 ep=2: each rank one flat quarter of every expert tensor), both ways
 _EP2Z3 = ((4, 1, 1), (("expert_parallel", 2), ("zero_stage", 3), ("num_microbatches", 1)))
+# and ZeRO-1 at dp=4 ep=2: each expert's optimizer state saved by its one edp owner, resumed at dp=4 ep=4
+_EP2Z1 = ((4, 1, 1), (("expert_parallel", 2), ("zero_stage", 1), ("num_microbatches", 1)))
 CKPT = [_ckpt_pair("ep2-tp2-to-ep4", _EP_TP, _EP4), _ckpt_pair("ep4-to-ep2-tp2", _EP4, _EP_TP),
-        _ckpt_pair("ep4-to-ep2-zero3", _EP4, _EP2Z3), _ckpt_pair("ep2-zero3-to-ep2-tp2", _EP2Z3, _EP_TP)]
+        _ckpt_pair("ep4-to-ep2-zero3", _EP4, _EP2Z3), _ckpt_pair("ep2-zero3-to-ep2-tp2", _EP2Z3, _EP_TP),
+        _ckpt_pair("ep2-zero1-to-ep4", _EP2Z1, _EP4)]
 # compile(plan="auto") on a cluster where replicated experts do not fit: the planner picks ep=2
 AUTO = Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:auto_train",
             options=(("zero_stage", 0), ("num_microbatches", 1), ("recompute", "none")))
@@ -126,15 +131,37 @@ def test_each_rank_holds_one_ep_th_of_the_experts(case):
     full = _expert_elements(case)
     _, pp, tp = case.mesh  # each pipeline stage holds its layers' experts, each tp rank a shard of every one
     share = full // 2 // pp // tp  # ep = 2
-    if dict(case.options)["zero_stage"] == 3 and case.mesh[0] > 2:
+    zero, edp = dict(case.options)["zero_stage"], case.mesh[0] // 2
+    if zero == 3 and edp > 1:
         share = _zero3_expert_shards(case)
     for rank in _results(case.world_size)[case]["rank_results"]:
         assert rank["expert_elements"] == share, "expert weights on this rank"
+        if zero in (1, 2) and edp > 1:  # the momentum of its edp-owned expert tensors: test below
+            continue
         assert rank["expert_state_elements"] == share, "SGD momentum of the experts on this rank"
     if tp > 1:  # 1/ep of the experts (dim 0), each one's MLP cut into 1/tp of its columns or rows
         _expert_shards_are_tp_cut(case, tp)
 
 
+_ZERO12_EDP = [c for c in CASES + list(BF16.values()) if dict(c.options)["zero_stage"] in (1, 2) and c.mesh[0] > 2]
+
+
+@pytest.mark.parametrize("case", by_world(_ZERO12_EDP, ids=Case.name))
+def test_zero12_keep_each_experts_state_on_one_edp_rank(case):
+    """ZeRO-1/2 at dp=4 ep=2: each expert tensor's momentum lives on one of the dp/ep = 2 ranks holding that
+    ep rank's experts (partitioned whole, greedy by size), so a rank holds 1/edp of its expert elements' state;
+    the two edp ranks' shares add up to the ep rank's experts."""
+    assert len(_ZERO12_EDP) >= 3  # switch under ZeRO-2 and ZeRO-1 (clipped), bf16 ZeRO-1
+    result = _results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback")
+    held = _expert_elements(case) // 2  # ep = 2: each rank's experts
+    edp = case.mesh[0] // 2
+    by_ep_rank: dict[int, list[int]] = {}
+    for rank in result["rank_results"]:
+        by_ep_rank.setdefault(rank["coords"]["tp"][1], []).append(rank["expert_state_elements"])
+    for states in by_ep_rank.values():
+        assert sum(states) == held and len(states) == edp
+        assert all(s == held // edp for s in states), states  # its models' expert tensors are of one size
 def _zero3_expert_shards(case) -> int:
     """ZeRO-3 at dp=4, ep=2: every rank stores each expert tensor as a flat block of 1/(ep * edp) = 1/4 of its
     elements (read off the shapes of the rank's stored shards); the elements of them all."""
@@ -271,7 +298,8 @@ def test_capacity_factor_drops_and_counts():
                                           ids=Case.name))
 def test_model_states_match_the_calculator(case):
     """Every rank's measured parameters, masters, gradients and optimizer state equal the memory calculator's
-    figures to the byte: the experts count 1/ep per rank and stay outside ZeRO's dp partition."""
+    figures to the byte: the experts count 1/ep per rank, outside ZeRO's dp partition, and under ZeRO-1/2
+    their state (ZeRO-2: gradients too) is partitioned over edp = dp / ep."""
     import autopar
     from autopar.memory import estimate_memory
     from autopar.models.moe import moe_loss
@@ -287,8 +315,9 @@ def test_model_states_match_the_calculator(case):
             assert getattr(seen["states"], field) == getattr(want, field), (rank, field)
 
 
-def test_bf16_zero1_with_split_experts_equals_zero0():
-    zero1, zero0 = _results(2)[BF16[1]], _results(2)[BF16[0]]
+@pytest.mark.parametrize("dp", [pytest.param(2), pytest.param(4, marks=pytest.mark.slow)])
+def test_bf16_zero1_with_split_experts_equals_zero0(dp):
+    zero1, zero0 = _results(dp)[BF16[(dp, 1)]], _results(dp)[BF16[(dp, 0)]]
     for result in (zero0, zero1):
         assert "error" not in result, result.get("traceback")
     assert zero1["losses"] == zero0["losses"]

@@ -121,13 +121,23 @@ def test_each_gradient_counted_once(name, coords, owned, counted):
 @pytest.mark.parametrize("dp,owned,sharded,counted", [
     (0, None, frozenset(), True), (1, None, frozenset(), True),  # the first ep group holds every expert once
     (2, None, frozenset(), False), (3, None, frozenset(), False),  # its edp replicas do not count it again
-    (1, {"other"}, frozenset(), True),  # ZeRO-1/2: experts stay outside the owners' partition
+    (1, {"other"}, frozenset(), True),  # ZeRO-1/2 with edp = 1: experts outside the owners' partition
     (3, None, frozenset({"expert"}), True),  # ZeRO-3 over edp: every rank its own flat shard
 ])
 def test_each_expert_gradient_counted_once(dp, owned, sharded, counted):
     plan = _plan(expert_parallel=2, expert_params=("expert",))  # dp=4, ep=2: edp groups {0, 2} and {1, 3}
     assert counted_here("expert", plan=plan, coords={"dp": dp, "pp": 0, "tp": 0}, stage_to_pp=[0], owned=owned,
                         sharded=sharded) is counted
+
+
+@pytest.mark.parametrize("dp,owned_experts,counted", [
+    (0, set(), False), (2, {"expert"}, True),  # ZeRO-1/2 with edp > 1: the edp owner counts it, not dp index 0
+    (1, {"expert"}, True), (3, set(), False),
+])
+def test_an_expert_owned_over_edp_is_counted_by_its_owner(dp, owned_experts, counted):
+    plan = _plan(expert_parallel=2, expert_params=("expert",))
+    assert counted_here("expert", plan=plan, coords={"dp": dp, "pp": 0, "tp": 0}, stage_to_pp=[0], owned={"other"},
+                        owned_experts=owned_experts) is counted
 
 
 def test_clip_on_one_rank_is_torchs():

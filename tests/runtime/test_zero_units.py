@@ -45,19 +45,30 @@ def test_bf16_masters_are_kept_where_the_optimizer_steps(zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
-def test_bf16_masters_of_local_experts_are_kept_on_every_holder(zero_stage):
-    """MoE experts split over ep are stepped by every rank that holds them, outside the dp partition: their
-    fp32 masters too (a master set partitioned over every parameter failed the first bf16 step)."""
-    named = _named([30, 20, 10, 5, 5])
-    local = frozenset({"p1", "p3"})
-    shared = set()
-    for rank in range(3):
+@pytest.mark.parametrize("dp,ep", [(4, 2), (2, 2)])
+def test_bf16_masters_of_experts_follow_their_edp_owner(zero_stage, dp, ep):
+    """MoE experts split over ep are partitioned over edp (the dp/ep ranks holding the same experts) under
+    ZeRO-1/2: each is stepped by one rank of its edp group, its fp32 master there too (with dp == ep every
+    holder steps its own; a master set that disagreed with the optimizer failed the first bf16 step)."""
+    named = _named([30, 20, 10, 5, 5, 7])
+    local = frozenset({"p1", "p3", "p5"})
+    shared, experts_by_edp_group = set(), {}
+    for rank in range(dp):
+        edp = AxisGroup(group=None, ranks=tuple(range(rank % ep, dp, ep)), index=rank // ep)
         opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
-                               dp=AxisGroup(group=None, ranks=(0, 1, 2), index=rank), local=local)
-        mine = stepped_here(named, zero_stage=zero_stage, dp_size=3, dp_rank=rank, local=local)
-        assert mine == set(opt.stepped_names()) and local <= mine and not (mine - local) & shared
+                               dp=AxisGroup(group=None, ranks=tuple(range(dp)), index=rank), local=local, edp=edp)
+        mine = stepped_here(named, zero_stage=zero_stage, dp_size=dp, dp_rank=rank, local=local, ep=ep)
+        assert mine == set(opt.stepped_names()) and not (mine - local) & shared
         shared |= mine - local
+        seen = experts_by_edp_group.setdefault(rank % ep, set())
+        assert not (mine & local) & seen
+        seen |= mine & local
+        owners = opt.expert_owner_of()
+        assert (owners is None) == (dp == ep)
+        if owners is not None:
+            assert {n for n, k in owners.items() if k == rank // ep} == mine & local
     assert shared == {n for n, _ in named} - local
+    assert all(seen == local for seen in experts_by_edp_group.values())
 
 
 def test_zero3_theory_is_one_and_a_half_ddp():
