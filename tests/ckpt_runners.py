@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from equivalence import batches, build, make_optimizer
+from equivalence import batches, build, make_optimizer, scrambled
 
 ROOT_ENV = "AUTOPAR_TEST_CKPT"
 
@@ -35,12 +35,7 @@ def _train(program, data) -> list[float]:
 
 def _scrambled(case):
     """The case's model with other weights: what a load must overwrite."""
-    model = build(case)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model
+    return scrambled(build(case))
 
 
 def save(case, mesh) -> dict:

@@ -72,6 +72,15 @@ def build(case: Case):
     return build_model(case.model, **{"seq_len": max(case.seq, 16), **dict(case.overrides)})
 
 
+def scrambled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with other weights (seeded): what a checkpoint load must overwrite."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
 def make_optimizer(case: Case):
     if case.optimizer == "sgd":
         return lambda params: torch.optim.SGD(params, lr=case.lr, momentum=0.9)

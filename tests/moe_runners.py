@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from equivalence import Case, make_optimizer, replica_record
+from equivalence import Case, make_optimizer, replica_record, scrambled
 
 HF_PREFIX = "hf_"
 
@@ -266,12 +266,7 @@ def _ckpt_root(case: Case) -> str:
 
 def _scrambled(case: Case):
     """The case's model with other weights: what a load must overwrite."""
-    model = build(case)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model
+    return scrambled(build(case))
 
 
 def save(case: Case, mesh) -> dict:

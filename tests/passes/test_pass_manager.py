@@ -51,8 +51,8 @@ def _use_before_definition(gm: fx.GraphModule) -> None:
 def test_a_post_split_pass_that_breaks_a_stage_graph_is_named(model, monkeypatch, corrupt):
     real = lowering.shard_parameters_zero3
 
-    def broken(stage, *, dp):
-        stage = real(stage, dp=dp)
+    def broken(stage, **options):
+        stage = real(stage, **options)
         if stage.stage == 1:
             corrupt(stage.gm)
         return stage

@@ -48,6 +48,11 @@ META_ZERO3 = _case("hf_mixtral", 4, zero=3, extra=_META[:1])  # each expert's Ze
 # experts of the repeated fourth block split too; no router loss (it reads every block: no template then)
 ONCE = dataclasses.replace(_case("hf_mixtral", 2, extra=_META[:1]), options=_EP + (("block_capture", "once"),),
                            overrides=(("num_hidden_layers", 4), ("output_router_logits", False)))
+# ep x pp under 1F1B with two microbatches a rank: routing is per token, so without the batch statistics
+# of an aux loss (Mixtral's router logits off) any schedule and microbatch count equals one device
+PIPED = dataclasses.replace(_case("hf_mixtral", 2, pp=2), overrides=(("output_router_logits", False),),
+                            options=(("expert_parallel", 2), ("zero_stage", 0), ("num_microbatches", 2),
+                                     ("schedule", "1f1b")))
 _MODELS = ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")
 # every model on each mesh of the issue: dp=2 ep=2, dp=4 ep=2, dp=2 ep=2 x tp=2 (each ep rank's experts
 # column/row-sharded over tp, passes/tp_expert.py) and dp=2 ep=2 x pp=2; then ZeRO stages, clipping, meta
@@ -95,7 +100,7 @@ AUTO = Case(model="switch", mesh=(2, 1, 1), kind="moe_runners:auto_train",
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
-    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + [AUTO] + ([ONCE] if _HF else [])
+    cases = [c for c in CASES + list(CAPACITY.values()) + list(BF16.values()) + [AUTO] + ([ONCE, PIPED] if _HF else [])
              + [c for pair in CKPT for c in pair] if c.world_size == world]
     root = tempfile.mkdtemp(prefix="autopar-moe-ckpt-")
     os.environ[moe_runners.CKPT_ENV] = root  # the spawned ranks inherit it
@@ -336,3 +341,12 @@ def test_plan_auto_splits_the_experts_where_replicated_ones_do_not_fit():
     for rank in result["rank_results"]:
         assert rank["expert_elements"] == full // 2
         assert rank["all_to_all"] == (2 * LAYERS, 2 * LAYERS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HF, reason="transformers is not installed")
+def test_experts_split_under_1f1b_with_microbatches():
+    result = _results(PIPED.world_size)[PIPED]
+    assert_equivalent(PIPED, result, _reference(PIPED))
+    for rank in result["rank_results"]:  # each stage's layers: a dispatch and a combine per microbatch
+        assert rank["all_to_all"] == (2 * 2 * LAYERS // 2, 2 * 2 * LAYERS // 2), rank["coords"]
