@@ -3,6 +3,8 @@
 How a page's blocks are read is in tests/doc_blocks.py."""
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 
@@ -44,8 +46,15 @@ def test_example_runs(block, page_folder, monkeypatch, capsys):
         assert_loss_falls(losses, where=f"{block.page}[{block.index}]")
 
 
-@pytest.mark.parametrize("block,command", [pytest.param(b, c, marks=[pytest.mark.dist] if c.startswith("torchrun")
-                                                        else []) for b, c in SHELL], ids=SHELL_IDS)
+def _marks(command: str) -> list:
+    """A torchrun launch is ``dist``; one of more than 2 processes also ``slow`` (tests/case_marks.py)."""
+    if not command.startswith("torchrun"):
+        return []
+    procs = re.search(r"--nproc[-_]per[-_]node[ =](\d+)", command)
+    return [pytest.mark.dist] + ([pytest.mark.slow] if procs and int(procs.group(1)) > 2 else [])
+
+
+@pytest.mark.parametrize("block,command", [pytest.param(b, c, marks=_marks(c)) for b, c in SHELL], ids=SHELL_IDS)
 def test_shell_example_runs(block, command, page_folder):
     files = tuple((b.file, b.text) for b in PAGES[block.page] if b.file)
     done = shell_runs(command, page_folder(block.page), files)
