@@ -11,13 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip without CUDA; ``timing`` tests (wall-clock assertions) and ``slow`` ones (the 4-rank
-    groups of the family and MoE matrices, tests/case_marks.py) skip unless ``-m`` names them."""
+    """``gpu`` tests skip without CUDA; ``timing`` tests (wall-clock assertions) and ``slow`` ones (4- and
+    8-rank spawned cases, tests/case_marks.py) skip unless ``-m`` names them."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     skip_timing = None if "timing" in (config.getoption("markexpr") or "") else pytest.mark.skip(
         reason="asserts on wall-clock time: run with -m timing on a quiet machine")
     skip_slow = None if "slow" in (config.getoption("markexpr") or "") else pytest.mark.skip(
-        reason="a 4-rank family/MoE group or an 8-rank 3-D case: run with -m slow (.ci/run does)")
+        reason="a 4- or 8-rank spawned case (tests/case_marks.py): run with -m slow (.ci/run does)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
