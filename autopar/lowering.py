@@ -232,7 +232,11 @@ def _pipeline_steps(s: _Setting) -> list[PassStep]:
         (p.zero_stage == 3 and p.data_parallel == "ddp", "shard_parameters_zero3", _zero3,
          "last: every parameter sharded over dp, gathered before use and freed after"),
     ]
-    return [PassStep(name, partial(fn, s=s), why) for on, name, fn, why in steps if on]
+    return [PassStep(name, partial(fn, s=s), why, rewrites=name not in _ANALYSES)
+            for on, name, fn, why in steps if on]
+
+
+_ANALYSES = frozenset({"assign_stages"})  # steps that only write node meta: not re-propagated after
 
 
 def _pass_steps(s: _Setting) -> tuple[PassStep, ...]:

@@ -5,7 +5,8 @@ pipeline split), or any object with a ``graphs()`` method listing its GraphModul
 state, whose graphs become one per stage at the split). After every pass, each graph is checked:
 
 - ``graph.lint()`` and recompile;
-- shapes re-propagated on fake tensors. The whole graph runs on the example inputs, which also
+- shapes re-propagated on fake tensors (skipped after an analysis step, ``rewrites=False``: one that
+  only writes meta; its graphs must print the same after it as before, else a PassError). The whole graph runs on the example inputs, which also
   refreshes ``autopar.tensor`` and ``autopar.cost`` for the passes after it. A stage graph runs on
   inputs made from its placeholders' ``autopar.tensor``, and every node's value must have the
   shape and dtype its ``autopar.tensor`` says (the meta is checked, not rewritten).
@@ -54,6 +55,7 @@ class PassStep:
     name: str
     fn: Callable
     why: str
+    rewrites: bool = True  # False: the step only writes node meta; the graphs' code must come out unchanged
 
 
 def placeholder_inputs(gm: fx.GraphModule) -> tuple:
@@ -74,6 +76,9 @@ def placeholder_inputs(gm: fx.GraphModule) -> tuple:
 
 class _RegionsInside(MetaRun):
     """A meta run (without FLOP counting) that also runs every outlined region's ``body`` node by node."""
+
+    def run(self, *args, **kwargs):
+        return fx.Interpreter.run(self, *args, **kwargs)  # the fake mode per node, no counter
 
     def run_node(self, n: fx.Node):
         if n.op in ("placeholder", "output"):
@@ -121,6 +126,19 @@ def _graphs(state, example_inputs) -> Iterable[tuple[str, fx.GraphModule, tuple 
     return state.graphs()
 
 
+def _printed(state, example_inputs) -> dict[str, str]:
+    """Each graph's printed form: what an analysis step must leave as it found it."""
+    return {label: str(gm.graph) for label, gm, _ in _graphs(state, example_inputs)}
+
+
+def _check_unchanged(before: dict[str, str], state, example_inputs) -> None:
+    after = _printed(state, example_inputs)
+    for label in sorted(set(before) | set(after)):
+        if before.get(label) != after.get(label):
+            raise _Invalid(label, ValueError("the step is declared an analysis (rewrites=False) but changed "
+                                             "the graph; declare it a rewrite to have its graphs re-checked"))
+
+
 def _check(state, example_inputs) -> None:
     for label, gm, inputs in _graphs(state, example_inputs):
         try:
@@ -144,6 +162,7 @@ def run_passes(state: State, steps: Iterable[PassStep], *, example_inputs: tuple
     """Run ``steps`` in order on ``state``, checking every graph after each (see the module docstring)."""
     done: list[str] = []
     for step in steps:
+        before = None if step.rewrites else _printed(state, example_inputs)
         try:
             state = step.fn(state)
         except AutoparError:
@@ -154,7 +173,10 @@ def run_passes(state: State, steps: Iterable[PassStep], *, example_inputs: tuple
                             fix="report this graph to the autopar developers; "
                                 "set tensor_parallel=False or pp=1 to avoid the pass") from exc
         try:
-            _check(state, example_inputs)
+            if before is None:
+                _check(state, example_inputs)
+            else:  # an analysis: the previous step's check still holds for the unchanged graphs
+                _check_unchanged(before, state, example_inputs)
         except _Invalid as exc:
             raise PassError(f"the graph is invalid after pass {step.name!r}: {exc}",
                             where=f"{exc.label}; passes run: {done + [step.name]}",

@@ -24,8 +24,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
@@ -58,8 +56,22 @@ def agree_on_error(error: CheckpointError | None) -> None:
         raise error
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor (half a second), which
+    a program that never saves or loads does not need."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
+
+
+def _dcp_failure() -> type[BaseException]:
+    """DCP's CheckpointException, a BaseException rather than an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
+
+
 def _cause(exc: BaseException) -> str:
     """One line for an exception; DCP's CheckpointException carries each rank's traceback: its last line."""
+    CheckpointException = _dcp_failure()
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[-1] if isinstance(exc, CheckpointException) and lines else (lines[0] if lines else "")
     return f"{type(exc).__name__}: {text[:300]}" if not isinstance(exc, CheckpointException) else text[:300]
@@ -162,9 +174,10 @@ def save_checkpoint(program: ProgramState, root: str) -> str:
     _barrier()
     state, entries = _pieces_to_save(program)
     error = None
+    dcp = _dcp()
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any writer failure: the previous checkpoint stays
+    except (Exception, _dcp_failure()) as exc:  # noqa: BLE001 - any writer failure: the previous checkpoint stays
         error = CheckpointError(f"saving step {step} failed: {_cause(exc)}",
                                 where=tmp, fix="check the disk (space, permissions); the previous "
                                                "checkpoint under the root is intact")
@@ -306,7 +319,7 @@ def _check_index(folder: str, request: dict) -> CheckpointError | None:
     """DCP's index must unpickle, list every requested piece, and point inside files that exist."""
     fix = "load an earlier checkpoint (the root's other step_… folders)"
     try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
+        metadata = _dcp().FileSystemReader(folder).read_metadata()
         storage = metadata.storage_data
         sizes: dict[str, int] = {}
         for index, info in storage.items():
@@ -329,9 +342,10 @@ def _check_index(folder: str, request: dict) -> CheckpointError | None:
 
 def _read(folder: str, request: dict, manifest: dict) -> CheckpointError | None:
     """Read every requested piece and verify its checksum."""
+    dcp = _dcp()
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(folder))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own errors on a damaged file
+    except (Exception, _dcp_failure()) as exc:  # noqa: BLE001 - DCP's own errors on a damaged file
         return CheckpointError(f"the checkpoint files are corrupted or incomplete: {_cause(exc)}",
                                where=folder, fix="load an earlier checkpoint (the root's other step_… folders)")
     sums = {k: s for e in manifest["tensors"].values() for k, s in (e.get("checksums") or {}).items()}
