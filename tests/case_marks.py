@@ -4,9 +4,8 @@ The default suite (``python3 -m pytest -q``, the README's test command) stays un
 2-core machine by judging every strategy on 1 and 2 ranks; ``python3 -m pytest -q -m slow`` runs the
 4-rank groups (dp=4, pp=2 x tp=2, dp=2 x pp=2, tp=4, ep x tp, ...) of the equivalence, data-parallel,
 tensor-parallel, schedule, asynchronous, recompute, memory, precision, family, MoE, Hugging Face weight
-and meta-built matrices, and the 8-rank 3-D cases; ``.ci/run`` runs both, so CI judges every case.
-One 4-rank group stays in the default suite: tests/shared_groups.py's, whose checkpoints the 2-rank
-group loads.
+and meta-built matrices, tests/shared_groups.py's 4-rank checkpoint group (and the 2-rank loads of
+its checkpoints), and the 8-rank 3-D cases; ``.ci/run`` runs both, so CI judges every case.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ def pytest_collection_modifyitems(config, items):
     skip_timing = None if "timing" in (config.getoption("markexpr") or "") else pytest.mark.skip(
         reason="asserts on wall-clock time: run with -m timing on a quiet machine")
     skip_slow = None if "slow" in (config.getoption("markexpr") or "") else pytest.mark.skip(
-        reason="a 4- or 8-rank spawned case (tests/case_marks.py): run with -m slow (.ci/run does)")
+        reason="a 4- or 8-rank spawned case, or one reading a 4-rank group's checkpoints (tests/case_marks.py): "
+               "run with -m slow (.ci/run does)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)

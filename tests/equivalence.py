@@ -1,7 +1,9 @@
 """The one equivalence harness: a strategy trains like a single device, or the test fails.
 
-:func:`run_cases` spawns one process group of ``world_size`` gloo ranks and runs many cases in
-it (start-up costs seconds). Each :class:`Case` trains the same model, data and seed for a few
+:func:`run_cases` starts one process group of ``world_size`` gloo ranks and runs many cases in
+it. The ranks are forked from a fork server that has imported torch, its export stack and autopar
+once per pytest session (a spawned rank spends about 3 s importing them before its first case);
+each rank takes the parent's environment of the moment it starts. Each :class:`Case` trains the same model, data and seed for a few
 optimizer steps with ``autopar.compile`` on its mesh; :func:`reference_run` does the same on one
 device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
 
@@ -182,8 +184,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
+# imported once by the fork server: what every rank needs before its first case (the export stack is
+# imported lazily by torch.export's first call, half of a rank's start-up)
+_PRELOAD = ("torch", "torch.distributed", "torch.export", "torch._dynamo", "torch._functorch.aot_autograd",
+            "torch.fx.experimental.proxy_tensor", "torch.fx.experimental.symbolic_shapes", "autopar",
+            "autopar.models", "equivalence")
+
+
+def _context():
+    """The fork-server context, its preload set (multiprocessing starts the server on first use)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, environ: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    os.environ.clear()
+    os.environ.update(environ)  # the parent's now, not the fork server's from when it started
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -208,8 +226,9 @@ def run_cases(cases: list[Case], *, timeout_s: float = 600) -> list[dict]:
     world = cases[0].world_size
     assert all(c.world_size == world for c in cases)
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out_dir),
-                                 nprocs=world, join=False, start_method="spawn")
+        _context()
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out_dir, dict(os.environ)),
+                                 nprocs=world, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

@@ -1,8 +1,9 @@
 """The spawned process groups that the checkpoint, fault and real-world-model tests share.
 
-Starting a group costs seconds, so every spawned case of those tests is listed here and each world
-size runs once per pytest session (``results(world)``, cached). The 2-rank group loads checkpoints
-that the 4-rank group saved, so it runs after it.
+Starting a group costs seconds, so every spawned case of those tests is listed here and each group
+runs once per pytest session (``result(case)``, cached). The default suite runs the 2-rank group
+(it saves and reshards its own checkpoints); the 4-rank group and the 2-rank group that loads the
+4-rank group's checkpoints on fewer ranks are ``slow`` (tests/case_marks.py), run after one another.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import shutil
 import tempfile
 
+from case_marks import by_world
 from equivalence import Case, run_cases
 
 from ckpt_runners import ROOT_ENV
@@ -29,7 +31,10 @@ def _resume(name, mesh, **kw) -> Case:
     return Case(mesh=mesh, kind=_R + "resume", extra=(("name", name),), **{**_GPT4, **kw})
 
 
-# saved at pp=2, tp=2 (SGD with momentum: its state must follow each parameter)
+# saved at tp=2, loaded at dp=2 and at pp=2 (SGD with momentum: its state must follow each parameter)
+SAVE_T = _save("T", (1, 1, 2))
+RESUME_T = [_resume("T", m) for m in [(2, 1, 1), (1, 2, 1)]]
+# saved at pp=2, tp=2, loaded on 4 ranks and on 2
 SAVE_A = _save("A", (1, 2, 2))
 RESUME_A = [_resume("A", m) for m in [(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 2), (2, 1, 1)]]
 # saved under ZeRO-3 (flat dp shards of tp shards), loaded under ZeRO-1 on another mesh
@@ -43,8 +48,11 @@ RESUME_ADAM = _resume("ADAM", (2, 1, 1), **_ADAM)
 
 # dropout (default and tp streams): resumed on the same mesh exactly, on another re-derived
 _DROP = dict(model="gpt_tiny", overrides=(("num_layers", 4), ("dropout", 0.1)), steps=4)
-DROPOUT_RESUME = Case(mesh=(1, 2, 2), kind=_R + "dropout_resume", extra=(("name", "D"), ("save_after", 2)), **_DROP)
-DROPOUT_RESHARD = Case(mesh=(2, 1, 2), kind=_R + "dropout_reshard", extra=(("name", "D"),), **_DROP)
+# (saved at pp=2 x tp=2, resharded to dp=2 x tp=2; and saved at tp=2, resharded to dp=2)
+DROPOUT_RESUME = [Case(mesh=m, kind=_R + "dropout_resume", extra=(("name", n), ("save_after", 2)), **_DROP)
+                  for n, m in (("D", (1, 2, 2)), ("D2", (1, 1, 2)))]
+DROPOUT_RESHARD = [Case(mesh=m, kind=_R + "dropout_reshard", extra=(("name", n),), **_DROP)
+                   for n, m in (("D", (2, 1, 2)), ("D2", (2, 1, 1)))]
 
 CRASH = Case(mesh=(1, 2, 1), kind=_R + "crash_while_saving", extra=(("name", "C"),), **_GPT4)
 BAD = Case(mesh=(1, 1, 2), kind=_R + "bad_checkpoints", extra=(("name", "B"),), **_GPT4)
@@ -70,11 +78,26 @@ HF_CASES = [
 if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it; without it, skip those
     HF_CASES = []
 
+# (group, its cases): each group runs in the order listed, a checkpoint's saver before its loaders
 GROUPS = {
-    4: [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME, DROPOUT_RESHARD, INDEX_RANGE],
-    2: [*HF_CASES, *RESUME_A[3:], ADAM_FULL, SAVE_ADAM, RESUME_ADAM, CRASH, BAD, ROUNDTRIP, NONFINITE,
-        P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
+    "two": [*HF_CASES, SAVE_T, *RESUME_T, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
+            CRASH, BAD, ROUNDTRIP, NONFINITE, P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
+    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE],
+    "two_from_four": RESUME_A[3:],
 }
+_AFTER = {"two_from_four": "four"}  # loads the checkpoints that group saves
+SLOW_GROUPS = ("four", "two_from_four")
+_GROUP_OF = {case: name for name, cases in GROUPS.items() for case in cases}
+
+
+def is_slow(case: Case) -> bool:
+    return _GROUP_OF[case] in SLOW_GROUPS
+
+
+def params(cases) -> list:
+    """``cases`` as pytest params named by the case, those of a slow group marked ``slow``."""
+    return by_world(cases, world_of=lambda c: "slow" if is_slow(c) else "default", ids=lambda c: c.name(),
+                    slow_worlds=("slow",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,10 +109,14 @@ def checkpoint_root() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def results(world: int) -> dict:
-    """{case: rank 0's result} of the ``world``-rank group (the 4-rank group first: it saves)."""
+def _results(group: str) -> dict:
     checkpoint_root()
-    if world == 2:
-        results(4)
-    cases = GROUPS[world]
+    if group in _AFTER:
+        _results(_AFTER[group])
+    cases = GROUPS[group]
     return dict(zip(cases, run_cases(cases)))
+
+
+def result(case: Case) -> dict:
+    """Rank 0's result of ``case``, from the one run of its group."""
+    return _results(_GROUP_OF[case])[case]

@@ -53,7 +53,7 @@ def _reference(model: str) -> dict:
 @pytest.mark.dist
 @pytest.mark.parametrize("case", groups.HF_CASES, ids=lambda c: c.name())
 def test_library_model_trains_like_one_device(case):
-    result = groups.results(case.world_size)[case]
+    result = groups.result(case)
     assert_equivalent(case, result, _reference(case.model))
 
 

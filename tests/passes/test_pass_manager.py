@@ -65,15 +65,37 @@ def test_a_post_split_pass_that_breaks_a_stage_graph_is_named(model, monkeypatch
 
 
 def test_a_pass_that_breaks_the_whole_graph_is_named(model, monkeypatch):
-    real = lowering.assign_stages
+    real = lowering.shard_tensor_parallel
 
     def broken(gm, **kwargs):
+        gm, specs = real(gm, **kwargs)
+        _widen(gm)
+        return gm, specs
+
+    monkeypatch.setattr(lowering, "shard_tensor_parallel", broken)
+    with pytest.raises(PassError, match="invalid after pass 'shard_tensor_parallel'") as info:
+        _plan(model, {"tp": 2}, ranks=[0])
+    assert "RuntimeError: shape" in str(info.value)  # found by re-propagating the shapes
+    assert info.value.where.startswith("graph; passes run: ['shard_tensor_parallel']")
+
+
+def test_an_analysis_step_is_not_re_propagated_and_may_not_rewrite(model, monkeypatch):
+    """assign_stages only writes meta (rewrites=False): no shape re-propagation after it, and a graph it
+    changes anyway is a PassError saying so."""
+    import autopar.passes.pass_manager as pass_manager
+    checked, real_check = [], pass_manager._check
+    monkeypatch.setattr(pass_manager, "_check", lambda state, inputs: (checked.append(1), real_check(state, inputs)))
+    _plan(model, {"pp": 2})
+    assert len(checked) == 1  # split_pipeline's, not assign_stages'
+    real = lowering.assign_stages
+
+    def rewriting(gm, **kwargs):
         gm, starts = real(gm, **kwargs)
         _widen(gm)
         return gm, starts
 
-    monkeypatch.setattr(lowering, "assign_stages", broken)
-    with pytest.raises(PassError, match="invalid after pass 'assign_stages'") as info:
+    monkeypatch.setattr(lowering, "assign_stages", rewriting)
+    with pytest.raises(PassError, match="invalid after pass 'assign_stages'.*declared an analysis") as info:
         _plan(model, {"pp": 2})
     assert info.value.where.startswith("graph; passes run: ['assign_stages']")
 

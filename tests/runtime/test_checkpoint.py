@@ -82,7 +82,7 @@ def test_missing_and_garbled_checkpoints_are_checkpoint_errors(tmp_path):
 
 # -- spawned: save on one mesh, load on another ------------------------------------------------------
 def _result(case):
-    result = groups.results(case.world_size)[case]
+    result = groups.result(case)
     assert "error" not in result, f"{case.name()}:\n{result.get('traceback', result['error'])}"
     return result
 
@@ -93,11 +93,11 @@ def _reference(case) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", groups.RESUME_A + groups.RESUME_Z, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", groups.params(groups.RESUME_T + groups.RESUME_A + groups.RESUME_Z))
 def test_resumed_on_another_mesh_trains_like_one_device(case):
-    """Saved after 2 steps at (dp, pp, tp) = (1, 2, 2) (or under ZeRO-3 at (2, 1, 2)), loaded into
-    a model with other weights on another mesh: the 4 steps equal one device's."""
-    save = groups.SAVE_A if dict(case.extra)["name"] == "A" else groups.SAVE_Z
+    """Saved after 2 steps at (dp, pp, tp) = (1, 1, 2) or (1, 2, 2) (or under ZeRO-3 at (2, 1, 2)), loaded
+    into a model with other weights on another mesh: the 4 steps equal one device's."""
+    save = {"T": groups.SAVE_T, "A": groups.SAVE_A, "Z": groups.SAVE_Z}[dict(case.extra)["name"]]
     saved, resumed = _result(save), _result(case)
     assert saved["step"] == resumed["step"] == 2
     combined = {"losses": saved["losses"] + resumed["losses"], "state": resumed["state"]}
@@ -158,21 +158,24 @@ def _same(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.dist
-def test_random_state_resumes_exactly_on_the_same_mesh():
-    """Dropout at pp=2, tp=2 (default and tp streams): run A trains 2 steps, saves, trains 2 more; run B
-    loads the checkpoint into a fresh program with another random state and trains the same 2 steps:
-    the same losses and weights. Without the default stream restored the first loss differs."""
-    out = _result(groups.DROPOUT_RESUME)
+@pytest.mark.parametrize("case", groups.params(groups.DROPOUT_RESUME))
+def test_random_state_resumes_exactly_on_the_same_mesh(case):
+    """Dropout at pp=2 x tp=2 and at tp=2 (default and tp streams): run A trains 2 steps, saves, trains 2
+    more; run B loads the checkpoint into a fresh program with another random state and trains the same 2
+    steps: the same losses and weights. Without the default stream restored the first loss differs."""
+    out = _result(case)
     assert out["step"] == 2 and len(out["a"]["losses"]) == 2
     _same(out["a"], out["b"], "resumed with dropout")
     assert abs(out["unrestored_loss"] - out["a"]["losses"][0]) > 1e-4 * abs(out["a"]["losses"][0])
 
 
 @pytest.mark.dist
-def test_random_state_on_another_mesh_is_rederived_deterministically():
-    """The dropout checkpoint (pp=2, tp=2) loaded at dp=2, tp=2: every rank and tp stream re-seeded from
-    the saved seed and step, logged, and the same losses on every load."""
-    out = _result(groups.DROPOUT_RESHARD)
-    assert out["reseeded"] == [True] * 4
+@pytest.mark.parametrize("case", groups.params(groups.DROPOUT_RESHARD))
+def test_random_state_on_another_mesh_is_rederived_deterministically(case):
+    """The dropout checkpoints loaded on another mesh (pp=2 x tp=2 at dp=2 x tp=2, tp=2 at dp=2): every
+    rank and tp stream re-seeded from the saved seed and step, logged, and the same losses on every load."""
+    out = _result(case)
+    saver = next(c for c in groups.DROPOUT_RESUME if c.extra[0] == case.extra[0])
+    assert out["reseeded"] == [True] * case.world_size
     assert out["runs"][0] == out["runs"][1]
-    assert len(out["log"]) == 2 and "cannot map 1:1" in out["log"][0] and "(1, 2, 2)" in out["log"][0]
+    assert len(out["log"]) == 2 and "cannot map 1:1" in out["log"][0] and str(saver.mesh) in out["log"][0]

@@ -90,7 +90,7 @@ def test_two_node_launch_trains_like_one_device(tmp_path):
 
 
 def _result(case):
-    result = groups.results(case.world_size)[case]
+    result = groups.result(case)
     assert "error" not in result, f"{case.name()}:\n{result.get('traceback', result['error'])}"
     return result
 

@@ -59,11 +59,12 @@ def test_out_of_range_token_id_is_an_index_range_error_and_the_step_is_not_taken
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # tests/shared_groups.py's 4-rank group
 def test_out_of_range_token_id_on_one_rank_stops_every_rank_of_a_pp2_tp2_run():
     """Rank 1 (pp 0, tp 1) alone sees a token id of 133: all four ranks raise the same IndexRangeError naming
     rank 1, stage 0 and the bound (an IndexRangeError, not a RuntimeCommError: no rank waited out its
     p2p deadline); no rank stepped, and the next good step trains on every rank."""
-    result = groups.results(4)[groups.INDEX_RANGE]
+    result = groups.result(groups.INDEX_RANGE)
     assert "error" not in result, result.get("traceback", result.get("error"))
     messages = result["messages"]
     assert len(messages) == 4 and len(set(messages)) == 1, messages
