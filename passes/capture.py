@@ -70,15 +70,30 @@ class _WithLoss(nn.Module):
 
 
 class _ModelLoss(nn.Module):
-    """forward(*inputs) -> model(**inputs).loss: training on the loss the model computes from ``labels``."""
+    """forward(*inputs) -> model(**inputs).loss: training on the loss the model computes from ``labels``.
 
-    def __init__(self, model: nn.Module, keywords):
+    ``reweight``: the model takes ``num_items_in_batch`` but its loss ignores it (a mean over the
+    call's own label tokens, T5's and BART's): the loss is turned into the form the count expects,
+    ``mean · n / count`` with ``n`` the call's counted label tokens, so the microbatches and dp
+    replicas of a step weigh each token as one device does (0 for a call without label tokens).
+    """
+
+    def __init__(self, model: nn.Module, keywords, reweight: ItemCount | None = None):
         super().__init__()
         self.model = model
         self.keywords = keywords
+        self.reweight = reweight
 
     def forward(self, *args):
-        return model_loss(_call(self.model, args, self.keywords))
+        loss = model_loss(_call(self.model, args, self.keywords))
+        spec = self.reweight
+        if spec is None:
+            return loss
+        labels = args[self.keywords.index(spec.labels)]
+        kept = labels[..., spec.shift:] if spec.shift else labels
+        tokens = (kept != spec.ignore_index).sum()
+        weighted = loss * tokens.to(loss.dtype) / args[self.keywords.index(spec.input)]
+        return torch.where(tokens > 0, weighted, torch.zeros_like(weighted))
 
 
 class _Inference(nn.Module):
@@ -306,30 +321,25 @@ def capture(
             traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
             root = (_WithLoss(traced, loss_fn, keywords) if has_loss else
                     _ModelLoss(traced, keywords) if own_loss else _Inference(traced, keywords))
-            on_meta = _is_meta_capture(root, args)
-            if on_meta:
-                with _on_fake_cpu(root, args) as fake_args:
-                    exported = torch.export.export(root, fake_args, strict=False)
-            else:
-                exported = torch.export.export(root, args, strict=False)
+            gm, out_spec = _export(root, args)
+            names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
+            if count is not None and not _count_read(gm, names, keywords):
+                log.info("capture: %s takes %s but its loss does not read it (a mean over each call's label "
+                         "tokens): captured again with the loss weighted by its tokens over the step's count",
+                         type(model).__name__, NUM_ITEMS)
+                gm, out_spec = _export(_ModelLoss(traced, keywords, reweight=count), args)
+                names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes a CaptureError
         raise _capture_error(model, mode, exc) from exc
-    gm = exported.module()
-    if on_meta:
-        _restore_meta(gm, root)
-    gm = _clean(gm)
-    # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
-    retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
-    names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
     extra = ()
     if count is not None:
         count, names = _read_count(gm, count, names, keywords, model)
         keywords = keywords[:-1]
         extra = (example_inputs[-1],) if count is not None else ()
     log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
-    return CapturedGraph(gm=gm, input_names=names, out_spec=exported.call_spec.out_spec,
+    return CapturedGraph(gm=gm, input_names=names, out_spec=out_spec,
                          has_loss=has_loss or own_loss, mode=mode, keywords=keywords, has_target=has_loss,
                          item_count=count, extra_args=extra)
 
@@ -348,13 +358,37 @@ def _example_count(example_inputs: tuple) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=example_inputs[0].device)
 
 
+def _export(root: nn.Module, args: tuple) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    """torch.export of ``root`` on ``args`` (fake CPU tensors for a meta model), cleaned: (graph, output spec)."""
+    on_meta = _is_meta_capture(root, args)
+    if on_meta:
+        with _on_fake_cpu(root, args) as fake_args:
+            exported = torch.export.export(root, fake_args, strict=False)
+    else:
+        exported = torch.export.export(root, args, strict=False)
+    gm = exported.module()
+    if on_meta:
+        _restore_meta(gm, root)
+    gm = _clean(gm)
+    # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
+    retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
+    return gm, exported.call_spec.out_spec
+
+
+def _count_placeholder(gm: fx.GraphModule, names: tuple, keywords: tuple) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == names[len(keywords) - 1])
+
+
+def _count_read(gm: fx.GraphModule, names: tuple, keywords: tuple) -> bool:
+    return bool(_count_placeholder(gm, names, keywords).users)
+
+
 def _read_count(gm: fx.GraphModule, count: ItemCount, names: tuple, keywords: tuple, model: nn.Module):
     """(the count spec with the graph's input names, the input names); (None, names less it) when the
-    captured loss never reads the count: that input is dropped and each microbatch's loss is its own mean."""
-    node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == names[len(keywords) - 1])
+    captured loss never reads the count (an output that is no loss of its own tokens): that input is dropped."""
+    node = _count_placeholder(gm, names, keywords)
     if not node.users:
-        log.info("capture: %s takes %s but its loss does not read it: each microbatch's loss is the mean over "
-                 "its own label tokens", type(model).__name__, NUM_ITEMS)
+        log.info("capture: %s takes %s but the graph does not read it", type(model).__name__, NUM_ITEMS)
         gm.graph.erase_node(node)
         gm.recompile()
         return None, tuple(n for n in names if n != node.name)

@@ -99,13 +99,51 @@ def test_dict_batch_keyword_inputs_and_the_models_own_loss():
     assert "CausalLMOutputWithPast" in str(inference.captured.captured.out_spec)  # the ModelOutput as it is
 
 
-def test_a_loss_that_ignores_the_count_gets_no_count_input():
-    """BERT's masked-LM loss is torch's own mean: its forward takes **kwargs but never reads the count."""
+def test_a_loss_that_ignores_the_count_is_weighted_by_its_tokens():
+    """BERT's masked-LM loss is torch's own mean: its forward takes **kwargs but never reads the count, so
+    capture weighs the loss by its label tokens over the count (the form a count-reading loss has)."""
     model = build_hf_raw("bert", device="meta")
     ids = torch.randint(1, 128, (4, 8))
     labels = ids.masked_fill(torch.rand(4, 8, generator=torch.Generator().manual_seed(0)) < 0.5, -100)
     captured = autopar.plan(model, {"pp": 1}, example_inputs={"input_ids": ids, "labels": labels}).captured.captured
-    assert captured.input_names == ("input_ids", "labels") and captured.item_count is None and captured.has_loss
+    assert captured.input_names == ("input_ids", "labels", "num_items_in_batch") and captured.has_loss
+    assert captured.item_count == ItemCount(labels="labels", shift=0)  # a masked LM: no shift
+
+
+@pytest.mark.parametrize("name", ["t5", "bert"])
+def test_a_mean_loss_over_padded_labels_trains_like_the_librarys_own_loop(name, one_rank_mesh):
+    """T5 and BERT compute their loss as the mean over the call's label tokens. With 2 microbatches of
+    unequal label padding, the step weighs every token as one call over the whole batch does: losses and
+    weights equal the library's own loop (model(**batch).loss, backward, step) over 3 steps."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (4, 8), generator=g)
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    labels = torch.randint(3, 100, (4, 6) if name == "t5" else (4, 8), generator=g)
+    labels[0, 4:] = -100  # microbatch 0 (rows 0-1) counts other tokens than microbatch 1 (rows 2-3)
+    labels[2, 2:] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    overrides = {"dropout_rate": 0.0} if name == "t5" else {"hidden_dropout_prob": 0.0,
+                                                           "attention_probs_dropout_prob": 0.0}
+    torch.manual_seed(0)
+    reference = build_hf_raw(name, **overrides)
+    model = build_hf_raw(name, **overrides)
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    program = autopar.compile(model, one_rank_mesh, example_inputs=batch, num_microbatches=2,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    losses = [float(program.train_step(batch)) for _ in range(3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    state = program.full_state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_a_count_in_the_batch_is_refused():
