@@ -5,9 +5,10 @@ pipeline split), or any object with a ``graphs()`` method listing its GraphModul
 state, whose graphs become one per stage at the split). After every pass, each graph is checked:
 
 - ``graph.lint()`` and recompile;
-- shapes re-propagated on fake tensors (skipped after an analysis step, ``rewrites=False``: one that
-  only writes meta; its graphs must print the same after it as before, else a PassError). The whole graph runs on the example inputs, which also
-  refreshes ``autopar.tensor`` and ``autopar.cost`` for the passes after it. A stage graph runs on
+- shapes re-propagated on fake tensors (skipped after an analysis step, ``rewrites=False``: one
+  that only writes meta; its graphs must print the same after it as before, else a PassError).
+  The whole graph runs on the example inputs, which also refreshes ``autopar.tensor`` and
+  ``autopar.cost`` for the passes after it. A stage graph runs on
   inputs made from its placeholders' ``autopar.tensor``, and every node's value must have the
   shape and dtype its ``autopar.tensor`` says (the meta is checked, not rewritten).
 

@@ -3,9 +3,9 @@
 :func:`run_cases` starts one process group of ``world_size`` gloo ranks and runs many cases in
 it. The ranks are forked from a fork server that has imported torch, its export stack and autopar
 once per pytest session (a spawned rank spends about 3 s importing them before its first case);
-each rank takes the parent's environment of the moment it starts. Each :class:`Case` trains the same model, data and seed for a few
-optimizer steps with ``autopar.compile`` on its mesh; :func:`reference_run` does the same on one
-device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
+each rank takes the parent's environment of the moment it starts. Each :class:`Case` trains the
+same model, data and seed for a few optimizer steps with ``autopar.compile`` on its mesh;
+:func:`reference_run` does the same on one device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
 
 Every rank is judged, not rank 0 alone: each rank saves its own outcome, and :func:`run_cases`
 returns rank 0's result with an ``"error"`` when any rank raised, when a rank's losses differ from
