@@ -116,6 +116,7 @@ def train(args: argparse.Namespace, shape: MeshShape) -> dict:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}", refresh=False)
         bar.update()
         log.debug("step %d loss %.4f", step, loss)
+    program.flush()  # an asynchronous pipeline's last backwards and sends, before the process group goes
     bar.close()
     elapsed = time.perf_counter() - start
     if rank == 0:

@@ -162,6 +162,11 @@ class ProgramSurface:
         outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
         return outputs
 
+    def flush(self) -> None:
+        """Finish the work in flight before the process group goes: nothing for a synchronous program,
+        whose steps end drained; an asynchronous one (runtime/async_pipeline.py) runs its pending
+        backwards and updates and waits for its sends."""
+
     # -- the weights ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights as the original (single-device) model names them, on every rank."""
