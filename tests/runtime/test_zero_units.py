@@ -121,3 +121,53 @@ def test_dataparallel_needs_a_loss():
         compile_data_parallel(torch.nn.Linear(2, 2), info=_info(1), opts=CompileOptions(data_parallel="dataparallel"),
                               example_inputs=(torch.zeros(2, 2),), example_target=None, loss_fn=None,
                               optimizer_factory=None)
+
+
+class _DoneWork:
+    def wait(self):
+        return True
+
+
+def _buckets_summing_two_equal_ranks(monkeypatch, named):
+    """GradBuckets over a dp of 2 whose all-reduce adds an equal rank's gradient (no process group)."""
+    from autopar.runtime import ddp_buckets
+
+    def all_reduce(t, **_):
+        t.mul_(2)
+        return _DoneWork()
+
+    monkeypatch.setattr(ddp_buckets.comm, "all_reduce", all_reduce)
+    dp = AxisGroup(group=None, ranks=(0, 1), index=0)
+    return ddp_buckets.GradBuckets(named, dp=dp, bucket_bytes=1 << 20, overlap=False)
+
+
+def test_a_kept_bucket_reuses_its_flat_buffer_and_its_gradients_view_it(monkeypatch):
+    named = _named([3, 5])
+    buckets = _buckets_summing_two_equal_ranks(monkeypatch, named)
+    (_, pa), (_, pb) = named
+    storages = []
+    for ga, gb in [(torch.arange(3.0), torch.ones(5)), (torch.full((3,), 7.0), None)]:
+        pa.grad, pb.grad = ga.clone(), None if gb is None else gb.clone()
+        buckets.begin(1)
+        buckets.finish()
+        torch.testing.assert_close(pa.grad, ga)
+        torch.testing.assert_close(pb.grad, torch.zeros(5) if gb is None else gb)  # no gradient counts as zero
+        storages.append({p.grad.untyped_storage().data_ptr() for p in (pa, pb)})
+        pa.grad = pb.grad = None  # as the program's zero_grad does between steps
+    assert len(storages[0]) == 1 and storages[0] == storages[1]  # one buffer, the same in both steps
+
+
+def test_gradients_left_as_views_of_the_buffer_are_reduced_in_place(monkeypatch):
+    named = _named([3, 5])
+    buckets = _buckets_summing_two_equal_ranks(monkeypatch, named)
+    (_, pa), (_, pb) = named
+    pa.grad, pb.grad = torch.ones(3), torch.full((5,), 2.0)
+    buckets.begin(1)
+    buckets.finish()
+    pa.grad.add_(1.0)  # the next step accumulates into the views, as autograd does into a kept .grad
+    pb.grad = torch.full((5,), 4.0)  # and one gradient was replaced by a tensor of its own
+    buckets.begin(1)
+    buckets.finish()
+    torch.testing.assert_close(pa.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(pb.grad, torch.full((5,), 4.0))
+    assert pa.grad.untyped_storage().data_ptr() == pb.grad.untyped_storage().data_ptr()
