@@ -25,20 +25,39 @@ def _loss_of(result) -> torch.Tensor:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite: one sum per tensor, one ``isfinite``, one host sync.
+    """Whether every element of every tensor is finite: one sum per storage, one ``isfinite``, one host sync.
 
     A sum is finite only if every term is: a NaN term makes it NaN, an inf term makes it inf or
     (with an inf of the other sign in the same tensor) NaN, in any order of summation. Each tensor
     is summed on its own, so a +inf in one tensor and a -inf in another stay two non-finite sums.
-    The converse can fail (finite values whose sum overflows), so a False here only tells the caller
-    to search the tensors one by one. Summing is the cheapest full pass over the data on CPU: for the
-    50 gradients of half a GPT 8x256 on one core, 0.5 ms, against 13 ms for ``torch.isfinite(t).all()``
+    Tensors that view one storage (the gradients a dp bucket wrote back as views of its flat buffer,
+    runtime/ddp_buckets.py) are summed as that whole storage, once: under DDP 4 sums instead of 100
+    per GPT 8x256 step. The converse can fail (finite values whose sum overflows, or a non-finite
+    value in a shared storage outside the tensors), so a False here only tells the caller to search
+    the tensors one by one. Summing is the cheapest full pass over the data on CPU: for the 50
+    gradients of half a GPT 8x256 on one core, 0.5 ms, against 13 ms for ``torch.isfinite(t).all()``
     per tensor and 9 ms for ``torch._foreach_norm(ts, inf)``.
     """
     if not tensors:
         return True
-    sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in _summands([t.detach() for t in tensors])])
     return bool(torch.isfinite(sums).all().item())
+
+
+def _summands(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, with those that share a storage replaced by that storage, flat and once."""
+    by_storage: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        by_storage.setdefault((storage.data_ptr(), storage.nbytes(), t.dtype, t.device), []).append(t)
+    out = []
+    for (_, nbytes, dtype, device), group in by_storage.items():
+        if len(group) == 1 or nbytes == 0:
+            out.extend(group)
+            continue
+        size = nbytes // group[0].element_size()
+        out.append(torch.empty(0, dtype=dtype, device=device).set_(group[0].untyped_storage(), 0, (size,), (1,)))
+    return out
 
 
 def _first_nonfinite_loss(results: dict, last) -> str | None:

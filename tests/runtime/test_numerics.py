@@ -64,3 +64,25 @@ def test_finite_values_whose_sum_overflows_are_not_reported():
     assert not all_finite([huge])
     assert local_nonfinite(_program(w=huge), {0: torch.tensor(2.0)}) is None
     assert local_nonfinite(_program(w=torch.ones(3)), {0: torch.tensor(2.0)}) is None
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_views_of_one_flat_buffer_are_checked_as_that_buffer(value):
+    flat = torch.randn(30)
+    views = [flat[0:10].view(2, 5), flat[10:12], flat[12:30].view(3, 6)]  # a dp bucket's written-back gradients
+    assert all_finite(views + [torch.randn(4)])
+    for position in (0, 11, 29):
+        flat[position] = value
+        assert not all_finite(views + [torch.randn(4)])
+        named = {f"w{i}": v for i, v in enumerate(views)}
+        which = "w0" if position < 10 else "w1" if position < 12 else "w2"
+        assert local_nonfinite(_program(**named), {}).startswith(f"the gradient of {which} holds")
+        flat[position] = 1.0
+
+
+def test_a_non_finite_value_beside_the_views_is_searched_for_and_not_reported():
+    flat = torch.randn(12)
+    flat[11] = NAN  # inside the storage, in no tensor checked
+    views = [flat[0:5], flat[5:10]]
+    assert not all_finite(views)
+    assert local_nonfinite(_program(a=views[0], b=views[1]), {}) is None
