@@ -46,7 +46,7 @@ PEERS = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2), "looped_bfs": ("ScheduleLoopedBFS", 2),
          "zb_h1": ("ScheduleInterleavedZeroBubble", 1), "zb_v": ("ScheduleZBVZeroBubble", 2),
          "dualpipev": ("ScheduleDualPipeV", 2)}
-TIMING = dict(rounds=6, steps_per_round=1, warmup=2)
+TIMING = dict(rounds=16, steps_per_round=1, warmup=3)
 
 
 _optimizer = adamw
