@@ -14,7 +14,7 @@ import time
 
 import torch
 
-__all__ = ["COLUMNS", "DOC_PATH", "console_table", "markdown_table", "machine_line", "today",
+__all__ = ["COLUMNS", "DOC_PATH", "console_table", "markdown_table", "markdown_rows", "machine_line", "today",
            "update_section", "fence", "stamped", "run_note"]
 
 DOC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
@@ -51,10 +51,14 @@ def console_table(rows: list[dict]) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """A GitHub markdown table."""
-    header = [h for _, h, _ in COLUMNS]
+    """A GitHub markdown table of result rows (``COLUMNS``)."""
+    return markdown_rows([h for _, h, _ in COLUMNS], [_cells(r) for r in rows])
+
+
+def markdown_rows(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table of ``header`` and ``rows`` of cells."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
 
 
