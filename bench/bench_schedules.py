@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 
@@ -33,9 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from _setup import adamw, seeded_model, text_batches
-from _report import console_table, markdown_table, run_note, stamped, update_section
+from _report import console_table, markdown_rows, markdown_table, run_note, stamped, update_section
 from _spawn import spawn
 from _timing import Contender, measure, row_cells
+
+from autopar.runtime.trace import gather_events, measured_bubble, replay
 
 __all__ = ["PEERS", "GPTStage", "run", "section", "main"]
 
@@ -100,11 +103,30 @@ def _autopar(model, data, schedule: str):
                               num_microbatches=NUM_MICROBATCHES, num_virtual=virtual, p2p_timeout_s=300)
     program.compile_s = time.perf_counter() - t0
 
+    program.step_events = []  # every step's action events (the list train_step made), for _bubbles
+
     def step(i: int) -> float:
         x, y = data[i % len(data)]
-        return program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
+        loss = program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
+        program.step_events.append(program.events)
+        return loss
 
     return Contender(f"autopar {schedule}", step), program
+
+
+def _bubbles(program, *, skip: int) -> dict:
+    """autopar's bubble over the timed steps: measured (mean over ranks) and the simulator's replay of the
+    same step (runtime/trace.py), each the median over steps, and the median of the per-step gaps."""
+    measured, simulated, gaps = [], [], []
+    for events in program.step_events[skip:]:
+        ranks = gather_events(program, events=events)
+        m = statistics.mean(measured_bubble(ranks))
+        s = statistics.mean(replay(program.schedule, ranks).bubble_fraction)
+        measured.append(m)
+        simulated.append(s)
+        gaps.append(abs(m - s))
+    return dict(bubble_measured=statistics.median(measured), bubble_simulated=statistics.median(simulated),
+                bubble_gap=statistics.median(gaps), bubble_steps=len(gaps))
 
 
 def _peer(model, data, schedule: str, program, rank: int) -> Contender:
@@ -155,7 +177,7 @@ def body(rank: int, world: int, schedules: tuple[str, ...], rounds: int, steps_p
         mine, theirs = measure([ap, peer], rounds=rounds, steps_per_round=steps_per_round, warmup=warmup)
         rows.append(dict(case=f"{schedule}, {program.schedule.num_stages} stages, {NUM_MICROBATCHES} mb",
                          **row_cells(mine, theirs), compile_s=program.compile_s,
-                         split=",".join(program.plan.pipeline.stage_starts)))
+                         split=",".join(program.plan.pipeline.stage_starts), **_bubbles(program, skip=warmup)))
         del program
     return rows
 
@@ -192,6 +214,13 @@ tests/runtime/test_schedule_execution.py), because torch's ScheduleZBVZeroBubble
 and head on both of rank 0's stages computes a different gradient from step 2 on."""
 
 
+def bubble_table(rows: list[dict]) -> str:
+    """autopar's measured and replayed bubble per schedule (``_bubbles``), as a markdown table."""
+    return markdown_rows(["schedule", "measured bubble", "simulated bubble", "median per-step gap, points", "steps"],
+                         [[r["autopar"], f"{r['bubble_measured']:.1%}", f"{r['bubble_simulated']:.1%}",
+                           f"{100 * r['bubble_gap']:.1f}", str(r["bubble_steps"])] for r in rows])
+
+
 def section(rows: list[dict]) -> str:
     """This benchmark's part of docs/benchmarks.md."""
     return "\n".join([
@@ -212,6 +241,12 @@ def section(rows: list[dict]) -> str:
         "Stage starts: " + "; ".join(f"{r['autopar']}: {r['split']}" for r in rows) + ". autopar compile time "
         "(not in the step times): " + ", ".join(f"{r['autopar']} {r['compile_s']:.1f} s" for r in rows) + ".",
         "",
+        "autopar's bubble (the share of a step a rank is not computing, mean over the ranks) measured in "
+        "each timed step and simulated by replaying that step's own action times and transfer latency "
+        "in the schedule simulator (`autopar.runtime.trace.replay`), medians over the timed steps:",
+        "",
+        bubble_table(rows),
+        "",
         NOTES,
     ])
 
@@ -226,6 +261,7 @@ def main(argv=None) -> list[dict]:
     rows = run(schedules=args.schedules, rounds=args.rounds, steps_per_round=args.steps_per_round,
                warmup=args.warmup)
     print(console_table(rows))
+    print(bubble_table(rows))
     if not args.no_doc:
         update_section("schedules", section(rows))
     return rows

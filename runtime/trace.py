@@ -52,9 +52,11 @@ class TraceEvent(NamedTuple):
     wait: float = 0.0
 
 
-def gather_events(program, *, group=None) -> list[list[TraceEvent]]:
-    """Every rank's events of ``program``'s last step, on one clock starting at 0 (collective)."""
-    mine = [(str(e[0]), e.origin + e[1], e.origin + e[2], getattr(e, "wait_s", 0.0)) for e in program.events]
+def gather_events(program, *, group=None, events=None) -> list[list[TraceEvent]]:
+    """Every rank's events of ``program``'s last step (or of ``events``, a step's ``program.events``
+    kept earlier), on one clock starting at 0 (collective)."""
+    recorded = program.events if events is None else events
+    mine = [(str(e[0]), e.origin + e[1], e.origin + e[2], getattr(e, "wait_s", 0.0)) for e in recorded]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     zero = min((e[1] for rank in gathered for e in rank), default=0.0)
