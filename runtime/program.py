@@ -64,7 +64,8 @@ class RankProgram(ProgramSurface):
         self.grad_sync.begin(len(batches))
         self.phase = "schedule"
         results = run_actions(self.schedule.actions[self.info.coords["pp"]], stages=self.stages,
-                              microbatches=batches, channel=self.channel, train=True, events=self.events)
+                              microbatches=batches, channel=self.channel, train=True, events=self.events,
+                              full_backward=self.schedule.full_backward)
         if self.mixed is not None:
             self.mixed.collect()
         self.phase = "gradient sync after the schedule"

@@ -102,6 +102,10 @@ class Schedule:
     :class:`~autopar.runtime.schedules.staleness.StalenessRule`) their runtime follows.
     ``overlapped[r]`` (DualPipeV) holds the indices in rank ``r``'s list of each F that forms an
     overlapped pair with the B right after it; the pair prints as one cell, ``0F5&3B1``.
+    ``full_backward`` (DualPipe, DualPipeV): a B followed at once by its own W is one full backward,
+    the schedule's definition of it, and runs as one (its input gradient leaves with its weight
+    gradients done); in a zero-bubble schedule such a pair is only adjacency, and its B's gradient
+    leaves before its W's work, as the schedule times it.
     """
 
     name: str
@@ -116,6 +120,7 @@ class Schedule:
     forward_only: bool = False
     staleness: object = None
     overlapped: tuple[tuple[int, ...], ...] = ()
+    full_backward: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
@@ -249,7 +254,8 @@ class Schedule:
         Inferred: ``num_ranks`` (rows), ``num_stages`` and ``num_microbatches`` (largest index + 1),
         ``stage_to_rank`` (the row each stage appears in), ``split_backward`` (any W present),
         ``name`` ("custom"), ``overlapped`` (the cells written ``F&B``); ``num_replicas``,
-        ``microbatch_replica``, ``forward_only`` and ``staleness`` keep their defaults unless given.
+        ``microbatch_replica``, ``forward_only``, ``staleness`` and ``full_backward`` keep their
+        defaults unless given.
         """
         known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
         unknown = sorted(set(meta) - known)
@@ -275,7 +281,7 @@ class Schedule:
         if any(pairs):
             fields["overlapped"] = tuple(pairs)
         fields.update({k: meta[k] for k in ("num_replicas", "microbatch_replica", "forward_only", "staleness",
-                                            "overlapped") if k in meta})
+                                            "overlapped", "full_backward") if k in meta})
         stage_to_rank = meta.get("stage_to_rank")
         if stage_to_rank is None:
             stage_to_rank = _infer_stage_to_rank(rows, int(num_stages))  # type: ignore[arg-type]

@@ -59,7 +59,7 @@ def dualpipev(*, num_ranks: int, num_microbatches: int) -> Schedule:
     return Schedule(
         name="dualpipev", num_ranks=p, num_stages=2 * p, num_microbatches=m,
         stage_to_rank=tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)),
-        actions=tuple(rows), split_backward=True, overlapped=tuple(pairs),
+        actions=tuple(rows), split_backward=True, full_backward=True, overlapped=tuple(pairs),
     )
 
 
@@ -183,7 +183,7 @@ def dualpipe(*, num_ranks: int, num_microbatches: int) -> Schedule:
     rows, pairs = _kept(orders, m)
     return Schedule(
         name="dualpipe", num_ranks=p, num_stages=2 * p, num_microbatches=m,
-        stage_to_rank=chimera_placement(p), actions=tuple(rows), split_backward=True,
+        stage_to_rank=chimera_placement(p), actions=tuple(rows), split_backward=True, full_backward=True,
         overlapped=tuple(pairs), num_replicas=2, microbatch_replica=tuple(i % 2 for i in range(m)),
     )
 

@@ -94,9 +94,10 @@ def test_csv_round_trips_every_generator(name):
     schedule = build_schedule(name, num_ranks=ranks, num_microbatches=6, num_virtual=num_virtual)
     text = schedule.to_csv()
     assert len(text.splitlines()) == ranks
-    # replicas and staleness rules are not in the actions: they travel as meta
+    # replicas, staleness rules and full backwards are not in the actions: they travel as meta
     meta = {k: getattr(schedule, k) for k in ("num_replicas", "microbatch_replica", "staleness")
             if getattr(schedule, k) != getattr(Schedule, k, None) and getattr(schedule, k) not in ((), 1, None)}
+    meta.update({"full_backward": True} if schedule.full_backward else {})
     back = Schedule.from_csv(text, name=name, **meta)
     assert back == schedule  # everything else is inferred from the actions
 

@@ -101,7 +101,7 @@ def test_golden_orders(key):
     schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=v)
     assert schedule.to_csv() == GOLDEN[key].lstrip("\n")
     meta = dict(num_replicas=schedule.num_replicas, microbatch_replica=schedule.microbatch_replica,
-                staleness=schedule.staleness)
+                staleness=schedule.staleness, full_backward=schedule.full_backward)
     assert Schedule.from_csv(GOLDEN[key], name=name, stage_to_rank=schedule.stage_to_rank, **meta) == schedule
     validate(schedule)
 
