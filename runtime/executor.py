@@ -89,11 +89,16 @@ def _backward_input(stage: StageGraph, out, num_microbatches: int, channel: P2PC
     wanted = received + uses
     found = torch.autograd.grad(roots, wanted, grads if grads and grads[0] is not None else None,
                                 retain_graph=True, allow_unused=True) if roots and wanted else [None] * len(wanted)
+    _send_input_gradients(stage, received, found[:n_recv], channel, microbatch)
+    return uses, aliases, list(found[n_recv:])
+
+
+def _send_input_gradients(stage: StageGraph, received: list, grads, channel: P2PChannel, microbatch: int) -> None:
+    """Send each received activation's gradient back to the stage it came from (zeros where none)."""
     edges = [e for e in stage.recvs if e.requires_grad]
-    for edge, value, grad in zip(edges, received, found[:n_recv]):
+    for edge, value, grad in zip(edges, received, grads):
         channel.send(grad if grad is not None else torch.zeros_like(value), stage=edge.src, edge=edge.index,
                      microbatch=microbatch, is_grad=True)
-    return uses, aliases, list(found[n_recv:])
 
 
 def _backward_fused(stage: StageGraph, out, num_microbatches: int, channel: P2PChannel, microbatch: int) -> None:
@@ -106,10 +111,7 @@ def _backward_fused(stage: StageGraph, out, num_microbatches: int, channel: P2PC
     wanted = received + aliases
     found = torch.autograd.grad(roots, wanted, grads if grads and grads[0] is not None else None,
                                 allow_unused=True) if roots and wanted else [None] * len(wanted)
-    edges = [e for e in stage.recvs if e.requires_grad]
-    for edge, value, grad in zip(edges, received, found[:n_recv]):
-        channel.send(grad if grad is not None else torch.zeros_like(value), stage=edge.src, edge=edge.index,
-                     microbatch=microbatch, is_grad=True)
+    _send_input_gradients(stage, received, found[:n_recv], channel, microbatch)
     pending: dict[str, list] = {}
     for i, dw in enumerate(found[n_recv:]):
         if dw is not None:
