@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
 from autopar.passes.devices import retarget_devices
-from autopar.passes.item_count import NUM_ITEMS, ItemCount, item_count_spec
+from autopar.passes.item_count import LABELS, NUM_ITEMS, ItemCount, item_count_spec
 from autopar.passes.shape_prop import to_fake
 
 __all__ = ["CapturedGraph", "capture", "caches_off", "model_loss", "MODEL_PREFIX", "CAPTURE_MODES"]
@@ -393,4 +393,44 @@ def _read_count(gm: fx.GraphModule, count: ItemCount, names: tuple, keywords: tu
         gm.recompile()
         return None, tuple(n for n in names if n != node.name)
     labels = names[keywords.index(count.labels)]
-    return ItemCount(labels=labels, shift=count.shift, ignore_index=count.ignore_index, input=node.name), names
+    shift = count.shift
+    if count.labels == LABELS and not shift and _loss_shifts_in_graph(gm, labels):
+        log.info("capture: %s's loss predicts labels[..., 1:] (its graph slices them): %s counts them so",
+                 type(model).__name__, NUM_ITEMS)
+        shift = 1
+    return ItemCount(labels=labels, shift=shift, ignore_index=count.ignore_index, input=node.name), names
+
+
+aten = torch.ops.aten
+
+#: ops a loss moves its labels through unchanged but for their layout (the pad and slice of a shift)
+_LABEL_LAYOUT_OPS = frozenset({aten.pad, aten.constant_pad_nd, aten.slice, aten.view, aten.reshape, aten._unsafe_view,
+                               aten.clone, aten.contiguous, aten.alias, aten._to_copy, aten.to})
+
+
+def _loss_shifts_in_graph(gm: fx.GraphModule, labels: str) -> bool:
+    """Whether the labels reach the loss through a slice of their last dim from 1 (``labels[..., 1:]``).
+
+    transformers.Trainer decides the shift from ``loss_type``, which a model whose class name matches
+    no loss (GPT2LMHeadModel) leaves None although its forward calls ``loss_function``, whose fallback
+    is the causal LM loss, which shifts: there the count over unshifted labels would divide the sum of
+    ``labels[..., 1:]`` by one token per row too many. The graph says what the loss does.
+    """
+    node = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == labels), None)
+    if node is None:
+        return False
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen or getattr(user.target, "overloadpacket", None) not in _LABEL_LAYOUT_OPS:
+                continue
+            seen.add(user)
+            value = current.meta.get("val")
+            if user.target is aten.slice.Tensor and user.args[0] is current and hasattr(value, "dim"):
+                dim = user.args[1] if len(user.args) > 1 else 0
+                start = user.args[2] if len(user.args) > 2 else None
+                if dim in (value.dim() - 1, -1) and start == 1:
+                    return True
+            todo.append(user)
+    return False

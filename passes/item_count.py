@@ -10,7 +10,9 @@ more graph input (0-dim, float32) and :class:`ItemCount` says how the runtime co
 the model's loss applies. The rule is the one ``transformers.Trainer`` uses: a loss that
 ``LOSS_MAPPING`` maps to ``ForCausalLMLoss``, in a model that is not an encoder-decoder, predicts
 ``labels[..., 1:]`` (shift 1); every other loss, and a model not from ``transformers``, counts
-the labels as they are; a batch's own ``shift_labels`` are counted as they are.
+the labels as they are; a batch's own ``shift_labels`` are counted as they are. Capture then
+corrects a shift of 0 from the graph, where the labels reach the loss through ``[..., 1:]``
+(``passes/capture.py``: GPT-2's ``loss_type`` is None, its loss shifts).
 
 Example::
 

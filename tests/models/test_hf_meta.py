@@ -110,11 +110,13 @@ def test_a_loss_that_ignores_the_count_is_weighted_by_its_tokens():
     assert captured.item_count == ItemCount(labels="labels", shift=0)  # a masked LM: no shift
 
 
-@pytest.mark.parametrize("name", ["t5", "bert"])
+@pytest.mark.parametrize("name", ["t5", "bert", "gpt2"])
 def test_a_mean_loss_over_padded_labels_trains_like_the_librarys_own_loop(name, one_rank_mesh):
-    """T5 and BERT compute their loss as the mean over the call's label tokens. With 2 microbatches of
-    unequal label padding, the step weighs every token as one call over the whole batch does: losses and
-    weights equal the library's own loop (model(**batch).loss, backward, step) over 3 steps."""
+    """T5 and BERT compute their loss as the mean over the call's label tokens; GPT-2 reads the count, but
+    its ``loss_type`` is None (transformers.Trainer would count its labels unshifted) while its loss
+    shifts them (the graph's ``labels[..., 1:]``). With 2 microbatches of unequal label padding, the step
+    weighs every token as one call over the whole batch does: losses and weights equal the library's own
+    loop (model(**batch).loss, backward, step) over 3 steps."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (4, 8), generator=g)
     mask = torch.ones(4, 8, dtype=torch.long)
@@ -123,8 +125,9 @@ def test_a_mean_loss_over_padded_labels_trains_like_the_librarys_own_loop(name, 
     labels[0, 4:] = -100  # microbatch 0 (rows 0-1) counts other tokens than microbatch 1 (rows 2-3)
     labels[2, 2:] = -100
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    overrides = {"dropout_rate": 0.0} if name == "t5" else {"hidden_dropout_prob": 0.0,
-                                                           "attention_probs_dropout_prob": 0.0}
+    overrides = {"t5": {"dropout_rate": 0.0},
+                 "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+                 "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}[name]
     torch.manual_seed(0)
     reference = build_hf_raw(name, **overrides)
     model = build_hf_raw(name, **overrides)
