@@ -33,7 +33,8 @@ OPTION_HELP = {
                   "2 and gradients, 3 and parameters ([data_parallel.md](data_parallel.md))",
     "data_parallel": "`ddp` (gradients averaged by all-reduce while backward runs) or `dataparallel` (the "
                      "rank-0 baseline: gather, step on rank 0, broadcast; pp=1 only)",
-    "bucket_mb": "size of the gradient buckets DDP and ZeRO-1/2 reduce while backward runs, in MB",
+    "bucket_mb": "size of the gradient buckets DDP and ZeRO-1/2 reduce while backward runs, in MB; `None`: an "
+                 "eighth of a rank's gradients, between 1 and 25 ([data_parallel.md](data_parallel.md))",
     "capture": "`export` (torch.export, non-strict) or `symbolic_trace` (torch.fx first, then export)",
     "tensor_parallel": "shard the transformer blocks over tp; `False` keeps every weight replicated",
     "vocab_parallel": "with tensor parallelism: embedding, LM head and cross-entropy sharded on the vocabulary; "

@@ -62,6 +62,15 @@ def test_the_defaults_resolve_to_autopars_own_choices():
     assert not _resolve(sequence_parallel=True, tensor_parallel=False).sequence_parallel
 
 
+def test_the_bucket_size_is_an_eighth_of_a_ranks_gradients_within_torchs_cap():
+    mb = 2**20 // 4  # parameters per MB of fp32 gradients
+    size = lambda n, mesh=MESH: resolve_plan(CompileOptions(), given=None, mesh=mesh, batch=32, model_name="m",
+                                              num_parameters=n).bucket_mb
+    assert size(96 * mb) == 3.0  # 96 MB over pp x tp = 4: 24 MB a rank, 8 buckets
+    assert size(96 * mb, MeshShape(dp=2)) == 12.0
+    assert size(10_000 * mb) == 25.0 and size(8 * mb) == 1.0 and size(0) == 1.0
+
+
 def test_a_given_plan_wins_over_the_options():
     given = _resolve(schedule="gpipe", zero_stage=0, precision="bf16", recompute="full", bucket_mb=3.0)
     plan = _resolve(given, schedule="zb_h1", zero_stage=2, precision="fp32", recompute="none", bucket_mb=9.0)

@@ -63,7 +63,7 @@ def test_zero3_refuses_split_backward_schedules():
 def test_plan_records_the_data_parallel_choice():
     plan = _plan().plan
     assert plan.zero_stage == 3 and plan.data_parallel == "ddp"
-    assert "ZeRO stage 3 over dp (ddp, 25 MB buckets)" in plan.summary()
+    assert "ZeRO stage 3 over dp (ddp, 1 MB buckets)" in plan.summary()  # 30,080 parameters: the 1 MB floor
     with pytest.raises(PlanError, match="bucket_mb"):
         _plan(bucket_mb=0)
 

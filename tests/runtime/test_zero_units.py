@@ -1,6 +1,7 @@
 """Data-parallel pieces that need no process group: bucket plans, ZeRO checks, theory, errors."""
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 
@@ -128,7 +129,7 @@ class _DoneWork:
         return True
 
 
-def _buckets_summing_two_equal_ranks(monkeypatch, named):
+def _buckets_summing_two_equal_ranks(monkeypatch, named, overlap=False):
     """GradBuckets over a dp of 2 whose all-reduce adds an equal rank's gradient (no process group)."""
     from autopar.runtime import ddp_buckets
 
@@ -138,7 +139,15 @@ def _buckets_summing_two_equal_ranks(monkeypatch, named):
 
     monkeypatch.setattr(ddp_buckets.comm, "all_reduce", all_reduce)
     dp = AxisGroup(group=None, ranks=(0, 1), index=0)
-    return ddp_buckets.GradBuckets(named, dp=dp, bucket_bytes=1 << 20, overlap=False)
+    return ddp_buckets.GradBuckets(named, dp=dp, bucket_bytes=1 << 20, overlap=overlap)
+
+
+def _accumulate_as_autograd(param, grad):
+    """What autograd's AccumulateGrad does with a new gradient: take it, or add into the kept one."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
 
 
 def test_a_kept_bucket_reuses_its_flat_buffer_and_its_gradients_view_it(monkeypatch):
@@ -147,27 +156,84 @@ def test_a_kept_bucket_reuses_its_flat_buffer_and_its_gradients_view_it(monkeypa
     (_, pa), (_, pb) = named
     storages = []
     for ga, gb in [(torch.arange(3.0), torch.ones(5)), (torch.full((3,), 7.0), None)]:
-        pa.grad, pb.grad = ga.clone(), None if gb is None else gb.clone()
+        pa.grad = pb.grad = None  # as the program's zero_grad does before a step
         buckets.begin(1)
+        _accumulate_as_autograd(pa, ga.clone())
+        if gb is not None:
+            _accumulate_as_autograd(pb, gb.clone())
         buckets.finish()
         torch.testing.assert_close(pa.grad, ga)
         torch.testing.assert_close(pb.grad, torch.zeros(5) if gb is None else gb)  # no gradient counts as zero
         storages.append({p.grad.untyped_storage().data_ptr() for p in (pa, pb)})
-        pa.grad = pb.grad = None  # as the program's zero_grad does between steps
     assert len(storages[0]) == 1 and storages[0] == storages[1]  # one buffer, the same in both steps
 
 
-def test_gradients_left_as_views_of_the_buffer_are_reduced_in_place(monkeypatch):
+def test_after_the_first_step_backward_accumulates_into_the_zeroed_buffer(monkeypatch):
     named = _named([3, 5])
-    buckets = _buckets_summing_two_equal_ranks(monkeypatch, named)
+    buckets = _buckets_summing_two_equal_ranks(monkeypatch, named, overlap=True)
     (_, pa), (_, pb) = named
+    buckets.begin(1)
     pa.grad, pb.grad = torch.ones(3), torch.full((5,), 2.0)
-    buckets.begin(1)
     buckets.finish()
-    pa.grad.add_(1.0)  # the next step accumulates into the views, as autograd does into a kept .grad
-    pb.grad = torch.full((5,), 4.0)  # and one gradient was replaced by a tensor of its own
-    buckets.begin(1)
+    buffer = pa.grad.untyped_storage().data_ptr()
+    pa.grad = pb.grad = None
+    buckets.begin(2)  # the last step's sums are gone: the views start at zero
+    assert {p.grad.untyped_storage().data_ptr() for p in (pa, pb)} == {buffer}
+    torch.testing.assert_close(pa.grad, torch.zeros(3))
+    for _ in range(2):  # two microbatches add into the views in place
+        _accumulate_as_autograd(pa, torch.ones(3))
+    pb.grad = torch.full((5,), 4.0)  # one gradient was replaced by a tensor of its own
     buckets.finish()
     torch.testing.assert_close(pa.grad, torch.full((3,), 2.0))
     torch.testing.assert_close(pb.grad, torch.full((5,), 4.0))
-    assert pa.grad.untyped_storage().data_ptr() == pb.grad.untyped_storage().data_ptr()
+    assert {p.grad.untyped_storage().data_ptr() for p in (pa, pb)} == {buffer}
+
+
+def test_buckets_reduced_after_backward_keep_the_gradients_they_are_given(monkeypatch):
+    """Without overlap (tied weights, summed across stages first) begin comes after the gradients."""
+    named = _named([3, 5])
+    buckets = _buckets_summing_two_equal_ranks(monkeypatch, named)
+    (_, pa), (_, pb) = named
+    for step in range(2):
+        pa.grad, pb.grad = torch.full((3,), 1.0 + step), torch.full((5,), 2.0)
+        buckets.begin(1)
+        buckets.finish()
+        torch.testing.assert_close(pa.grad, torch.full((3,), 1.0 + step))
+
+
+def test_a_launched_bucket_frees_the_gradients_autograd_made_before_backward_ends(monkeypatch):
+    """Its gradients become buffer views at launch: the rest of backward reuses their memory."""
+    import weakref
+    from autopar.runtime import ddp_buckets
+    monkeypatch.setattr(ddp_buckets.comm, "all_reduce", lambda t, **_: (t.mul_(2), _DoneWork())[1])
+    early, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    made = {}  # registered before the buckets' hooks: sees the gradient autograd made
+    last.weight.register_post_accumulate_grad_hook(lambda p: made.update({"last.weight": weakref.ref(p.grad)}))
+    named = [("early.weight", early.weight), ("early.bias", early.bias),
+             ("last.weight", last.weight), ("last.bias", last.bias)]
+    buckets = ddp_buckets.GradBuckets(named, dp=AxisGroup(group=None, ranks=(0, 1), index=0),
+                                      bucket_bytes=80, overlap=True)
+    assert [b.names for b in buckets.buckets] == [["last.bias", "last.weight"], ["early.bias", "early.weight"]]
+
+    def reaching_early(grad):  # after last's gradients were accumulated and its bucket launched
+        made["alive"] = made["last.weight"]() is not None
+        made["in buffer"] = _inside_buffer(last.weight, buckets.buckets[0])
+        return grad
+
+    x = torch.ones(2, 4)
+    buckets.begin(1)
+    hidden = early(x)
+    hidden.register_hook(reaching_early)
+    last(hidden).sum().backward()
+    assert (made["alive"], made["in buffer"]) == (False, True)
+    buckets.finish()
+    ref_early, ref_last = copy.deepcopy(early), copy.deepcopy(last)
+    for p in (*ref_early.parameters(), *ref_last.parameters()):
+        p.grad = None
+    ref_last(ref_early(x)).sum().backward()
+    for p, q in [(early.weight, ref_early.weight), (last.weight, ref_last.weight)]:
+        torch.testing.assert_close(p.grad, q.grad)  # all-reduced over two equal ranks and divided by 2
+
+
+def _inside_buffer(param, bucket):
+    return param.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
