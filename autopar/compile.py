@@ -17,6 +17,7 @@ from autopar.options import resolve_plan
 from autopar.plan_model import Plan
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
+from autopar.runtime.unused_state import keep_unused
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
 from autopar.validation import check_arguments, checked_options
@@ -45,9 +46,9 @@ def _shared_seed() -> int:
     return int(seed[0])
 
 
-def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights, masters):
+def _filler(model: nn.Module, weights):
     """How this rank fills a meta-built model's tensors: ``weights`` (a filler) or the model's initialisers;
-    ``masters`` (bf16): receives each parameter's fp32 piece."""
+    None for a model of real tensors."""
     if not _is_meta(model):
         if weights is not None:  # a filler fills meta tensors only: on real weights it would silently do nothing
             raise InputError("compile(weights=...) fills the tensors of a model built on the meta device, but "
@@ -56,7 +57,14 @@ def _materializer(model: nn.Module, lowered, *, info, mesh: DeviceMesh, weights,
                              fix="build the model under torch.device('meta') to load weights this way, or load "
                                  "them into the model before compile (load_state_dict / from_pretrained)")
         return None
-    fill = weights if weights is not None else init_filler(model, seed=_shared_seed())
+    return weights if weights is not None else init_filler(model, seed=_shared_seed())
+
+
+def _materializer(fill, lowered, *, info, mesh: DeviceMesh, masters):
+    """Fills this rank's stage tensors with ``fill`` (None: a model of real tensors, nothing to fill);
+    ``masters`` (bf16): receives each parameter's fp32 piece."""
+    if fill is None:
+        return None
     return partial(materialize_rank, plan=lowered.plan, coords=info.coords, fill=fill, device=_rank_device(mesh),
                    masters=masters)
 
@@ -118,6 +126,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
     if lowered.plan.precision == "bf16":
         masters = {} if _is_meta(model) else masters_for_rank(model, lowered, schedule=schedule, info=info)
+    fill = _filler(model, weights)
     program_class, extra = RankProgram, {}
     if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
         from autopar.runtime.async_pipeline import AsyncProgram
@@ -125,8 +134,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     program = program_class(lowered=lowered, info=info, schedule=schedule,
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
-                            materialize=_materializer(model, lowered, info=info, mesh=mesh, weights=weights,
-                                                      masters=masters), **extra)
+                            materialize=_materializer(fill, lowered, info=info, mesh=mesh, masters=masters),
+                            unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

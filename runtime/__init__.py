@@ -47,6 +47,7 @@ The weights out and back in::
 
     state.py              the program's weights gathered into one single-device state_dict
     rank_tensors.py       what this rank holds of the single-device model, and how it is cut
+    unused_state.py       the model's tensors no stage graph reads, kept whole and never trained
     checkpoint_layout.py  layouts, pieces, split and join
     checkpoint_files.py   the folder per step, the latest pointer, the manifest, atomic publish
     rng_state.py          each rank's random state, restored or re-derived

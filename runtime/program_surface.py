@@ -38,9 +38,11 @@ class ProgramSurface:
     """This rank's parts of the compiled program, and what every way of running them shares."""
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
-                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None):
+                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
+                 unused: tuple = ()):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
-        fills a meta-built model's pieces (runtime/materialize.py)."""
+        fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
+        stage graph reads, kept whole (runtime/unused_state.py)."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
         # the rank's groups, its collectives' deadline (naming what it is doing) and its dp traffic log
         self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place)
@@ -52,6 +54,7 @@ class ProgramSurface:
         self.comm_guard, self.comm_log, self.channel = self.ctx.guard, self.ctx.comm_log, parts.channel
         self.named_params, self.mixed, self.optimizer = parts.named_params, parts.mixed, parts.optimizer
         self.index_guard, self.aliases = parts.index_guard, parts.aliases
+        self.unused = unused  # saved, loaded and taken out with the weights; never trained
         self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
         self.events: list = []
         self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
@@ -174,8 +177,10 @@ class ProgramSurface:
         if self.plan.expert_parallel > 1:  # every ep rank's experts (runtime/moe_groups.py)
             named = full_expert_parameters(list(named), experts=self.plan.expert_params, group=self.info.groups["ep"],
                                            guard=self.comm_guard)
-        return gather_full_state_dict(list(named) + model_buffers(self), plan=self.plan, info=self.info,
-                                      aliases=self.aliases, keys=self.state_keys)
+        unused = [(u.name, u.tensor) for u in self.unused]  # (runtime/unused_state.py)
+        return gather_full_state_dict(list(named) + model_buffers(self) + unused, plan=self.plan, info=self.info,
+                                      aliases={**self.aliases, **{u.name: u.aliases for u in self.unused}},
+                                      keys=self.state_keys)
 
     def parameter_values(self) -> list[tuple[str, torch.Tensor]]:
         """(name, value) of every parameter this rank holds, fp32 masters under mixed precision, where

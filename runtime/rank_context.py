@@ -106,6 +106,7 @@ class ProgramState(Protocol):
     comm_guard: CommGuard
     state_keys: tuple[str, ...]
     aliases: dict[str, tuple[str, ...]]
+    unused: tuple  # the model's tensors no stage graph reads (runtime/unused_state.py)
     step_count: int
 
     @property

@@ -67,7 +67,8 @@ def model_buffers(program: ProgramState) -> list[tuple[str, torch.Tensor]]:
 
 
 def held_tensors(program: ProgramState) -> list[Held]:
-    """Every parameter and persistent buffer this rank holds, with its layout."""
+    """Every parameter and persistent buffer this rank holds, with its layout (the model's tensors no
+    stage graph reads among the buffers)."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shards(program)  # flat blocks over dp, or over edp (dp / ep) for expert tensors
     ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
@@ -97,4 +98,6 @@ def held_tensors(program: ProgramState) -> list[Held]:
                          ep_index=coords["dp"] % ep if name in experts else 0))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
+    for u in program.unused:  # read by no stage graph, kept whole on every rank (unused_state.py)
+        held.append(Held(u.name, u.aliases, u.tensor, Layout(shape=tuple(u.tensor.shape)), 0, 0, "buffer"))
     return held

@@ -327,3 +327,45 @@ def reference_from(case, state: dict, first_step: int) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _with_spare(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a module and a buffer its forward never reads (as CLIP's vision
+    ``post_layernorm`` under a loss on the hidden states): seeded values, built after the model."""
+    model.spare = torch.nn.Linear(4, 3)
+    model.register_buffer("spare_count", torch.tensor([3.0, 5.0]))
+    return model
+
+
+SPARE_KEYS = ("spare.weight", "spare.bias", "spare_count")
+
+
+def unused_save(case, mesh) -> dict:
+    """Tensors no graph reads: exported untrained after 2 steps, set by load_full_state_dict, saved;
+    and a meta-built twin fills them with the model's own initialisers."""
+    model = _with_spare(build(case))
+    original = {k: v.detach().clone() for k, v in model.state_dict().items() if k in SPARE_KEYS}
+    program, data = _compile(case, mesh, model=model)
+    _train(program, data[:2])
+    exported = program.full_state_dict()
+    given = {**exported, "spare.weight": torch.full((3, 4), 0.5), "spare.bias": torch.arange(3.0),
+             "spare_count": torch.tensor([7.0, 11.0])}
+    program.load_full_state_dict(given)
+    loaded = {k: v for k, v in program.full_state_dict().items() if k in SPARE_KEYS}
+    program.save_checkpoint(_root(case))
+    with torch.device("meta"):
+        meta = build(case)  # (seeds 1234, as the real build above)
+        meta.spare = torch.nn.Linear(4, 3)
+    from_meta, _ = _compile(case, mesh, model=meta)
+    return {"original": original, "exported": {k: exported.get(k) for k in SPARE_KEYS},
+            "keys": sorted(exported), "model_keys": sorted(model.state_dict()), "loaded": loaded,
+            "meta_spare": {k: v for k, v in from_meta.full_state_dict().items() if k.startswith("spare.")}}
+
+
+def unused_resume(case, mesh) -> dict:
+    """The checkpoint of :func:`unused_save`, loaded on another mesh into other values."""
+    model = scrambled(_with_spare(build(case)))
+    model.spare_count.zero_()
+    program, _ = _compile(case, mesh, model=model)
+    program.load_checkpoint(_root(case))
+    return {"resumed": {k: v for k, v in program.full_state_dict().items() if k in SPARE_KEYS}}

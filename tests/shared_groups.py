@@ -58,6 +58,9 @@ CRASH = Case(mesh=(1, 2, 1), kind=_R + "crash_while_saving", extra=(("name", "C"
 BAD = Case(mesh=(1, 1, 2), kind=_R + "bad_checkpoints", extra=(("name", "B"),), **_GPT4)
 ROUNDTRIP = Case(mesh=(2, 1, 1), kind=_R + "full_state_dict_roundtrip", extra=(("save_after", 2),), **_GPT4)
 NONFINITE = Case(mesh=(1, 2, 1), kind=_R + "nonfinite", **_GPT4)
+# tensors the forward never reads (tests/ckpt_runners.py _with_spare): saved at pp=2, loaded at tp=2
+UNUSED_SAVE = Case(mesh=(1, 2, 1), kind=_R + "unused_save", extra=(("name", "U"),), **_GPT4)
+UNUSED_RESUME = Case(mesh=(1, 1, 2), kind=_R + "unused_resume", extra=(("name", "U"),), **_GPT4)
 P2P_TIMEOUT = Case(mesh=(1, 2, 1), kind=_R + "p2p_timeout", **_GPT4)  # poisons its own group: keep it last
 COLLECTIVE_TIMEOUT = Case(mesh=(2, 1, 1), kind=_R + "collective_timeout", **_GPT4)  # its own groups too
 # a token id past the embedding on one rank of pp=2 x tp=2 (tests/guard_runners.py); the group stays usable
@@ -81,7 +84,7 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
 # (group, its cases): each group runs in the order listed, a checkpoint's saver before its loaders
 GROUPS = {
     "two": [*HF_CASES, SAVE_T, *RESUME_T, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
-            CRASH, BAD, ROUNDTRIP, NONFINITE, P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
+            CRASH, BAD, ROUNDTRIP, UNUSED_SAVE, UNUSED_RESUME, NONFINITE, P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
     "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE],
     "two_from_four": RESUME_A[3:],
 }

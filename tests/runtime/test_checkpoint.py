@@ -15,7 +15,7 @@ import torch
 from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint_layout import Layout, join, split
-from equivalence import Case, assert_equivalent, reference_run
+from equivalence import Case, assert_equivalent, build, reference_run
 
 import shared_groups as groups
 from ckpt_runners import reference_from
@@ -146,6 +146,27 @@ def test_full_state_dict_exports_and_starts_training():
     assert_equivalent(case, {"losses": out["first"], "state": out["exported"]}, one_device)
     expected = reference_from(case, one_device["state"], k)
     assert_equivalent(case, {"losses": out["losses"], "state": out["state"]}, expected)
+
+
+@pytest.mark.dist
+def test_tensors_no_graph_reads_go_out_and_in_with_the_weights():
+    """A module and a buffer the forward never reads: in full_state_dict untrained (as on one device),
+    set by load_full_state_dict, saved at pp=2 and loaded at tp=2; a meta build fills them by init replay."""
+    from ckpt_runners import SPARE_KEYS, _with_spare
+    saved, resumed = _result(groups.UNUSED_SAVE), _result(groups.UNUSED_RESUME)
+    assert saved["keys"] == saved["model_keys"]  # nothing lost
+    expected = {"spare.weight": torch.full((3, 4), 0.5), "spare.bias": torch.arange(3.0),
+                "spare_count": torch.tensor([7.0, 11.0])}
+    cpu = _with_spare(build(groups.UNUSED_SAVE))
+    torch.manual_seed(1234)  # the meta build's seed: the replay runs the root's reset_parameters, spare included
+    cpu.reset_parameters()
+    for what, got, want in [("exported after 2 steps", saved["exported"], saved["original"]),
+                            ("after load_full_state_dict", saved["loaded"], expected),
+                            ("loaded from the checkpoint on another mesh", resumed["resumed"], expected),
+                            ("meta-built", saved["meta_spare"], {k: cpu.state_dict()[k] for k in SPARE_KEYS[:2]})]:
+        assert set(got) == set(want), what
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m, k=key: f"{what} {k}: {m}")
 
 
 def _same(a: dict, b: dict, what: str) -> None:
