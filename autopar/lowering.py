@@ -23,6 +23,7 @@ from autopar.passes.batch_stats import check_batch_statistics
 from autopar.passes.block_template import BlockTemplate, capture_blocks, find_block_template
 from autopar.passes.capture import MODEL_PREFIX, CapturedGraph, capture
 from autopar.passes.graph_names import user_name
+from autopar.passes.mean_loss import find_token_mean_loss
 from autopar.passes.meta_keys import MODULE, PARAM, STAGE, get_meta
 from autopar.passes.moe_aux import sync_router_statistics
 from autopar.passes.moe_detect import find_moe_layers
@@ -404,6 +405,8 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     # batch statistics (BatchNorm in training) are exact only when each forward sees the whole batch
     check_batch_statistics(captured.gm, dp=mesh.dp, num_microbatches=plan.pipeline.num_microbatches)
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
+    if captured.has_target:  # a token-mean loss_fn: weighted by each microbatch's tokens (passes/mean_loss.py)
+        captured.loss_weight = find_token_mean_loss(captured.gm)
     extra = captured.extra_args  # inputs capture added (the model's own loss: its label-token count)
     all_args = args + extra + ((target,) if loss_fn is not None else ())
     annotate(captured.gm, example_inputs=all_args, model=traced)

@@ -21,6 +21,7 @@ Analyses and checks (node.meta, nothing rewritten)::
     batch_stats.py        refuse batch statistics over part of the batch (BatchNorm, dp > 1)
     static_shapes.py      refuse data-dependent output shapes
     item_count.py         where the model's own loss counts its label tokens (num_items_in_batch)
+    mean_loss.py          a loss_fn that is a token mean: each microbatch's loss weighed by its tokens
 
 Tensor parallelism (before the split, so a region's linears share a stage)::
 

@@ -144,6 +144,9 @@ class CapturedGraph:
     # the model's own loss reads the step's label-token count: a last model input the runtime fills
     item_count: ItemCount | None = None
     extra_args: tuple = ()  # example values of the inputs capture added (the count), in input order
+    # a loss_fn that is a token mean of the target: each microbatch's loss weighted by its tokens
+    # (passes/mean_loss.py; set by the lowering)
+    loss_weight: ItemCount | None = None
 
 
 def _is_user_file(filename: str) -> bool:

@@ -24,7 +24,7 @@ Building a rank's program::
     mixed_precision.py    bf16 compute, fp32 masters and gradients
     zero.py               the optimizer, its state sharded over dp (ZeRO-1/2/3)
     index_guard.py        token ids and positions range-checked before any stage reads them
-    item_count.py         the model's own loss: each microbatch's share of the step's label tokens
+    item_count.py         each microbatch's share of the step's label tokens (a model's own loss, a token-mean loss_fn)
     moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edp
     rank_parts.py         build_parts: this rank's stages, channel, parameters and optimizer
     program_surface.py    what every program kind shares: batches, forward only, weights, checkpoints

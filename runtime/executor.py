@@ -33,6 +33,8 @@ import torch
 
 from autopar.errors import ScheduleError
 from autopar.passes.pipeline_split import StageGraph
+from autopar.passes.mean_loss import LOSS_WEIGHT
+from autopar.runtime.item_count import weighted_loss
 from autopar.runtime.p2p import P2PChannel, forward_receives
 from autopar.runtime.schedules.action import Action, ActionKind
 
@@ -60,7 +62,12 @@ class ActionEvent(tuple):
 
 def _forward(stage: StageGraph, batch: dict, channel: P2PChannel, microbatch: int):
     channel.microbatch = microbatch
-    return stage.gm(*[batch[name] for name in stage.input_names])
+    out = stage.gm(*[batch[name] for name in stage.input_names])
+    if stage.is_last and LOSS_WEIGHT in batch:  # a token-mean loss weighted by its tokens (passes/mean_loss.py)
+        if isinstance(out, (tuple, list)):
+            return type(out)((weighted_loss(out[0], batch[LOSS_WEIGHT]), *out[1:]))
+        return weighted_loss(out, batch[LOSS_WEIGHT])
+    return out
 
 
 def _roots(stage: StageGraph, primary, num_microbatches: int):

@@ -1,4 +1,5 @@
-"""The label-token count of a step, for a model's own loss that divides its sum by it (``num_items_in_batch``).
+"""The label-token count of a step: for a model's own loss that divides its sum by it (``num_items_in_batch``), and
+the weights of a token-mean ``loss_fn``'s microbatch losses.
 
 A step of ``m`` microbatches on each of ``dp`` replicas reduces its microbatch losses by their
 mean (the executor scales each backward by 1/m, the dp gradient sync averages), as a loss that
@@ -13,6 +14,11 @@ over dp; every pp and tp rank of a replica reads the same batch and counts the s
 
 An update that takes fewer microbatches than the step (PipeDream and PipeMare update after each
 one) counts per update: ``per_update`` microbatches, ``count = N_update / (per_update · dp)``.
+
+A ``loss_fn`` that is a token mean (``passes/mean_loss.py``: ``F.cross_entropy`` on the target)
+computes ``mean_i = sum_i / n_i`` per microbatch; :func:`add_loss_weights` gives each microbatch
+the weight ``n_i · m · dp / N`` and the executor multiplies its loss by it, which is the same
+``sum_i · m · dp / N``. Asynchronous schedules (their own clocks per update) are left unweighted.
 
 Example (one process, no dp)::
 
@@ -30,7 +36,7 @@ import torch.distributed as dist
 
 from autopar.passes.item_count import ItemCount
 
-__all__ = ["add_item_counts", "count_labels"]
+__all__ = ["add_item_counts", "add_loss_weights", "count_labels", "weighted_loss"]
 
 
 def count_labels(labels: torch.Tensor, spec: ItemCount) -> torch.Tensor:
@@ -56,3 +62,29 @@ def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: in
     device = microbatches[0][spec.labels].device
     for i, mb in enumerate(microbatches):
         mb[spec.input] = values[i // per_update].to(torch.float32).to(device)
+
+
+def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, dp_size: int = 1, dp_group=None,
+                     guard=None) -> None:
+    """Set ``microbatch[spec.input]`` to ``n_i · m · dp / N``, in place (``passes/mean_loss.py``).
+
+    ``n_i``: the microbatch's counted target entries; ``N``: the step's, over its ``m``
+    microbatches and every dp rank (collective over ``dp_group`` when ``dp_size > 1``). The step's
+    loss, the mean over microbatches and dp of ``mean_i · weight_i``, is then one device's token
+    mean over the whole batch (0 weight, and a 0 loss, for a microbatch without counted tokens).
+    """
+    counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
+    total = counts.sum().reshape(1)
+    if dp_size > 1:
+        guard.run("all_reduce", dist.all_reduce, total, group=dp_group,
+                  purpose="the step's target tokens (the loss's token mean, summed over dp)")
+    scale = len(microbatches) * dp_size / total.double().clamp(min=1)
+    device = microbatches[0][spec.labels].device
+    for mb, n in zip(microbatches, counts):
+        mb[spec.input] = (n.double() * scale[0]).to(torch.float32).to(device)
+
+
+def weighted_loss(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A microbatch's token-mean loss times its weight (:func:`add_loss_weights`); 0 where it has no tokens
+    (its mean is 0 / 0)."""
+    return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))

@@ -56,6 +56,7 @@ class RankProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        self.phase = "counting the step's tokens"  # (a collective over dp: runtime/item_count.py)
         batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()

@@ -28,7 +28,7 @@ from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.zero3_ops import full_parameters
-from autopar.runtime.item_count import add_item_counts
+from autopar.runtime.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.moe_groups import full_expert_parameters
 
 __all__ = ["ProgramSurface"]
@@ -106,6 +106,10 @@ class ProgramSurface:
         if spec is not None:
             add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
                             dp_group=self.info.groups["dp"], guard=self.comm_guard)
+        weight = self.captured.loss_weight  # a token-mean loss_fn (passes/mean_loss.py): synchronous steps
+        if weight is not None and per_update is None and weight.labels in batches[0]:  # (not forward-only)
+            add_loss_weights(batches, weight, dp_size=self.plan.mesh.dp, dp_group=self.info.groups["dp"],
+                             guard=self.comm_guard)
         return batches
 
     def shard_batch(self, tensor):

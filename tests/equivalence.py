@@ -95,8 +95,13 @@ def batches(case: Case, vocab: int):
         from autopar.models.hf import hf_batch
         return [hf_batch(case.model, batch=case.batch, seq=case.seq, vocab=vocab, generator=g)
                 for _ in range(case.steps)]
-    return [(torch.randint(0, vocab, (case.batch, case.seq), generator=g),
-             torch.randint(0, vocab, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+    out = [(torch.randint(0, vocab, (case.batch, case.seq), generator=g),
+            torch.randint(0, vocab, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+    if dict(case.extra).get("padded_targets"):  # row r ends in r / (batch - 1) of the row as -100 padding
+        for _, target in out:
+            for r in range(case.batch):
+                target[r, case.seq - (r * (case.seq - 1)) // (case.batch - 1):] = -100
+    return out
 
 
 def reference_run(case: Case) -> dict:

@@ -125,17 +125,19 @@ def test_collective_timeout_waits_its_2_s_and_not_much_longer():
 
 
 def test_collective_that_times_out_names_rank_collective_and_group():
-    """Rank 1 skips its step: rank 0's dp gradient all-reduce (dp=2) and its tp all-reduce inside the
+    """Rank 1 skips its step: rank 0's first dp all-reduce (dp=2, the step's token count) and its tp all-reduce inside the
     forward (tp=2) each give up after p2p_timeout_s (2 s) with a RuntimeCommError, on groups the user
     made (DeviceMesh.from_group), long before the groups' own 20 s gloo timeout."""
     out = _result(groups.COLLECTIVE_TIMEOUT)
-    for axis in ("dp", "tp"):
+    for axis in ("dp", "dp_grads", "tp"):
         (text, seconds), (other, _) = out[axis]
         assert other == ""
         assert "did not complete within 2 s" in text and "Operation timed out" in text
         assert "Where: rank 0, stage 0" in text and "over ranks [0, 1]" in text
         assert "p2p_timeout_s" in text and "resume from the last checkpoint" in text
     dp_text, tp_text = out["dp"][0][0], out["tp"][0][0]
+    # lm_loss is a token mean: the step's first dp collective sums its target tokens (runtime/item_count.py)
+    assert "the all_reduce (the step's target tokens" in dp_text and "counting the step's tokens" in dp_text
     # ZeRO-1 (the default): each bucket is reduced to its owner, after backward
-    assert "the reduce (grad_reduce)" in dp_text and "gradient sync after the schedule" in dp_text
+    assert "the reduce (grad_reduce)" in out["dp_grads"][0][0] and "gradient sync after the schedule" in out["dp_grads"][0][0]
     assert "the all_reduce (TpReduce node" in tp_text and "(mesh axis tp)" in tp_text and "action 0F0" in tp_text
