@@ -153,8 +153,13 @@ class GradientSync:
             self.post.begin(1)
             self.post.finish()
 
-    def launch_log(self) -> list[tuple[int, str, float]]:
-        """(bucket, action running at launch, seconds since ``begin``) of the last step's overlapped buckets."""
+    def launch_log(self, origin: float | None = None) -> list[tuple[int, str, float]]:
+        """(bucket, action running at launch, seconds since ``origin``) of the last step's overlapped buckets.
+
+        ``origin``: a ``time.perf_counter()`` instant, such as the executor's events' ``origin``, to put the
+        launches on the events' clock; ``begin``'s instant when omitted (it runs before the schedule starts,
+        so the two clocks differ by the time ``begin`` takes to zero the buffers)."""
         if not self.active:
             return []
-        return [(b, action, t - self._t0) for b, action, t in self.buckets.launch_log()]
+        origin = self._t0 if origin is None else origin
+        return [(b, action, t - origin) for b, action, t in self.buckets.launch_log()]

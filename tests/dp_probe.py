@@ -36,7 +36,9 @@ def probe_run(case, mesh) -> dict:
         "memory": model_state_bytes(program),
         "owned": [n for n, p in program.named_params
                   if any(p is q for q in program.optimizer.owned_parameters())],
-        "launches": program.grad_sync.launch_log() if hasattr(program, "grad_sync") else [],  # DataParallel: none
+        # on the events' clock (their origin is the schedule's start); DataParallel has no buckets
+        "launches": program.grad_sync.launch_log(origin=program.events[0].origin)
+        if hasattr(program, "grad_sync") and program.events else [],
         "events": list(program.events),
         "num_microbatches": program.plan.pipeline.num_microbatches,
     }
