@@ -38,9 +38,13 @@ class RankProgram(ProgramSurface):
         self.tp_partial_params = [prm for n, prm in self.named_params if n in partial]
         self.grad_sync = GradientSync(self.named_params, ctx=self.ctx, shared=self._shared_params(), plan=self.plan,
                                       owners=self.optimizer.owner_of(), uses=p.uses,
-                                      current_action=lambda: self.channel.action, zero3_runtimes=p.zero3,
+                                      current_action=self._doing, zero3_runtimes=p.zero3,
                                       expert_owners=self.optimizer.expert_owner_of())
         self.loss_ranks = p.loss_ranks  # ranks whose stages compute the loss (two for Chimera: one per replica)
+
+    def _doing(self) -> str:
+        """The schedule's action running now, or the step's phase outside the schedule (a bucket's launch label)."""
+        return self.channel.action if self.phase == "schedule" else self.phase
 
     # -- running ---------------------------------------------------------------------------
     def _sync_gradients(self) -> None:
