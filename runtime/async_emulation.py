@@ -104,10 +104,12 @@ class _Emulator:
         """Parameter name -> tensor, from one weight list per stage."""
         return {n: versions[s][k] for s, names in enumerate(self.owned) for k, n in enumerate(names)}
 
-    def run(self, inputs: tuple, target: torch.Tensor, i: int, loss_fn) -> float:
-        """Forward and backward of microbatch ``i``; its gradients go into its update."""
+    def run(self, inputs: tuple, target: torch.Tensor, i: int, loss_fn, weight: float = 1.0) -> float:
+        """Forward and backward of microbatch ``i`` (its loss times ``weight``); its gradients go into its update."""
         rule = self.rule
         forward = [self.versions[s][rule.forward_version(s, i)] for s in range(rule.num_stages)]
+        if weight != 1.0:
+            loss_fn = _weighted(loss_fn, weight)
         if rule.stashes:
             leaves = [[t.detach().requires_grad_() for t in ws] for ws in forward]
             loss = loss_fn(functional_call(self.model, self.weights(leaves), inputs), target)
@@ -166,6 +168,20 @@ class _Emulator:
             self.versions[s].append(tuple(p.detach().clone() for p in live))
 
 
+def _weighted(loss_fn, weight: float):
+    return lambda output, target: loss_fn(output, target) * weight
+
+
+def _update_weights(targets: list[torch.Tensor], *, per_update: int, count_tokens) -> list[float]:
+    """Each microbatch's loss weight ``n_j · k / N_update`` (runtime/item_count.py, on global microbatches)."""
+    counts = [float(count_tokens(t)) for t in targets]
+    weights = []
+    for j, n in enumerate(counts):
+        group = counts[j - j % per_update: j - j % per_update + per_update]
+        weights.append(n * per_update / max(sum(group), 1.0))
+    return weights
+
+
 def _microbatch_rows(tensor: torch.Tensor, *, dp: int, num_microbatches: int) -> list[torch.Tensor]:
     """Global microbatch ``j``: the ``j``-th microbatch of every dp rank's slice, in dp order."""
     slices = tensor.chunk(dp, dim=0)
@@ -173,15 +189,22 @@ def _microbatch_rows(tensor: torch.Tensor, *, dp: int, num_microbatches: int) ->
 
 
 def emulate(model: nn.Module, *, rule: StalenessRule, layout: StageLayout, batches: Sequence[tuple],
-            num_microbatches: int, loss_fn, optimizer: Callable, dp: int = 1) -> EmulationResult:
-    """Train ``model`` (left untouched) on ``batches`` [(inputs tuple, target)] under ``rule``; see the module doc."""
+            num_microbatches: int, loss_fn, optimizer: Callable, dp: int = 1,
+            count_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EmulationResult:
+    """Train ``model`` (left untouched) on ``batches`` [(inputs tuple, target)] under ``rule``; see the module doc.
+
+    ``count_tokens``: for a ``loss_fn`` that is a token mean, the tokens it counts in a target; each
+    microbatch's loss is then weighted by its tokens over its update's, as the runtime does
+    (runtime/item_count.py), so an update trains on the token mean of its whole batch."""
     emulator = _Emulator(model, rule=rule, layout=layout, optimizer=optimizer)
     losses, i = [], 0
     for inputs, target in batches:
         columns = [_microbatch_rows(t, dp=dp, num_microbatches=num_microbatches) for t in (*inputs, target)]
+        weights = [1.0] * num_microbatches if count_tokens is None else _update_weights(
+            columns[-1], per_update=rule.updates_every, count_tokens=count_tokens)
         batch_losses = []
-        for parts in zip(*columns):
-            batch_losses.append(emulator.run(tuple(parts[:-1]), parts[-1], i, loss_fn))
+        for parts, weight in zip(zip(*columns), weights):
+            batch_losses.append(emulator.run(tuple(parts[:-1]), parts[-1], i, loss_fn, weight))
             if rule.closes_update(i):
                 emulator.update(rule.update_of(i))
             i += 1

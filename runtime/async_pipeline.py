@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from autopar.errors import PlanError
-from autopar.runtime.executor import ActionEvent
+from autopar.runtime.executor import ActionEvent, weigh_loss
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
 from autopar.runtime.p2p import P2PNode
 from autopar.runtime.program_surface import ProgramSurface
@@ -255,13 +255,13 @@ class AsyncProgram(ProgramSurface):
         args = tuple(batch[n] for n in self.stage.input_names)
         if self.rule.stashes:
             leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
-            out = functional_call(self.stage.gm, self._by_gm_name(leaves), args)
+            out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
             self._held[i], self._stashed[i] = (out, leaves), version
         else:  # no stash: no autograd now; B recomputes from the inputs kept here
             assert self.versions.applied == version, "a forward without stashing reads the newest weights"
             proxy = _Proxy(self.channel, self.channel.microbatch)
             with _bound(self.stage, proxy), torch.no_grad():
-                out = self.stage.gm(*args)
+                out = weigh_loss(self.stage, self.stage.gm(*args), batch)
             self._held[i] = (version, proxy.received)
         if self.stage.is_last:
             loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -280,9 +280,10 @@ class AsyncProgram(ProgramSurface):
             self.versions.apply_through(self.rule.backward_version(s, i), self._update)
             lag = self.rule.backward_version(s, i) - version
             leaves = [w.requires_grad_() for w in corrected_weights(self.versions.params, self.delta, lag)]
-            args = tuple(self._inputs.pop(i)[n] for n in self.stage.input_names)
+            batch = self._inputs.pop(i)
+            args = tuple(batch[n] for n in self.stage.input_names)
             with _bound(self.stage, _Proxy(self.channel, self.channel.microbatch, replay=received)):
-                out = functional_call(self.stage.gm, self._by_gm_name(leaves), args)
+                out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
                 roots, grads = _roots(self.stage, out, self.rule.updates_every)
                 torch.autograd.backward(roots, grads)
         self.versions.accumulate(self.rule.update_of(i), [leaf.grad for leaf in leaves])

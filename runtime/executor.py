@@ -62,12 +62,17 @@ class ActionEvent(tuple):
 
 def _forward(stage: StageGraph, batch: dict, channel: P2PChannel, microbatch: int):
     channel.microbatch = microbatch
-    out = stage.gm(*[batch[name] for name in stage.input_names])
-    if stage.is_last and LOSS_WEIGHT in batch:  # a token-mean loss weighted by its tokens (passes/mean_loss.py)
-        if isinstance(out, (tuple, list)):
-            return type(out)((weighted_loss(out[0], batch[LOSS_WEIGHT]), *out[1:]))
-        return weighted_loss(out, batch[LOSS_WEIGHT])
-    return out
+    return weigh_loss(stage, stage.gm(*[batch[name] for name in stage.input_names]), batch)
+
+
+def weigh_loss(stage: StageGraph, out, batch: dict):
+    """The last stage's output with its loss weighted by the microbatch's tokens where the batch carries
+    a weight (a token-mean ``loss_fn``: passes/mean_loss.py, runtime/item_count.py); else ``out``."""
+    if not (stage.is_last and LOSS_WEIGHT in batch):
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)((weighted_loss(out[0], batch[LOSS_WEIGHT]), *out[1:]))
+    return weighted_loss(out, batch[LOSS_WEIGHT])
 
 
 def _roots(stage: StageGraph, primary, num_microbatches: int):

@@ -18,7 +18,7 @@ one) counts per update: ``per_update`` microbatches, ``count = N_update / (per_u
 A ``loss_fn`` that is a token mean (``passes/mean_loss.py``: ``F.cross_entropy`` on the target)
 computes ``mean_i = sum_i / n_i`` per microbatch; :func:`add_loss_weights` gives each microbatch
 the weight ``n_i · m · dp / N`` and the executor multiplies its loss by it, which is the same
-``sum_i · m · dp / N``. Asynchronous schedules (their own clocks per update) are left unweighted.
+``sum_i · m · dp / N``; under an asynchronous schedule, per update, as for the model's own loss.
 
 Example (one process, no dp)::
 
@@ -64,24 +64,27 @@ def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: in
         mb[spec.input] = values[i // per_update].to(torch.float32).to(device)
 
 
-def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, dp_size: int = 1, dp_group=None,
-                     guard=None) -> None:
+def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, per_update: int | None = None, dp_size: int = 1,
+                     dp_group=None, guard=None) -> None:
     """Set ``microbatch[spec.input]`` to ``n_i · m · dp / N``, in place (``passes/mean_loss.py``).
 
-    ``n_i``: the microbatch's counted target entries; ``N``: the step's, over its ``m``
-    microbatches and every dp rank (collective over ``dp_group`` when ``dp_size > 1``). The step's
-    loss, the mean over microbatches and dp of ``mean_i · weight_i``, is then one device's token
-    mean over the whole batch (0 weight, and a 0 loss, for a microbatch without counted tokens).
+    ``n_i``: the microbatch's counted target entries; ``N``: its update's, over the update's ``m``
+    microbatches (``per_update``; all of them when None) and every dp rank (collective over
+    ``dp_group`` when ``dp_size > 1``). An update's loss, the mean over its microbatches and dp of
+    ``mean_i · weight_i``, is then one device's token mean over the update's whole batch (0
+    weight, and a 0 loss, for a microbatch without counted tokens).
     """
+    per_update = per_update or len(microbatches)
+    assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
     counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
-    total = counts.sum().reshape(1)
+    totals = counts.view(-1, per_update).sum(dim=1)
     if dp_size > 1:
-        guard.run("all_reduce", dist.all_reduce, total, group=dp_group,
+        guard.run("all_reduce", dist.all_reduce, totals, group=dp_group,
                   purpose="the step's target tokens (the loss's token mean, summed over dp)")
-    scale = len(microbatches) * dp_size / total.double().clamp(min=1)
+    scale = per_update * dp_size / totals.double().clamp(min=1)
     device = microbatches[0][spec.labels].device
-    for mb, n in zip(microbatches, counts):
-        mb[spec.input] = (n.double() * scale[0]).to(torch.float32).to(device)
+    for i, (mb, n) in enumerate(zip(microbatches, counts)):
+        mb[spec.input] = (n.double() * scale[i // per_update]).to(torch.float32).to(device)
 
 
 def weighted_loss(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

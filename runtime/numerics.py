@@ -1,8 +1,9 @@
 """Catch a NaN or inf in a training step before the optimizer applies it.
 
 After backward and gradient synchronisation, and before the optimizer steps, every rank checks its
-last-stage losses and its gradients; one one-element all-reduce over the world tells every rank
-whether any found a non-finite value. If one did, every rank raises
+last-stage losses and its gradients; one small all-reduce over the world tells every rank
+whether any found a non-finite value (the step's loss rides on it: :func:`check_finite`'s
+``riders``, so a step has one collective for both). If one did, every rank raises
 :class:`autopar.errors.NumericsError` naming the step, the stage, the rank and the tensor, so no
 rank waits in vain and the weights stay those of the last good step (a checkpoint can still be
 saved, or the step retried with other data or a lower learning rate).
@@ -91,26 +92,29 @@ def local_nonfinite(program: ProgramState, results: dict) -> str | None:
     return _first_nonfinite_loss(results, last) or _first_nonfinite_grad(program)
 
 
-def check_finite(program: ProgramState, results: dict, *, index_problem: str | None = None) -> None:
+def check_finite(program: ProgramState, results: dict, *, index_problem: str | None = None,
+                 riders: torch.Tensor | None = None) -> torch.Tensor | None:
     """Raise NumericsError on every rank if any rank's loss or gradients hold a NaN or inf.
 
     ``index_problem``: what this rank's index guard found before the schedule ran
     (:mod:`autopar.runtime.index_guard`); it rides on the same all-reduce, and any rank's
-    becomes an IndexRangeError on every rank.
+    becomes an IndexRangeError on every rank. ``riders``: fp32 values (1-d) to sum over every
+    rank on that all-reduce too; returned summed (as given on a world of one rank).
     """
     found = local_nonfinite(program, results)
     step = program.step_count + 1
+    riders = torch.zeros(0, device=program.info.device) if riders is None else riders
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0],
-                            device=program.info.device)
-        program.comm_guard.run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=None,
-                               purpose="the non-finite and index checks (runtime/numerics.py)")
-        if flag.sum().item() == 0:
-            return
+        flag = torch.cat([torch.tensor([0.0 if found is None else 1.0, 0.0 if index_problem is None else 1.0],
+                                       device=riders.device), riders.float()])
+        program.comm_guard.run("all_reduce", dist.all_reduce, flag, group=None,
+                               purpose="the non-finite and index checks, and the step's loss (runtime/numerics.py)")
+        if flag[:2].sum().item() == 0:
+            return flag[2:]
         pairs: list = [None] * dist.get_world_size()
         dist.all_gather_object(pairs, (found, index_problem))
     elif found is None and index_problem is None:
-        return
+        return riders
     else:
         pairs = [(found, index_problem)]
     if any(index for _, index in pairs):  # the bad index explains whatever followed from the clamped values

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.passes.graph_names import user_name
@@ -76,37 +75,28 @@ class RankProgram(ProgramSurface):
         self.phase = "gradient sync after the schedule"
         self._sync_gradients()
         sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"], guard=self.comm_guard)
-        self.phase = "non-finite check"
-        # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank
-        check_finite(self, results, index_problem=index_problem)
+        self.phase = "non-finite check and loss reduction"
+        # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
+        # the step's loss is summed over the world on the same all-reduce
+        loss_total = check_finite(self, results, index_problem=index_problem, riders=self._loss_share(results))
         if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
             self.phase = "gradient clipping"
             self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
         self.phase = "optimizer step"
         self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
         self.step_count += 1
-        self.phase = "loss reduction"
-        return self._global_loss(results)
+        return loss_total[0] / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
 
-    def _global_loss(self, results: dict) -> torch.Tensor:
-        if results:
-            loss = torch.stack([results[i][0] if isinstance(results[i], (tuple, list)) else results[i]
-                                for i in sorted(results)]).float().mean()  # fp32 on every rank (bf16 graphs)
-        else:
-            loss = torch.zeros((), device=self.info.device)
-        if len(self.loss_ranks) > 1:  # Chimera: each replica's last stage holds its microbatches' losses
-            total = loss * len(results) if results else torch.zeros((), device=self.info.device)
-            self.comm_guard.run("all_reduce", dist.all_reduce, total, group=self.info.groups["pp"],
-                                purpose="the loss of both Chimera replicas")
-            loss = total / self.plan.pipeline.num_microbatches
-        if self.plan.mesh.dp > 1:
-            self.comm_guard.run("all_reduce", dist.all_reduce, loss, group=self.info.groups["dp"],
-                                purpose="the step's loss (mean over dp)")
-            loss /= self.plan.mesh.dp
-        if self.plan.mesh.pp > 1 and len(self.loss_ranks) == 1:
-            self.comm_guard.run("broadcast", dist.broadcast, loss, src=self.last_stage_rank,
-                                group=self.info.groups["pp"], purpose="the step's loss (from the last stage)")
-        return loss
+    def _loss_share(self, results: dict) -> torch.Tensor:
+        """This rank's part of the step's loss sum (1 element, fp32): the sum of its last-stage
+        microbatch losses on tp rank 0, else 0. Summed over the world, then divided by the step's
+        microbatches and dp ranks, it is the mean over microbatches and dp on every rank (each
+        microbatch's loss already carries its token weight: runtime/item_count.py); Chimera's two
+        replicas each hold the losses of their own microbatches."""
+        if not results or self.info.coords["tp"] != 0:
+            return torch.zeros(1, device=self.info.device)
+        losses = [results[i][0] if isinstance(results[i], (tuple, list)) else results[i] for i in sorted(results)]
+        return torch.stack(losses).float().sum().reshape(1)
 
     @torch.no_grad()
     def __call__(self, *inputs):

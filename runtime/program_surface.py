@@ -106,10 +106,10 @@ class ProgramSurface:
         if spec is not None:
             add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
                             dp_group=self.info.groups["dp"], guard=self.comm_guard)
-        weight = self.captured.loss_weight  # a token-mean loss_fn (passes/mean_loss.py): synchronous steps
-        if weight is not None and per_update is None and weight.labels in batches[0]:  # (not forward-only)
-            add_loss_weights(batches, weight, dp_size=self.plan.mesh.dp, dp_group=self.info.groups["dp"],
-                             guard=self.comm_guard)
+        weight = self.captured.loss_weight  # a token-mean loss_fn (passes/mean_loss.py): per update
+        if weight is not None and weight.labels in batches[0]:  # (not forward-only)
+            add_loss_weights(batches, weight, per_update=per_update, dp_size=self.plan.mesh.dp,
+                             dp_group=self.info.groups["dp"], guard=self.comm_guard)
         return batches
 
     def shard_batch(self, tensor):

@@ -97,11 +97,19 @@ def batches(case: Case, vocab: int):
                 for _ in range(case.steps)]
     out = [(torch.randint(0, vocab, (case.batch, case.seq), generator=g),
             torch.randint(0, vocab, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
-    if dict(case.extra).get("padded_targets"):  # row r ends in r / (batch - 1) of the row as -100 padding
+    if dict(case.extra).get("padded_targets"):
         for _, target in out:
-            for r in range(case.batch):
-                target[r, case.seq - (r * (case.seq - 1)) // (case.batch - 1):] = -100
+            pad_targets(target)
     return out
+
+
+def pad_targets(target: torch.Tensor) -> torch.Tensor:
+    """Row r of ``target`` (batch b, sequence s) ends in r / (b - 1) of the row as -100 padding, in place:
+    later rows, microbatches and dp ranks hold fewer counted tokens (all but one of the last row)."""
+    batch, seq = target.shape
+    for r in range(batch):
+        target[r, seq - (r * (seq - 1)) // max(batch - 1, 1):] = -100
+    return target
 
 
 def reference_run(case: Case) -> dict:

@@ -6,6 +6,7 @@ steps and gathers every rank's events for the measured-versus-simulated bubble.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -21,8 +22,12 @@ __all__ = ["text_batches", "async_run", "trace_run", "layout_of", "SYNC_CASES", 
 def text_batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``case.steps`` batches of the character corpus (real text, so the loss can fall)."""
     from autopar.models import TextBatches
+    from equivalence import pad_targets
     it = iter(TextBatches(seq_len=case.seq, batch_size=case.batch, seed=7))
-    return [next(it) for _ in range(case.steps)]
+    batches = [next(it) for _ in range(case.steps)]
+    if dict(case.extra).get("padded_targets"):  # (equivalence.pad_targets)
+        batches = [(x, pad_targets(y.clone())) for x, y in batches]
+    return batches
 
 
 def layout_of(program) -> dict:
@@ -111,7 +116,12 @@ ASYNC_CASES = [
     _case("llama_tiny", (1, 2, 1), "pipemare", 2, kind="schedule_runners:async_run", steps=4,
           pipemare_lr_warmup_updates=4),
     _case("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=3),  # dp, tied
-]
+] + [dataclasses.replace(c, extra=(("padded_targets", True),)) for c in [  # token-mean weights per update
+    # (an update of one microbatch on one dp rank is its own token mean: dp=2, or 2BW's updates of m)
+    _case("gpt_tiny", (1, 2, 1), "pipedream_2bw", 4, kind="schedule_runners:async_run", steps=3),
+    _case("llama_tiny", (2, 2, 1), "pipedream", 2, kind="schedule_runners:async_run", steps=3),
+    _case("llama_tiny", (2, 2, 1), "pipemare", 2, kind="schedule_runners:async_run", steps=3),
+    _case("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=3)]]
 #: the measured-versus-simulated bubble at p=2: a model heavy enough that actions outweigh overheads
 TRACE_CASE = Case(model="gpt_tiny", mesh=(1, 2, 1), kind="schedule_runners:trace_run", steps=6, batch=16, seq=64,
                   optimizer="adam", options=(("schedule", "1f1b"), ("num_microbatches", 4)),

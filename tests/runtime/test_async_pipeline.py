@@ -24,7 +24,8 @@ def _emulate(case, result, rule=None):
     layout = StageLayout(result["layout"]["param_stages"], result["layout"]["stage_starts"])
     return emulate(build(case), rule=rule or result["rule"], layout=layout,
                    batches=[((x,), y) for x, y in result["data"]], num_microbatches=result["num_microbatches"],
-                   loss_fn=lm_loss, optimizer=make_optimizer(case), dp=case.mesh[0])
+                   loss_fn=lm_loss, optimizer=make_optimizer(case), dp=case.mesh[0],
+                   count_tokens=lambda target: (target != -100).sum())  # lm_loss is a token mean
 
 
 @pytest.mark.dist
