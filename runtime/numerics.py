@@ -93,7 +93,7 @@ def local_nonfinite(program: ProgramState, results: dict) -> str | None:
 
 
 def check_finite(program: ProgramState, results: dict, *, index_problem: str | None = None,
-                 riders: torch.Tensor | None = None) -> torch.Tensor | None:
+                 riders: torch.Tensor | None = None) -> torch.Tensor:
     """Raise NumericsError on every rank if any rank's loss or gradients hold a NaN or inf.
 
     ``index_problem``: what this rank's index guard found before the schedule ran
