@@ -45,20 +45,26 @@ def count_labels(labels: torch.Tensor, spec: ItemCount) -> torch.Tensor:
     return (kept != spec.ignore_index).sum()
 
 
-def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int = 1,
-                    dp_group=None, guard=None) -> None:
-    """Set ``microbatch[spec.input]`` to its update's global count / (``per_update`` · ``dp_size``), in place.
-
-    Collective over ``dp_group`` when ``dp_size > 1`` (``guard``: the program's
-    :class:`~autopar.runtime.comm_guard.CommGuard`, which bounds the wait and names the rank).
-    """
+def _update_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int, dp_group, guard,
+                   purpose: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each microbatch's count, each update's count summed over dp): one all-reduce over ``dp_group``
+    when ``dp_size > 1`` (``guard``: the program's :class:`~autopar.runtime.comm_guard.CommGuard`,
+    which bounds the wait and names the rank)."""
     assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
     counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
-    per = counts.view(-1, per_update).sum(dim=1)
+    totals = counts.view(-1, per_update).sum(dim=1)
     if dp_size > 1:
-        guard.run("all_reduce", dist.all_reduce, per, group=dp_group,
-                  purpose="the step's label tokens (num_items_in_batch, summed over dp)")
-    values = per.double() / (per_update * dp_size)
+        guard.run("all_reduce", dist.all_reduce, totals, group=dp_group, purpose=purpose)
+    return counts, totals
+
+
+def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int = 1,
+                    dp_group=None, guard=None) -> None:
+    """Set ``microbatch[spec.input]`` to its update's global count / (``per_update`` · ``dp_size``), in place
+    (collective over ``dp_group`` when ``dp_size > 1``)."""
+    _, totals = _update_counts(microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group,
+                               guard=guard, purpose="the step's label tokens (num_items_in_batch, summed over dp)")
+    values = totals.double() / (per_update * dp_size)
     device = microbatches[0][spec.labels].device
     for i, mb in enumerate(microbatches):
         mb[spec.input] = values[i // per_update].to(torch.float32).to(device)
@@ -75,12 +81,8 @@ def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, per_update: i
     weight, and a 0 loss, for a microbatch without counted tokens).
     """
     per_update = per_update or len(microbatches)
-    assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
-    counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
-    totals = counts.view(-1, per_update).sum(dim=1)
-    if dp_size > 1:
-        guard.run("all_reduce", dist.all_reduce, totals, group=dp_group,
-                  purpose="the step's target tokens (the loss's token mean, summed over dp)")
+    counts, totals = _update_counts(microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group,
+                                    guard=guard, purpose="the step's target tokens (the loss's token mean, summed over dp)")
     scale = per_update * dp_size / totals.double().clamp(min=1)
     device = microbatches[0][spec.labels].device
     for i, (mb, n) in enumerate(zip(microbatches, counts)):
