@@ -30,12 +30,15 @@ from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.moe_expert_parallel import shard_experts
 from autopar.passes.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
-from autopar.passes.pipeline_split import StageGraph, split_pipeline
+from autopar.passes.pipeline_split import StageGraph, edge_values, split_pipeline
 from autopar.passes.recompute import recompute_stage
 from autopar.passes.sequence_parallel import shard_sequence_parallel
 from autopar.passes.tensor_parallel import ShardSpec, shard_tensor_parallel
 from autopar.passes.tp_random import fork_sharded_random, is_random
 from autopar.passes.static_shapes import check_static_shapes
+from autopar.passes.dynamic_capture import sequence_dims
+from autopar.passes.seq_bounds import bound_dims, model_max_length
+from autopar.passes.symbolic_sizes import symbolic_shapes
 from autopar.passes.tp_coverage import warn_unsharded_matmuls
 from autopar.passes.tp_expert import find_expert_regions, shard_expert_parallel
 from autopar.passes.tp_regions import TpRegion, find_tp_regions
@@ -43,7 +46,7 @@ from autopar.passes.vocab_parallel import VocabParallel, find_vocab_parallel, sh
 from autopar.passes.weight_grad_split import check_split_backward_recompute, expose_weight_uses
 from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.passes.low_precision import low_precision_copy
-from autopar.plan_model import MeshShape, ParamShard, Plan, TpRegionPlan
+from autopar.plan_model import DynamicDimPlan, MeshShape, ParamShard, Plan, TpRegionPlan
 from autopar.passes.chimera_replicate import replicate_stages
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
@@ -107,6 +110,7 @@ class _Setting:
     experts: tuple = ()  # expert MLPs sharded over tp (passes/tp_expert.py)
     ep_rank: int = 0  # this rank's place among the ep ranks that split the MoE experts
     moe: bool = False  # the graph has MoE layers the dp ranks must see as one batch (their aux loss)
+    dynamic: tuple = ()  # the captured graph's symbolic input dims (runtime/dynamic_shapes.py)
 
 
 def _shard(st: LoweringState, *, s: _Setting) -> LoweringState:
@@ -161,7 +165,11 @@ def _assign(st: LoweringState, *, s: _Setting) -> LoweringState:
 
 def _split(st: LoweringState, *, s: _Setting) -> LoweringState:
     shared = _param_stages(st.gm) if s.only is not None else None  # from the graph: not every stage is built
-    stages = split_pipeline(st.gm, num_stages=s.plan.mesh.pp * s.plan.pipeline.num_virtual, only=s.only)
+    n = s.plan.mesh.pp * s.plan.pipeline.num_virtual
+    dims = None  # the edges' shapes in the symbolic dims: received per microbatch at its own sizes
+    if s.dynamic and n > 1:
+        dims = symbolic_shapes(st.gm, st.example_inputs, s.dynamic, nodes=edge_values(st.gm, n))
+    stages = split_pipeline(st.gm, num_stages=n, only=s.only, dims=dims, dynamic=s.dynamic)
     return replace(st, stages=tuple(stages), shared=shared)
 
 
@@ -377,8 +385,12 @@ def _check_plan(plan: Plan, *, has_loss: bool) -> Schedule:
 
 
 def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: tuple, example_target=None,
-                         loss_fn=None, options: CompileOptions, plan: Plan | None = None) -> Captured:
-    """Resolve the Plan, then capture and analyse ``model`` once, at the microbatch shape every rank runs."""
+                         loss_fn=None, options: CompileOptions, plan: Plan | None = None, dynamic=None) -> Captured:
+    """Resolve the Plan, then capture and analyse ``model`` once, at the microbatch shape every rank runs.
+
+    ``dynamic``: {position in the inputs (the target after them): dims} to capture symbolic; None: as
+    the Plan's ``dynamic_shapes`` says (``seq``: :func:`autopar.passes.dynamic_capture.sequence_dims`).
+    """
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile/plan arguments",
                         fix="pass example_target= (one global batch of targets)")
@@ -399,9 +411,12 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     traced = low_precision_copy(model) if plan.precision == "bf16" else model  # bf16: capture the model as bf16 code
     # identical blocks (an 80-layer list): capture a few, repeat the last one after sharding
     template = find_block_template(traced, mode=options.block_capture, plan=given)
+    if dynamic is None:
+        dynamic = sequence_dims(args, target) if plan.dynamic_shapes == "seq" else {}
     captured, template = capture_blocks(template, lambda: capture(traced, args, loss_fn=loss_fn,
                                                                   example_target=target, mode=plan.capture,
-                                                                  keywords=keywords, own_loss=own_loss))
+                                                                  keywords=keywords, own_loss=own_loss,
+                                                                  dynamic=dynamic))
     # batch statistics (BatchNorm in training) are exact only when each forward sees the whole batch
     check_batch_statistics(captured.gm, dp=mesh.dp, num_microbatches=plan.pipeline.num_microbatches)
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
@@ -411,8 +426,24 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     all_args = args + extra + ((target,) if loss_fn is not None else ())
     annotate(captured.gm, example_inputs=all_args, model=traced)
     check_captured(captured, inputs=example_inputs + extra + ((example_target,) if loss_fn is not None else ()))
+    plan = _bound_shapes(plan, captured, model=traced, args=all_args)
     return Captured(plan=plan, pinned=given is not None, options=options, example_args=all_args, captured=captured,
                     has_loss=captured.has_loss, schedule=schedule, template=template)
+
+
+def _bound_shapes(plan: Plan, captured: CapturedGraph, *, model: nn.Module, args: tuple) -> Plan:
+    """The captured symbolic dims with their bounds (passes/seq_bounds.py), written into the Plan."""
+    if captured.dynamic:
+        names = captured.input_names
+        sizes = {d.symbol: int(args[names.index(d.inputs[0][0])].shape[d.inputs[0][1]]) for d in captured.dynamic}
+        captured.dynamic = bound_dims(captured.dynamic, model=model, gm=captured.gm, max_seq_len=plan.max_seq_len,
+                                      seq_multiple=plan.mesh.tp if plan.sequence_parallel else 1, example_sizes=sizes)
+    seq = [d.high for d in captured.dynamic if d.label == "seq"]
+    known = model_max_length(model)
+    bound = seq[0] if seq else plan.max_seq_len or (known[0] if known else None)
+    dims = tuple(DynamicDimPlan(label=d.label, inputs=d.inputs, low=d.low, high=d.high, multiple_of=d.multiple_of,
+                                bound_source=d.bound_source) for d in captured.dynamic)
+    return plan.model_copy(update={"dynamic_dims": dims, "max_seq_len": bound})
 
 
 def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None, dp_rank: int = 0) -> _Setting:
@@ -423,7 +454,7 @@ def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None, dp_r
     return _Setting(plan=cap.plan, tp_rank=tp_rank, regions=tuple(regions), vocab=vocab, template=cap.template,
                     has_loss=cap.has_loss, only=only, random_ops=any(is_random(n) for n in gm.graph.nodes),
                     experts=_select_experts(gm, cap), ep_rank=dp_rank % cap.plan.expert_parallel,
-                    moe=cap.plan.mesh.dp > 1 and bool(find_moe_layers(gm).layers))
+                    moe=cap.plan.mesh.dp > 1 and bool(find_moe_layers(gm).layers), dynamic=cap.captured.dynamic)
 
 
 def _start(cap: Captured, s: _Setting, gm: fx.GraphModule) -> LoweringState:

@@ -26,7 +26,8 @@ __all__ = ["CompileOptions", "resolve_plan", "choose_microbatches", "choose_buck
 
 # the options the Plan does not record (every other one resolves into it: resolve_plan)
 ANALYSIS_OPTIONS = ("tensor_parallel", "vocab_parallel", "block_capture")  # steer what the analyses look for
-RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay")
+RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay",
+                   "shape_cache_size")
 
 
 class CompileOptions(UserModel):
@@ -69,6 +70,17 @@ class CompileOptions(UserModel):
     pipemare_correction_decay: float = Field(0.5, ge=0, lt=1, description=(
         "`pipemare` only: decay of the average weight change per update that corrects the backward's "
         "weights toward the forward's ([schedules.md](schedules.md))"))
+
+    dynamic_shapes: Literal["auto", "seq", "static"] = Field("auto", description=(
+        "batches of other shapes than the example's: `auto` recaptures once, at the first other sequence length "
+        "or row count, with the dims that changed symbolic; `seq` captures the sequence dim symbolic from the "
+        "start; `static` compiles each new shape on its own ([batches.md](batches.md))"))
+    max_seq_len: int | None = Field(None, ge=1, description=(
+        "the longest sequence a batch may hold; `None`: the model's own maximum (its config's "
+        "max_position_embeddings, its position table) ([batches.md](batches.md))"))
+    shape_cache_size: int = Field(8, ge=1, description=(
+        "how many batch shapes compiled on their own (dims that cannot stay symbolic) are kept, least recently "
+        "used dropped first ([batches.md](batches.md))"))
 
     _known = field_validator("schedule")(known_schedule)
 
@@ -143,4 +155,7 @@ def resolve_plan(options: CompileOptions, *, given: Plan | None, mesh: MeshShape
         precision=g.precision if g else options.precision,
         expert_parallel=g.expert_parallel if g else options.expert_parallel,
         moe_capacity_factor=g.moe_capacity_factor if g else options.moe_capacity_factor,
+        dynamic_shapes=g.dynamic_shapes if g else options.dynamic_shapes,
+        max_seq_len=g.max_seq_len if g else options.max_seq_len,
+        dynamic_dims=g.dynamic_dims if g else (),  # (what the capture keeps symbolic: lowering fills it in)
     )

@@ -14,10 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from autopar.errors import PlanError
 from autopar.runtime.schedules.registry import schedule_names
 
-__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
-           "UserModel", "plan_error_from", "known_schedule"]
+__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "DynamicDimPlan", "Plan", "MESH_AXES",
+           "UserModel", "plan_error_from", "known_schedule", "DYNAMIC_SHAPES"]
 
 MESH_AXES = ("dp", "pp", "tp")
+#: how a program takes batches of other shapes than the example's (docs/batches.md):
+#: "auto": compiled for the example's shapes, the first other shape recaptures once with the dims that
+#: changed symbolic; "seq": the sequence dim symbolic from the start; "static": every new shape compiled alone
+DYNAMIC_SHAPES = ("auto", "seq", "static")
 
 
 def known_schedule(value: str) -> str:
@@ -153,6 +157,24 @@ class ParamShard(_Frozen):
     blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
 
 
+class DynamicDimPlan(_Frozen):
+    """A batch dim the graphs keep symbolic: the inputs carrying it and the sizes a batch may take."""
+
+    label: str  # "seq" (dim 1), "rows" (dim 0)
+    inputs: tuple[tuple[str, int], ...]  # (input name, tensor dim)
+    low: int = Field(1, ge=1)
+    high: int | None = Field(None, ge=1)  # the bound; None: none known
+    multiple_of: int = Field(1, ge=1)  # sequence parallelism splits the sequence over tp
+    bound_source: str = ""
+
+    def describe(self) -> str:
+        where = ", ".join(name for name, _ in self.inputs)
+        high = "no bound" if self.high is None else str(self.high)
+        source = f" ({self.bound_source})" if self.bound_source and self.high is not None else ""
+        extra = f", a multiple of {self.multiple_of}" if self.multiple_of > 1 else ""
+        return f"{self.label} (dim {self.inputs[0][1]} of {where}) {self.low}..{high}{source}{extra}"
+
+
 class Plan(_Frozen):
     """Everything decided for one model on one mesh."""
 
@@ -175,6 +197,9 @@ class Plan(_Frozen):
     expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
     expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
     moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
+    dynamic_shapes: Literal["auto", "seq", "static"] = "auto"  # batches of other shapes (docs/batches.md)
+    max_seq_len: int | None = Field(None, ge=1)  # the longest sequence a batch may hold (None: none known)
+    dynamic_dims: tuple[DynamicDimPlan, ...] = ()  # the dims the graphs keep symbolic (filled by the capture)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -198,6 +223,16 @@ class Plan(_Frozen):
                             fix=f"use a global batch that is a multiple of {self.mesh.dp * m}, "
                                 f"or change num_microbatches or dp")
         return self
+
+    def _shapes_line(self) -> str:
+        """Which batch dims may change per step, and up to what."""
+        bound = f", sequences up to {self.max_seq_len}" if self.max_seq_len else ""
+        if self.dynamic_dims:
+            return "  dynamic dims: " + "; ".join(d.describe() for d in self.dynamic_dims)
+        if self.dynamic_shapes == "static":
+            return f"  shapes: each new batch shape compiled on its own (dynamic_shapes=static){bound}"
+        return (f"  shapes: the example's; the first other length or row count recaptures once with those dims "
+                f"symbolic (dynamic_shapes=auto){bound}")
 
     @property
     def microbatch_size(self) -> int:
@@ -224,6 +259,7 @@ class Plan(_Frozen):
         if self.expert_parallel > 1:
             lines.append(f"  expert parallel: {len(self.expert_params)} expert tensors split over ep="
                          f"{self.expert_parallel} (of dp {self.mesh.dp})")
+        lines.append(self._shapes_line())
         if self.shared_params:
             shared = ", ".join(f"{k} on stages {list(v)}" for k, v in self.shared_params.items())
             lines.append(f"  shared across stages (gradients summed): {shared}")

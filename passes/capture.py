@@ -13,6 +13,7 @@ import logging
 import os
 import sysconfig
 import traceback
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
 from autopar.passes.devices import retarget_devices
+from autopar.passes.dynamic_capture import export_dynamic_shapes, export_ranges, read_dynamic_dims
 from autopar.passes.item_count import LABELS, NUM_ITEMS, ItemCount, item_count_spec
 from autopar.passes.shape_prop import to_fake
+from autopar.runtime.dynamic_shapes import DynamicDim
 
 __all__ = ["CapturedGraph", "capture", "caches_off", "model_loss", "MODEL_PREFIX", "CAPTURE_MODES"]
 
@@ -147,6 +150,8 @@ class CapturedGraph:
     # a loss_fn that is a token mean of the target: each microbatch's loss weighted by its tokens
     # (passes/mean_loss.py; set by the lowering)
     loss_weight: ItemCount | None = None
+    # the input dims the graph keeps symbolic (passes/dynamic_capture.py): it runs any size of them
+    dynamic: tuple[DynamicDim, ...] = ()
 
 
 def _is_user_file(filename: str) -> bool:
@@ -202,6 +207,13 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
+#: calls export writes that compute nothing: metadata assertions, and the runtime asserts and range
+#: constraints of symbolic sizes (a batch's dims are checked against the plan's range before any graph runs)
+_DROPPED = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size")
+    if hasattr(torch.ops.aten, name))
+
+
 def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop export's guard call, its metadata assertions and pytree codegen: plain positional code.
 
@@ -212,7 +224,7 @@ def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
-        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+        elif node.op == "call_function" and node.target in _DROPPED:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
@@ -297,13 +309,16 @@ def capture(
     mode: str = "export",
     keywords: tuple[str, ...] | None = None,
     own_loss: bool = False,
+    dynamic: Mapping[int, tuple[int, ...]] | None = None,
 ) -> CapturedGraph:
     """Trace ``model`` (and ``loss_fn`` when given) on ``example_inputs`` into an ATen GraphModule.
 
     ``keywords``: the names ``example_inputs`` are passed under (``model(**batch)``, a dict batch as
     HF data collators make it). ``own_loss``: no ``loss_fn``; the graph returns the loss the model
     computes itself (``output.loss``, for a batch carrying ``labels``). Caches are switched off
-    while tracing (:func:`caches_off`).
+    while tracing (:func:`caches_off`). ``dynamic``: {position in ``example_inputs`` (the target
+    after them): dims} to keep symbolic (passes/dynamic_capture.py); those that stay so are
+    ``CapturedGraph.dynamic``.
     """
     if mode not in CAPTURE_MODES:
         raise CaptureError(f"unknown capture mode {mode!r}", where="compile(capture=...)",
@@ -319,18 +334,19 @@ def capture(
     args = tuple(example_inputs) + ((example_target,) if has_loss else ())
     # distinct tensors for distinct inputs: export merges inputs that are the same object
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    marks = _marks(dynamic, num_user=len(example_inputs) - (count is not None), added=count is not None)
     try:
         with caches_off(model):
             traced = _symbolic_trace(model) if mode == "symbolic_trace" else model
             root = (_WithLoss(traced, loss_fn, keywords) if has_loss else
                     _ModelLoss(traced, keywords) if own_loss else _Inference(traced, keywords))
-            gm, out_spec = _export(root, args)
+            gm, out_spec, ranges = _export(root, args, marks)
             names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
             if count is not None and not _count_read(gm, names, keywords):
                 log.info("capture: %s takes %s but its loss does not read it (a mean over each call's label "
                          "tokens): captured again with the loss weighted by its tokens over the step's count",
                          type(model).__name__, NUM_ITEMS)
-                gm, out_spec = _export(_ModelLoss(traced, keywords, reweight=count), args)
+                gm, out_spec, ranges = _export(_ModelLoss(traced, keywords, reweight=count), args, marks)
                 names = _name_inputs(gm, model, len(example_inputs), has_loss, keywords)
     except CaptureError:
         raise
@@ -341,10 +357,20 @@ def capture(
         count, names = _read_count(gm, count, names, keywords, model)
         keywords = keywords[:-1]
         extra = (example_inputs[-1],) if count is not None else ()
-    log.info("captured %s with %s: %d nodes", type(model).__name__, mode, len(gm.graph.nodes))
+    symbolic = read_dynamic_dims(gm, ranges) if marks else ()
+    log.info("captured %s with %s: %d nodes%s", type(model).__name__, mode, len(gm.graph.nodes),
+             "".join(f"; {d.describe()} symbolic" for d in symbolic))
     return CapturedGraph(gm=gm, input_names=names, out_spec=out_spec,
                          has_loss=has_loss or own_loss, mode=mode, keywords=keywords, has_target=has_loss,
-                         item_count=count, extra_args=extra)
+                         item_count=count, extra_args=extra, dynamic=symbolic)
+
+
+def _marks(dynamic, *, num_user: int, added: bool) -> dict[int, tuple[int, ...]]:
+    """``dynamic`` (positions in the user's inputs, the target after them) as positions in export's
+    arguments, where capture's count input follows the user's inputs."""
+    if not dynamic:
+        return {}
+    return {(i + 1 if added and i >= num_user else i): tuple(dims) for i, dims in dynamic.items() if dims}
 
 
 def _item_count(model: nn.Module, keywords) -> ItemCount | None:
@@ -361,21 +387,23 @@ def _example_count(example_inputs: tuple) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=example_inputs[0].device)
 
 
-def _export(root: nn.Module, args: tuple) -> tuple[fx.GraphModule, pytree.TreeSpec]:
-    """torch.export of ``root`` on ``args`` (fake CPU tensors for a meta model), cleaned: (graph, output spec)."""
+def _export(root: nn.Module, args: tuple, marks=None) -> tuple[fx.GraphModule, pytree.TreeSpec, dict]:
+    """torch.export of ``root`` on ``args`` (fake CPU tensors for a meta model), cleaned: (graph, output
+    spec, {symbol: (low, high)} of the dims ``marks`` kept symbolic)."""
     on_meta = _is_meta_capture(root, args)
+    shapes = export_dynamic_shapes(len(args), marks) if marks else None
     if on_meta:
         with _on_fake_cpu(root, args) as fake_args:
-            exported = torch.export.export(root, fake_args, strict=False)
+            exported = torch.export.export(root, fake_args, strict=False, dynamic_shapes=shapes)
     else:
-        exported = torch.export.export(root, args, strict=False)
+        exported = torch.export.export(root, args, strict=False, dynamic_shapes=shapes)
     gm = exported.module()
     if on_meta:
         _restore_meta(gm, root)
     gm = _clean(gm)
     # a model traced on meta bakes device=meta into the graph: the graph runs wherever its tensors are
     retarget_devices(gm, source=torch.device("meta"), target=torch.device("cpu"))
-    return gm, exported.call_spec.out_spec
+    return gm, exported.call_spec.out_spec, export_ranges(exported) if marks else {}
 
 
 def _count_placeholder(gm: fx.GraphModule, names: tuple, keywords: tuple) -> fx.Node:

@@ -11,6 +11,9 @@ indexing of a parameter or buffer) and follows its index back through ops that k
   holds the input (:mod:`autopar.runtime.index_guard`);
 - to constants only (``arange(seq)`` of a position table): the index is computed now, once
   (:func:`constant_index_problems`), so a sequence longer than the table is a plan-time error.
+  A graph with a symbolic sequence dim computes ``arange(sym_size(ids, 1))``: the size is taken at
+  the example's value, and :func:`position_limit` finds the longest sequence whose positions stay
+  inside the table (the bound a batch is checked against, docs/batches.md).
 
 An index computed from an input by arithmetic (``cumsum`` of a mask) is not followed: it is
 neither bounded here nor checked at run time.
@@ -28,7 +31,7 @@ from autopar.passes.capture import MODEL_PREFIX
 from autopar.passes.meta_keys import INDEX_BOUND, MODULE, PARAM, TENSOR, IndexBound, get_meta, set_meta
 
 __all__ = ["Lookup", "find_lookups", "annotate_index_bounds", "constant_index_problems", "index_problem",
-           "range_text"]
+           "range_text", "position_limit"]
 
 # ops whose output holds (a selection of) their first argument's values unchanged
 _KEEP_VALUES = frozenset({
@@ -120,11 +123,21 @@ def annotate_index_bounds(gm: fx.GraphModule) -> dict[str, IndexBound]:
     return bounds
 
 
+def _is_size(node: fx.Node) -> bool:
+    """``aten.sym_size(input, dim)``: a symbolic dim's size, known at the example's value."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder")
+
+
 def _ancestors(node: fx.Node) -> list[fx.Node] | None:
-    """The nodes ``node`` is computed from, in graph order; None if an input or a parameter is among them."""
+    """The nodes ``node`` is computed from, in graph order; None if an input or a parameter is among them
+    (an input's symbolic size is not: it ends the walk)."""
     seen, todo = {node}, [node]
     while todo:
-        for a in todo.pop().all_input_nodes:
+        current = todo.pop()
+        if _is_size(current):
+            continue
+        for a in current.all_input_nodes:
             if a not in seen:
                 seen.add(a)
                 todo.append(a)
@@ -138,13 +151,21 @@ def _ancestors(node: fx.Node) -> list[fx.Node] | None:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]):
+def _example_size(node: fx.Node) -> int:
+    info = get_meta(node.args[0], TENSOR)
+    return int(info.shape[node.args[1]])
+
+
+def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node], sizes=None):
+    """The last node's value, computed from ``nodes``; a symbolic size at ``sizes[node]`` or the example's."""
     env: dict[fx.Node, object] = {}
     for n in nodes:
         if n.op == "get_attr":
             value = gm
             for part in n.target.split("."):
                 value = getattr(value, part)
+        elif _is_size(n):
+            value = (sizes or {}).get(n, _example_size(n))
         else:
             value = n.target(*fx.map_arg(n.args, env.__getitem__), **fx.map_arg(n.kwargs, env.__getitem__))
         if isinstance(value, torch.Tensor) and value.is_meta:
@@ -184,3 +205,38 @@ def constant_index_problems(gm: fx.GraphModule) -> list[tuple[Lookup, str]]:
             if problem:
                 problems.append((lookup, problem))
     return problems
+
+
+_SEARCH_LIMIT = 1 << 20  # the longest sequence a position table is searched for
+
+
+def _fits(gm, lookup: Lookup, nodes, size_node, length: int) -> bool:
+    try:
+        value = _evaluate(gm, nodes, {size_node: length})
+    except Exception:  # noqa: BLE001 - an index that cannot be computed at this length does not fit
+        return False
+    return isinstance(value, torch.Tensor) and index_problem(value, lookup.rows, lookup.low) is None
+
+
+def position_limit(gm: fx.GraphModule, inputs: set[tuple[str, int]]) -> tuple[int, str] | None:
+    """(the longest size of the symbolic dim carried by ``inputs`` ({(input, dim)}) whose computed
+    positions stay inside every table they index, the smallest such table's name), or None."""
+    best = None
+    for lookup in find_lookups(gm):
+        nodes = _ancestors(lookup.index)
+        sizes = [n for n in nodes or () if _is_size(n)]
+        if not sizes or any((n.args[0].name, n.args[1]) not in inputs for n in sizes) or len(sizes) != 1:
+            continue
+        low = _example_size(sizes[0])
+        if not _fits(gm, lookup, nodes, sizes[0], low):
+            continue  # already past the table at the example: constant_index_problems reports it
+        high = low
+        while high < _SEARCH_LIMIT and _fits(gm, lookup, nodes, sizes[0], high * 2):
+            high *= 2
+        top = high * 2  # low..high fit, top does not (or is past the search)
+        while top - high > 1:
+            middle = (high + top) // 2
+            high, top = (middle, top) if _fits(gm, lookup, nodes, sizes[0], middle) else (high, middle)
+        if high < _SEARCH_LIMIT and (best is None or high < best[0]):
+            best = (high, f"the position table {lookup.name}")
+    return best

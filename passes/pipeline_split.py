@@ -6,10 +6,18 @@ computed on stage a and read on stage b > a becomes an *edge*: ``send_<edge>`` a
 them (a tied embedding/LM-head weight lands on two stages; :class:`StageGraph` lists it so the
 runtime sums its gradient across them). Graph inputs are read directly on every stage that
 needs them: each rank holds its batch. The graph's output belongs to the last stage.
+
+A graph with symbolic input dims (:mod:`autopar.passes.dynamic_capture`) reads sizes with
+``aten.sym_size`` and computes others from them: such *size nodes* are never sent; every stage
+that reads one computes it again from its own inputs. An edge whose shape depends on a symbolic
+dim carries it as :class:`~autopar.runtime.dynamic_shapes.SizeExpr` (``dims``, fit by
+:func:`autopar.passes.symbolic_sizes.symbolic_shapes`), which the recv node evaluates per microbatch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -17,7 +25,11 @@ import torch.fx as fx
 from autopar.passes.meta_keys import PARAM, STAGE, TENSOR, get_meta
 from autopar.runtime.p2p import RecvActivation, SendActivation
 
-__all__ = ["StageGraph", "Edge", "split_pipeline", "needs_grad"]
+__all__ = ["StageGraph", "Edge", "split_pipeline", "needs_grad", "size_nodes", "edge_values"]
+
+#: what computes a size from sizes: torch's symbolic-size ops and Python's integer arithmetic
+_SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv,
+                       operator.mod, operator.neg, torch.sym_max, torch.sym_min, torch.sym_int})
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,7 @@ class Edge:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    dims: tuple | None = None  # the shape with SizeExprs where it follows a symbolic input dim
 
 
 @dataclass
@@ -45,6 +58,7 @@ class StageGraph:
     recvs: list[Edge] = field(default_factory=list)
     is_last: bool = False
     weight_uses: object = None  # a WeightUses layout once the stage is prepared for split backward
+    dynamic: tuple = ()  # the DynamicDims its graph runs any size of (runtime/dynamic_shapes.py)
 
 
 def needs_grad(gm: fx.GraphModule):
@@ -63,6 +77,17 @@ def needs_grad(gm: fx.GraphModule):
     return lambda n: memo.get(n, False)
 
 
+def size_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that compute sizes from the inputs' sizes (``sym_size`` and integer arithmetic on them)."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SIZE_OPS and all(
+                a in found or (a.op == "placeholder" and node.target is torch.ops.aten.sym_size.int)
+                for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def _stage_of(node: fx.Node, last: int) -> int | None:
     if node.op == "output":
         return last
@@ -70,28 +95,40 @@ def _stage_of(node: fx.Node, last: int) -> int | None:
     return info.stage if info else None
 
 
-def _edges(gm: fx.GraphModule, num_stages: int) -> list[Edge]:
+def _edges(gm: fx.GraphModule, num_stages: int, sizes: set, dims=None) -> list[Edge]:
     grad = needs_grad(gm)
     edges: list[Edge] = []
     for node in gm.graph.nodes:
         src = _stage_of(node, num_stages - 1)
-        if src is None or node.op == "output":
+        if src is None or node.op == "output" or node in sizes:
             continue
         dsts = sorted({_stage_of(u, num_stages - 1) for u in node.users} - {src})
         info = get_meta(node, TENSOR)
         for dst in dsts:
             assert dst > src, f"{node.name} flows backwards from stage {src} to {dst}"
-            edges.append(Edge(len(edges), node.name, src, dst, tuple(info.shape), info.dtype, grad(node)))
+            edges.append(Edge(len(edges), node.name, src, dst, tuple(info.shape), info.dtype, grad(node),
+                              dims=(dims or {}).get(node.name)))
     return edges
 
 
-def _build_stage(gm: fx.GraphModule, stage: int, num_stages: int, edges: list[Edge]) -> StageGraph:
+def _size_inputs(nodes, sizes: set) -> set[fx.Node]:
+    """The size nodes ``nodes`` read, and the size nodes and inputs those are computed from."""
+    out, todo = set(), [a for n in nodes for a in n.all_input_nodes if a in sizes]
+    while todo:
+        node = todo.pop()
+        if node not in out:
+            out.add(node)
+            todo.extend(node.all_input_nodes)
+    return out
+
+
+def _build_stage(gm: fx.GraphModule, stage: int, num_stages: int, edges: list[Edge], sizes: set) -> StageGraph:
     last = num_stages - 1
     graph = fx.Graph()
     attrs: dict[str, object] = {}
     env: dict[fx.Node, fx.Node] = {}
-    mine = [n for n in gm.graph.nodes if _stage_of(n, last) == stage]
-    wanted = {a for n in mine for a in n.all_input_nodes}
+    mine = [n for n in gm.graph.nodes if _stage_of(n, last) == stage and n not in sizes]
+    wanted = {a for n in mine for a in n.all_input_nodes} | _size_inputs(mine, sizes)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n in wanted]
     for ph in inputs:
         env[ph] = graph.placeholder(ph.name)
@@ -101,11 +138,13 @@ def _build_stage(gm: fx.GraphModule, stage: int, num_stages: int, edges: list[Ed
     for e in recvs:
         name = f"recv_{e.index}"
         attrs[name] = RecvActivation(edge=e.index, src_stage=e.src, dst_stage=stage, shape=e.shape,
-                                     dtype=e.dtype, requires_grad=e.requires_grad)
+                                     dtype=e.dtype, requires_grad=e.requires_grad, dims=e.dims)
         env[by_name[e.value]] = graph.call_module(name, ())
         env[by_name[e.value]].meta = {k: v for k, v in by_name[e.value].meta.items() if k == TENSOR}
 
     def lookup(a: fx.Node) -> fx.Node:
+        if a not in env and a in sizes:  # recomputed here from this stage's own inputs
+            env[a] = graph.node_copy(a, lookup)
         if a not in env and a.op == "get_attr":
             env[a] = graph.get_attr(a.target)
             env[a].meta = dict(a.meta)
@@ -125,7 +164,7 @@ def _build_stage(gm: fx.GraphModule, stage: int, num_stages: int, edges: list[Ed
     for e in sends:
         name = f"send_{e.index}"
         attrs[name] = SendActivation(edge=e.index, src_stage=stage, dst_stage=e.dst, shape=e.shape,
-                                     dtype=e.dtype, requires_grad=e.requires_grad)
+                                     dtype=e.dtype, requires_grad=e.requires_grad, dims=e.dims)
         tokens.append(graph.call_module(name, (env[by_name[e.value]],)))
     graph.output(outputs if stage == last else tuple(tokens))
     stage_gm = fx.GraphModule(attrs, graph, class_name=f"Stage{stage}")
@@ -145,10 +184,21 @@ def _is_param(gm, target: str) -> bool:
     return isinstance(_fetch(gm, target), torch.nn.Parameter)
 
 
-def split_pipeline(gm: fx.GraphModule, *, num_stages: int, only=None) -> list[StageGraph]:
+def edge_values(gm: fx.GraphModule, num_stages: int) -> list[str]:
+    """The names of the values that cross stages (what :func:`split_pipeline` sends)."""
+    return sorted({e.value for e in _edges(gm, num_stages, size_nodes(gm))})
+
+
+def split_pipeline(gm: fx.GraphModule, *, num_stages: int, only=None, dims=None, dynamic=()) -> list[StageGraph]:
     """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs.
 
     ``only``: build just these stages (one rank's program of a large plan); all when None.
+    ``dims``: {value: shape with SizeExprs} of the edges whose shape follows a symbolic input dim;
+    ``dynamic``: those dims (the captured graph's DynamicDims), given to every stage.
     """
-    edges = _edges(gm, num_stages)
-    return [_build_stage(gm, s, num_stages, edges) for s in range(num_stages) if only is None or s in only]
+    sizes = size_nodes(gm)
+    edges = _edges(gm, num_stages, sizes, dims)
+    stages = [_build_stage(gm, s, num_stages, edges, sizes) for s in range(num_stages) if only is None or s in only]
+    for stage in stages:
+        stage.dynamic = tuple(dynamic)
+    return stages

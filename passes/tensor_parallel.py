@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,10 @@ def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     name = op_name(node)
     if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
         sizes = list(node.args[1])
-        if sizes[p.dim] != -1:
+        if isinstance(sizes[p.dim], fx.Node):  # a symbolic size (a sequence of any length): divided at run time
+            with node.graph.inserting_before(node):
+                sizes[p.dim] = node.graph.call_function(operator.floordiv, (sizes[p.dim], p.parts or tp_size))
+        elif sizes[p.dim] != -1:
             sizes[p.dim] = local_size(p, sizes[p.dim], tp_size)
         if p.inner is not None and sizes[p.inner] != -1:
             sizes[p.inner] = sizes[p.inner] // (tp_size // p.parts)

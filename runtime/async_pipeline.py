@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from autopar.errors import PlanError
+from autopar.runtime.dynamic_shapes import batch_sizes
 from autopar.runtime.executor import ActionEvent, weigh_loss
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
 from autopar.runtime.p2p import P2PNode
@@ -64,6 +65,19 @@ class _Proxy:
     def device(self) -> torch.device:
         """The channel's device: receive nodes build their anchors on it."""
         return self.channel.device
+
+    @property
+    def sizes(self) -> dict:
+        """The running microbatch's symbolic dims: send and recv nodes shape their edges by them."""
+        return self.channel.sizes
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    @property
+    def action(self) -> str:
+        return self.channel.action
 
     def send(self, tensor, *, stage, edge, microbatch, is_grad):
         if self.replay is None or is_grad:  # a recompute does not send its activations again
@@ -253,6 +267,7 @@ class AsyncProgram(ProgramSurface):
         self.versions.apply_through(version, self._update)
         batch = self._inputs[i] if not self.rule.stashes else self._inputs.pop(i)
         args = tuple(batch[n] for n in self.stage.input_names)
+        self.channel.sizes = batch_sizes(self.stage.dynamic, batch)
         if self.rule.stashes:
             leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
             out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
@@ -282,6 +297,7 @@ class AsyncProgram(ProgramSurface):
             leaves = [w.requires_grad_() for w in corrected_weights(self.versions.params, self.delta, lag)]
             batch = self._inputs.pop(i)
             args = tuple(batch[n] for n in self.stage.input_names)
+            self.channel.sizes = batch_sizes(self.stage.dynamic, batch)
             with _bound(self.stage, _Proxy(self.channel, self.channel.microbatch, replay=received)):
                 out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
                 roots, grads = _roots(self.stage, out, self.rule.updates_every)

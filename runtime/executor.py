@@ -34,6 +34,7 @@ import torch
 from autopar.errors import ScheduleError
 from autopar.passes.pipeline_split import StageGraph
 from autopar.passes.mean_loss import LOSS_WEIGHT
+from autopar.runtime.dynamic_shapes import batch_sizes
 from autopar.runtime.item_count import weighted_loss
 from autopar.runtime.p2p import P2PChannel, forward_receives
 from autopar.runtime.schedules.action import Action, ActionKind
@@ -62,6 +63,7 @@ class ActionEvent(tuple):
 
 def _forward(stage: StageGraph, batch: dict, channel: P2PChannel, microbatch: int):
     channel.microbatch = microbatch
+    channel.sizes = batch_sizes(stage.dynamic, batch) if stage.dynamic else {}
     return weigh_loss(stage, stage.gm(*[batch[name] for name in stage.input_names]), batch)
 
 
@@ -213,7 +215,8 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     start = time.perf_counter()
     for index, action in enumerate(actions):
         if index + 1 < len(actions):  # the next action's transfers land while this one computes
-            _post_receives(actions[index + 1], receives=receives, channel=channel, train=train)
+            _post_receives(actions[index + 1], receives=receives, channel=channel, train=train, stages=stages,
+                           microbatches=microbatches)
         channel.action = str(action)
         t0, waited = time.perf_counter(), channel.wait_s
         stage = stages[action.stage]
@@ -253,9 +256,12 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     return results
 
 
-def _post_receives(action: Action, *, receives: dict, channel: P2PChannel, train: bool) -> None:
+def _post_receives(action: Action, *, receives: dict, channel: P2PChannel, train: bool, stages: dict,
+                   microbatches: list[dict]) -> None:
     if action.kind is ActionKind.F:
-        channel.post_forward(receives[action.stage], microbatch=action.microbatch)
+        dynamic = stages[action.stage].dynamic
+        sizes = batch_sizes(dynamic, microbatches[action.microbatch]) if dynamic else None
+        channel.post_forward(receives[action.stage], microbatch=action.microbatch, sizes=sizes)
     elif action.kind is ActionKind.B and train:
         channel.post_backward(stage=action.stage, microbatch=action.microbatch)
 

@@ -8,6 +8,12 @@ gradients happens inside it, in autograd's order, matched by tags (edge, microba
 
 The nodes talk through a :class:`P2PChannel` (bound by the runtime) that knows which global rank
 runs each stage; stages on the same rank hand values over locally.
+
+An edge whose shape follows a symbolic input dim (a sequence length that changes per batch) holds
+``dims``, its shape with :class:`~autopar.runtime.dynamic_shapes.SizeExpr` entries; the executor
+sets ``channel.sizes`` ({symbol: size}) for each microbatch before its forward, and the recv node
+receives into a buffer of the shape they give. The send node checks its tensor against the same
+shape, so a shape the receiver would not expect is autopar's error, not a garbled transfer.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import RuntimeCommError
+from autopar.errors import RuntimeCommError, ScheduleError
+from autopar.runtime.dynamic_shapes import is_symbolic, resolve_shape
 
 __all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 
@@ -42,6 +49,7 @@ class P2PChannel:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.microbatch = 0
+        self.sizes: dict[str, int] = {}  # the running microbatch's symbolic dims ({symbol: size})
         self.action = "?"
         self.wait_s = 0.0  # seconds spent blocked on peers' transfers so far (traces subtract it)
         self._pending: list[tuple[object, torch.Tensor]] = []
@@ -70,10 +78,11 @@ class P2PChannel:
         """Note that the backward of ``(my_stage, microbatch)`` will receive this gradient from ``stage``."""
         self._gradients.setdefault((my_stage, microbatch), []).append((shape, dtype, stage, edge))
 
-    def post_forward(self, receives, *, microbatch: int) -> None:
-        """Post the activation receives of one forward (``receives``: :func:`forward_receives`)."""
+    def post_forward(self, receives, *, microbatch: int, sizes=None) -> None:
+        """Post the activation receives of one forward (``receives``: :func:`forward_receives`;
+        ``sizes``: that microbatch's symbolic dims)."""
         for module in receives:
-            self.post(module.shape, module.dtype, stage=module.src_stage, edge=module.edge,
+            self.post(module.shape_at(sizes or {}), module.dtype, stage=module.src_stage, edge=module.edge,
                       microbatch=microbatch, is_grad=False)
 
     def post_backward(self, *, stage: int, microbatch: int) -> None:
@@ -89,6 +98,11 @@ class P2PChannel:
             return self._local.pop(tag)
         self.post(shape, dtype, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
         work, buffer = self._posted.pop((src, tag))
+        if tuple(buffer.shape) != tuple(shape):  # posted ahead for another shape: an executor bug
+            raise RuntimeCommError(f"the receive of edge {edge}, microbatch {microbatch} was posted for shape "
+                                   f"{tuple(buffer.shape)} but the stage expects {tuple(shape)}",
+                                   where=f"rank {self.rank}, stage {my_stage}, action {self.action}",
+                                   fix="this is a bug in autopar's executor; please report it")
         began = time.perf_counter()
         try:
             work.wait(self.timeout)
@@ -154,12 +168,18 @@ class _RecvFn(torch.autograd.Function):
 class P2PNode(nn.Module):
     """A send or recv node of a stage graph: one edge between two stages, run over the bound channel."""
 
-    def __init__(self, *, edge: int, src_stage: int, dst_stage: int, shape, dtype, requires_grad):
+    def __init__(self, *, edge: int, src_stage: int, dst_stage: int, shape, dtype, requires_grad, dims=None):
         super().__init__()
         self.edge, self.src_stage, self.dst_stage = edge, src_stage, dst_stage
         self.shape, self.dtype, self.requires_grad = tuple(shape), dtype, requires_grad
+        # the shape with SizeExprs where it follows a symbolic input dim (None: always ``shape``)
+        self.dims = tuple(dims) if dims is not None and is_symbolic(dims) else None
         self.channel: P2PChannel | None = None
         self.grad_by_executor = False  # split backward: the executor sends this value's gradient
+
+    def shape_at(self, sizes) -> tuple[int, ...]:
+        """The edge's shape for a microbatch of symbolic dims ``sizes`` ({symbol: size})."""
+        return self.shape if self.dims is None else resolve_shape(self.dims, sizes)
 
     def bind(self, channel: P2PChannel) -> None:
         self.channel = channel
@@ -172,7 +192,8 @@ class P2PNode(nn.Module):
         return self.channel
 
     def extra_repr(self) -> str:
-        return (f"edge={self.edge}, stage {self.src_stage} -> {self.dst_stage}, shape={list(self.shape)}, "
+        shape = list(self.shape) if self.dims is None else "[" + ", ".join(str(d) for d in self.dims) + "]"
+        return (f"edge={self.edge}, stage {self.src_stage} -> {self.dst_stage}, shape={shape}, "
                 f"dtype={self.dtype}, grad={self.requires_grad}")
 
 
@@ -181,6 +202,13 @@ class SendActivation(P2PNode):
 
     def forward(self, x):
         channel = self._require_channel()
+        expected = self.shape_at(channel.sizes)
+        if tuple(x.shape) != expected:
+            raise ScheduleError(f"stage {self.src_stage} sends a tensor of shape {tuple(x.shape)} on edge {self.edge}, "
+                                f"but stage {self.dst_stage} receives {expected} for this batch",
+                                where=f"rank {channel.rank}, action {channel.action}, send_{self.edge}",
+                                fix="give every rank of a pipeline the same batch (the same shapes); if they do, "
+                                    "this is a bug in autopar: compile with dynamic_shapes='static'")
         if self.requires_grad and torch.is_grad_enabled() and x.requires_grad:
             return _SendFn.apply(x, self)
         channel.send(x, stage=self.dst_stage, edge=self.edge, microbatch=channel.microbatch,
@@ -196,7 +224,7 @@ class RecvActivation(P2PNode):
 
     def receive(self) -> torch.Tensor:
         channel = self._require_channel()
-        return channel.recv(self.shape, self.dtype, stage=self.src_stage, edge=self.edge,
+        return channel.recv(self.shape_at(channel.sizes), self.dtype, stage=self.src_stage, edge=self.edge,
                             microbatch=channel.microbatch, is_grad=False, my_stage=self.dst_stage)
 
     def forward(self):

@@ -35,6 +35,8 @@ RESOLVED = {
     "precision": ("bf16", {}, lambda p: p.precision),
     "expert_parallel": (2, {}, lambda p: p.expert_parallel),
     "moe_capacity_factor": (1.5, {"expert_parallel": 2}, lambda p: p.moe_capacity_factor),
+    "dynamic_shapes": ("seq", {}, lambda p: p.dynamic_shapes),
+    "max_seq_len": (48, {}, lambda p: p.max_seq_len),
 }
 
 
