@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import InputError, PlanError
-from autopar.lowering import _is_meta, batch_inputs, lower
+from autopar.lowering import _is_meta, batch_inputs
+from autopar.shape_builder import lower_program, make_builder
 from autopar.mesh import mesh_info
 from autopar.options import resolve_plan
 from autopar.plan_model import Plan
@@ -118,10 +119,12 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
                                      optimizer_factory=optimizer or default_optimizer, plan=plan)
-    lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
-                    dp_rank=info.coords["dp"])
+    cap, lowered = lower_program(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
+                                 example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
+                                 dp_rank=info.coords["dp"])
     schedule = lowered.schedule
+    mine = [s for s, r in enumerate(schedule.stage_to_rank) if r == info.coords["pp"]]
+    builder = make_builder(cap, lowered, tp_rank=info.coords["tp"], dp_rank=info.coords["dp"], stages=mine)
     state_keys = tuple(model.state_dict().keys())
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
     if lowered.plan.precision == "bf16":
@@ -135,7 +138,9 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
                             materialize=_materializer(fill, lowered, info=info, mesh=mesh, masters=masters),
-                            unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)), **extra)
+                            unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)),
+                            builder=builder if schedule.staleness is None else None,  # (async: compiled shapes)
+                            shape_cache_size=opts.shape_cache_size, **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

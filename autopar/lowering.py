@@ -53,8 +53,8 @@ from autopar.runtime.schedules.registry import build_schedule, family, splits_ba
 from autopar.runtime.schedules.validator import validate
 from autopar.validation import check_captured
 
-__all__ = ["Lowered", "Captured", "LoweringState", "lower", "capture_and_annotate", "shard_captured", "lower_captured",
-           "user_name", "batch_inputs", "LABELS"]
+__all__ = ["Lowered", "Captured", "LoweringState", "lower", "capture_and_annotate", "capture_at", "shard_captured",
+           "lower_captured", "user_name", "batch_inputs", "LABELS"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class Lowered:
     param_shards: dict[str, ShardSpec]
     schedule: Schedule  # the Plan's schedule, validated (built once, in capture_and_annotate)
     tp_partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
+    example_shapes: dict = field(default_factory=dict)  # {graph input: the microbatch shape it was lowered at}
 
 
 @dataclass(frozen=True)
@@ -351,6 +352,7 @@ class Captured:
     has_loss: bool
     schedule: Schedule  # built and validated once, for every rank
     template: BlockTemplate | None = None  # identical blocks: only the first few were captured
+    rebuild: dict = field(default_factory=dict)  # what capture was called with (recapture: another batch shape)
 
     @property
     def mesh(self) -> MeshShape:
@@ -405,6 +407,17 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
     mb = plan.microbatch_size
     args = _slice_batch(example_inputs, mb)
     target = _slice_batch((example_target,), mb)[0] if example_target is not None else None
+    return capture_at(model, plan=plan, given=given, options=options, args=args, target=target, loss_fn=loss_fn,
+                       keywords=keywords, own_loss=own_loss, schedule=schedule, dynamic=dynamic,
+                       checked=example_inputs + ((example_target,) if loss_fn is not None else ()))
+
+
+def capture_at(model: nn.Module, *, plan: Plan, given: Plan | None, options: CompileOptions, args: tuple, target,
+                loss_fn, keywords, own_loss: bool, schedule: Schedule, dynamic, checked: tuple) -> Captured:
+    """Capture and analyse ``model`` on the microbatch ``args`` (and ``target``) under ``plan``.
+
+    ``checked``: the whole example batch whose index inputs are checked against their tables.
+    """
     if _is_meta(model):
         args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
         target = target.to("meta") if isinstance(target, torch.Tensor) else target
@@ -418,32 +431,35 @@ def capture_and_annotate(model: nn.Module, *, mesh: MeshShape, example_inputs: t
                                                                   keywords=keywords, own_loss=own_loss,
                                                                   dynamic=dynamic))
     # batch statistics (BatchNorm in training) are exact only when each forward sees the whole batch
-    check_batch_statistics(captured.gm, dp=mesh.dp, num_microbatches=plan.pipeline.num_microbatches)
+    check_batch_statistics(captured.gm, dp=plan.mesh.dp, num_microbatches=plan.pipeline.num_microbatches)
     check_static_shapes(captured.gm)  # data-dependent output shapes (unique, nonzero, mask indexing)
     if captured.has_target:  # a token-mean loss_fn: weighted by each microbatch's tokens (passes/mean_loss.py)
         captured.loss_weight = find_token_mean_loss(captured.gm)
     extra = captured.extra_args  # inputs capture added (the model's own loss: its label-token count)
     all_args = args + extra + ((target,) if loss_fn is not None else ())
     annotate(captured.gm, example_inputs=all_args, model=traced)
-    check_captured(captured, inputs=example_inputs + extra + ((example_target,) if loss_fn is not None else ()))
+    check_captured(captured, inputs=checked[:len(args)] + extra + checked[len(args):])
     plan = _bound_shapes(plan, captured, model=traced, args=all_args)
     return Captured(plan=plan, pinned=given is not None, options=options, example_args=all_args, captured=captured,
-                    has_loss=captured.has_loss, schedule=schedule, template=template)
+                    has_loss=captured.has_loss, schedule=schedule, template=template,
+                    rebuild=dict(model=model, loss_fn=loss_fn, keywords=keywords, own_loss=own_loss))
 
 
 def _bound_shapes(plan: Plan, captured: CapturedGraph, *, model: nn.Module, args: tuple) -> Plan:
     """The captured symbolic dims with their bounds (passes/seq_bounds.py), written into the Plan."""
+    user = plan.max_seq_len if plan.max_seq_len_source == "max_seq_len" else None
+    rows = plan.microbatch_size
     if captured.dynamic:
         names = captured.input_names
         sizes = {d.symbol: int(args[names.index(d.inputs[0][0])].shape[d.inputs[0][1]]) for d in captured.dynamic}
-        captured.dynamic = bound_dims(captured.dynamic, model=model, gm=captured.gm, max_seq_len=plan.max_seq_len,
+        captured.dynamic = bound_dims(captured.dynamic, model=model, gm=captured.gm, max_seq_len=user, rows=rows,
                                       seq_multiple=plan.mesh.tp if plan.sequence_parallel else 1, example_sizes=sizes)
-    seq = [d.high for d in captured.dynamic if d.label == "seq"]
-    known = model_max_length(model)
-    bound = seq[0] if seq else plan.max_seq_len or (known[0] if known else None)
+    seq = [(d.high, d.bound_source) for d in captured.dynamic if d.label == "seq" and d.high is not None]
+    known = (user, "max_seq_len") if user else model_max_length(model)
+    bound, source = seq[0] if seq else known or (None, "")
     dims = tuple(DynamicDimPlan(label=d.label, inputs=d.inputs, low=d.low, high=d.high, multiple_of=d.multiple_of,
                                 bound_source=d.bound_source) for d in captured.dynamic)
-    return plan.model_copy(update={"dynamic_dims": dims, "max_seq_len": bound})
+    return plan.model_copy(update={"dynamic_dims": dims, "max_seq_len": bound, "max_seq_len_source": source})
 
 
 def _setting(cap: Captured, gm: fx.GraphModule, *, tp_rank: int, only=None, dp_rank: int = 0) -> _Setting:
@@ -494,5 +510,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         "recompute": plan.recompute if any(m != "none" for m in plan.recompute) else (),
         "expert_params": tuple(user_name(t) for t in st.experts),
     })
+    shapes = {n: tuple(a.shape) for n, a in zip(cap.captured.input_names, cap.example_args)
+              if isinstance(a, torch.Tensor)}
     return Lowered(plan=lowered_plan, captured=cap.captured, stages=list(st.stages), param_shards=dict(st.specs),
-                   schedule=cap.schedule, tp_partial_grads=st.partial_grads)
+                   schedule=cap.schedule, tp_partial_grads=st.partial_grads, example_shapes=shapes)

@@ -157,5 +157,6 @@ def resolve_plan(options: CompileOptions, *, given: Plan | None, mesh: MeshShape
         moe_capacity_factor=g.moe_capacity_factor if g else options.moe_capacity_factor,
         dynamic_shapes=g.dynamic_shapes if g else options.dynamic_shapes,
         max_seq_len=g.max_seq_len if g else options.max_seq_len,
+        max_seq_len_source=g.max_seq_len_source if g else ("max_seq_len" if options.max_seq_len else ""),
         dynamic_dims=g.dynamic_dims if g else (),  # (what the capture keeps symbolic: lowering fills it in)
     )

@@ -199,6 +199,7 @@ class Plan(_Frozen):
     moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
     dynamic_shapes: Literal["auto", "seq", "static"] = "auto"  # batches of other shapes (docs/batches.md)
     max_seq_len: int | None = Field(None, ge=1)  # the longest sequence a batch may hold (None: none known)
+    max_seq_len_source: str = ""  # where it comes from: "max_seq_len" (the user's option), the model's config, ...
     dynamic_dims: tuple[DynamicDimPlan, ...] = ()  # the dims the graphs keep symbolic (filled by the capture)
 
     @model_validator(mode="after")
@@ -226,7 +227,8 @@ class Plan(_Frozen):
 
     def _shapes_line(self) -> str:
         """Which batch dims may change per step, and up to what."""
-        bound = f", sequences up to {self.max_seq_len}" if self.max_seq_len else ""
+        source = f" ({self.max_seq_len_source})" if self.max_seq_len_source else ""
+        bound = f", sequences up to {self.max_seq_len}{source}" if self.max_seq_len else ""
         if self.dynamic_dims:
             return "  dynamic dims: " + "; ".join(d.describe() for d in self.dynamic_dims)
         if self.dynamic_shapes == "static":

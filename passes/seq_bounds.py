@@ -72,13 +72,17 @@ def _seq_bound(dim: DynamicDim, *, model, gm, max_seq_len: int | None) -> tuple[
 
 
 def bound_dims(dims: tuple[DynamicDim, ...], *, model: nn.Module, gm: fx.GraphModule, max_seq_len: int | None,
-               seq_multiple: int, example_sizes: Mapping[str, int]) -> tuple[DynamicDim, ...]:
-    """``dims`` with their bounds (sequence dims: :func:`_seq_bound`) and the multiple the plan needs.
+               seq_multiple: int, example_sizes: Mapping[str, int], rows: int | None = None) -> tuple[DynamicDim, ...]:
+    """``dims`` with their bounds (sequence dims: :func:`_seq_bound`; rows: ``rows``, the microbatch size)
+    and the multiple the plan needs.
 
     ``example_sizes``: {symbol: the example's size}; a bound below it is a PlanError.
     """
     out = []
     for dim in dims:
+        if dim.label == "rows":
+            out.append(dataclasses.replace(dim, low=1, high=rows, bound_source="the compiled microbatch size"))
+            continue
         if dim.label != "seq":
             out.append(dim)
             continue

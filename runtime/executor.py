@@ -200,26 +200,37 @@ def _accumulate(param: torch.nn.Parameter, contributions: list[tuple[int, torch.
             param.grad = total
 
 
-def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], microbatches: list[dict],
+class _Receives(dict):
+    """The recv nodes of each stage graph, found once per graph."""
+
+    def __missing__(self, gm):
+        self[gm] = forward_receives(gm)
+        return self[gm]
+
+
+def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph] | list, microbatches: list[dict],
                 channel: P2PChannel, train: bool, events: list | None = None,
                 full_backward: bool = False) -> dict[int, object]:
     """Run ``actions`` in order; returns the last stage's output per microbatch (if this rank has it).
 
-    ``full_backward``: the schedule's ``Schedule.full_backward`` (a B followed by its W runs as one).
+    ``stages``: this rank's stage graphs, or a list of them per microbatch (a microbatch of another
+    shape runs graphs of its own: runtime/shape_cache.py). ``full_backward``: the schedule's
+    ``Schedule.full_backward`` (a B followed by its W runs as one).
     """
+    per_microbatch = stages if isinstance(stages, list) else [stages] * len(microbatches)
     held: dict[tuple[int, int], object] = {}
     saved: dict[tuple[int, int], object] = {}
     fused: set[tuple[int, int]] = set()  # (stage, microbatch) whose W its B already ran
     results: dict[int, object] = {}
-    receives = {s: forward_receives(stage.gm) for s, stage in stages.items()}
+    receives = _Receives()
     start = time.perf_counter()
     for index, action in enumerate(actions):
         if index + 1 < len(actions):  # the next action's transfers land while this one computes
-            _post_receives(actions[index + 1], receives=receives, channel=channel, train=train, stages=stages,
-                           microbatches=microbatches)
+            _post_receives(actions[index + 1], receives=receives, channel=channel, train=train,
+                           stages=per_microbatch, microbatches=microbatches)
         channel.action = str(action)
         t0, waited = time.perf_counter(), channel.wait_s
-        stage = stages[action.stage]
+        stage = per_microbatch[action.microbatch][action.stage]
         if action.kind is ActionKind.F:
             out = _forward(stage, microbatches[action.microbatch], channel, action.microbatch)
             if train:
@@ -256,12 +267,12 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     return results
 
 
-def _post_receives(action: Action, *, receives: dict, channel: P2PChannel, train: bool, stages: dict,
+def _post_receives(action: Action, *, receives: _Receives, channel: P2PChannel, train: bool, stages: list,
                    microbatches: list[dict]) -> None:
     if action.kind is ActionKind.F:
-        dynamic = stages[action.stage].dynamic
-        sizes = batch_sizes(dynamic, microbatches[action.microbatch]) if dynamic else None
-        channel.post_forward(receives[action.stage], microbatch=action.microbatch, sizes=sizes)
+        stage = stages[action.microbatch][action.stage]
+        sizes = batch_sizes(stage.dynamic, microbatches[action.microbatch]) if stage.dynamic else None
+        channel.post_forward(receives[stage.gm], microbatch=action.microbatch, sizes=sizes)
     elif action.kind is ActionKind.B and train:
         channel.post_backward(stage=action.stage, microbatch=action.microbatch)
 

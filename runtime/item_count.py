@@ -46,33 +46,42 @@ def count_labels(labels: torch.Tensor, spec: ItemCount) -> torch.Tensor:
 
 
 def _update_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int, dp_group, guard,
-                   purpose: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each microbatch's count, each update's count summed over dp): one all-reduce over ``dp_group``
-    when ``dp_size > 1`` (``guard``: the program's :class:`~autopar.runtime.comm_guard.CommGuard`,
-    which bounds the wait and names the rank)."""
+                   purpose: str, riders: torch.Tensor | None = None):
+    """(each microbatch's count, each update's count summed over dp, ``riders`` summed over dp): one
+    all-reduce over ``dp_group`` when ``dp_size > 1`` (``guard``: the program's
+    :class:`~autopar.runtime.comm_guard.CommGuard`, which bounds the wait and names the rank).
+    ``riders``: more numbers (float64) that take the same all-reduce (runtime/batch_agreement.py)."""
     assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
     counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])
     totals = counts.view(-1, per_update).sum(dim=1)
     if dp_size > 1:
-        guard.run("all_reduce", dist.all_reduce, totals, group=dp_group, purpose=purpose)
-    return counts, totals
+        if riders is None:
+            guard.run("all_reduce", dist.all_reduce, totals, group=dp_group, purpose=purpose)
+        else:
+            both = torch.cat([totals.double(), riders.double().to(totals.device)])
+            guard.run("all_reduce", dist.all_reduce, both, group=dp_group, purpose=purpose)
+            totals, riders = both[:len(totals)].round().long(), both[len(totals):]
+    return counts, totals, riders
 
 
 def add_item_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int, dp_size: int = 1,
-                    dp_group=None, guard=None) -> None:
+                    dp_group=None, guard=None, riders: torch.Tensor | None = None):
     """Set ``microbatch[spec.input]`` to its update's global count / (``per_update`` · ``dp_size``), in place
-    (collective over ``dp_group`` when ``dp_size > 1``)."""
-    _, totals = _update_counts(microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group,
-                               guard=guard, purpose="the step's label tokens (num_items_in_batch, summed over dp)")
+    (collective over ``dp_group`` when ``dp_size > 1``); returns ``riders`` summed over dp."""
+    _, totals, riders = _update_counts(microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group,
+                                       guard=guard, riders=riders,
+                                       purpose="the step's label tokens (num_items_in_batch, summed over dp)")
     values = totals.double() / (per_update * dp_size)
     device = microbatches[0][spec.labels].device
     for i, mb in enumerate(microbatches):
         mb[spec.input] = values[i // per_update].to(torch.float32).to(device)
+    return riders
 
 
 def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, per_update: int | None = None, dp_size: int = 1,
-                     dp_group=None, guard=None) -> None:
-    """Set ``microbatch[spec.input]`` to ``n_i · m · dp / N``, in place (``passes/mean_loss.py``).
+                     dp_group=None, guard=None, riders: torch.Tensor | None = None):
+    """Set ``microbatch[spec.input]`` to ``n_i · m · dp / N``, in place (``passes/mean_loss.py``); returns
+    ``riders`` summed over dp.
 
     ``n_i``: the microbatch's counted target entries; ``N``: its update's, over the update's ``m``
     microbatches (``per_update``; all of them when None) and every dp rank (collective over
@@ -81,12 +90,14 @@ def add_loss_weights(microbatches: list[dict], spec: ItemCount, *, per_update: i
     weight, and a 0 loss, for a microbatch without counted tokens).
     """
     per_update = per_update or len(microbatches)
-    counts, totals = _update_counts(microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group,
-                                    guard=guard, purpose="the step's target tokens (the loss's token mean, summed over dp)")
+    counts, totals, riders = _update_counts(
+        microbatches, spec, per_update=per_update, dp_size=dp_size, dp_group=dp_group, guard=guard, riders=riders,
+        purpose="the step's target tokens (the loss's token mean, summed over dp)")
     scale = per_update * dp_size / totals.double().clamp(min=1)
     device = microbatches[0][spec.labels].device
     for i, (mb, n) in enumerate(zip(microbatches, counts)):
         mb[spec.input] = (n.double() * scale[i // per_update]).to(torch.float32).to(device)
+    return riders
 
 
 def weighted_loss(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.passes.graph_names import user_name
 from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import run_actions
@@ -59,17 +59,17 @@ class RankProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
-        self.phase = "counting the step's tokens"  # (a collective over dp: runtime/item_count.py)
-        batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
+        batches, stages = self._step_batches(self._batch(inputs, target, "train_step"))
+        schedule = self.batching.schedule_for(len(batches))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
         self.events = []
         self.comm_log.reset()
         self.grad_sync.begin(len(batches))
         self.phase = "schedule"
-        results = run_actions(self.schedule.actions[self.info.coords["pp"]], stages=self.stages,
+        results = run_actions(schedule.actions[self.info.coords["pp"]], stages=stages,
                               microbatches=batches, channel=self.channel, train=True, events=self.events,
-                              full_backward=self.schedule.full_backward)
+                              full_backward=schedule.full_backward)
         if self.mixed is not None:
             self.mixed.collect()
         self.phase = "gradient sync after the schedule"
@@ -78,7 +78,8 @@ class RankProgram(ProgramSurface):
         self.phase = "non-finite check and loss reduction"
         # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
         # the step's loss is summed over the world on the same all-reduce
-        loss_total = check_finite(self, results, index_problem=index_problem, riders=self._loss_share(results))
+        loss_total = check_finite(self, results, index_problem=index_problem,
+                                  riders=self._loss_share(results, num_microbatches=len(batches)))
         if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
             self.phase = "gradient clipping"
             self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
@@ -87,16 +88,32 @@ class RankProgram(ProgramSurface):
         self.step_count += 1
         return loss_total[0] / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
 
-    def _loss_share(self, results: dict) -> torch.Tensor:
+    def _step_batches(self, tensors: tuple) -> tuple[list[dict], list[dict]]:
+        """(microbatches, the stage graphs of each) of this step, agreed over dp (runtime/step_batches.py):
+        a batch any dp rank refuses raises autopar's error on every rank before anything runs."""
+        self.phase = "cutting the batch"
+        batches = stages = problem = None
+        try:
+            batches, stages = self.batching.cut(tensors)
+        except AutoparError as exc:  # raised on every rank after the agreement
+            problem = exc
+        self.phase = "agreeing on the step's rows and tokens"  # (one all-reduce over dp)
+        self.batching.agree(batches, problem, train=True)
+        return batches, stages
+
+    def _loss_share(self, results: dict, *, num_microbatches: int) -> torch.Tensor:
         """This rank's part of the step's loss sum (1 element, fp32): the sum of its last-stage
-        microbatch losses on tp rank 0, else 0. Summed over the world, then divided by the step's
-        microbatches and dp ranks, it is the mean over microbatches and dp on every rank (each
-        microbatch's loss already carries its token weight: runtime/item_count.py); Chimera's two
-        replicas each hold the losses of their own microbatches."""
+        microbatch losses on tp rank 0, else 0, scaled by the Plan's microbatches over this step's
+        (1 unless a partial batch made fewer). Summed over the world, then divided by the Plan's
+        microbatches and dp ranks, it is the mean over each rank's microbatches and dp on every rank
+        (each microbatch's loss already carries its token or row weight: runtime/item_count.py,
+        runtime/batch_agreement.py); Chimera's two replicas each hold the losses of their own microbatches."""
         if not results or self.info.coords["tp"] != 0:
             return torch.zeros(1, device=self.info.device)
         losses = [results[i][0] if isinstance(results[i], (tuple, list)) else results[i] for i in sorted(results)]
-        return torch.stack(losses).float().sum().reshape(1)
+        total = torch.stack(losses).float().sum().reshape(1)
+        count = self.plan.pipeline.num_microbatches
+        return total if num_microbatches == count else total * (count / num_microbatches)
 
     @torch.no_grad()
     def __call__(self, *inputs):

@@ -30,6 +30,8 @@ from autopar.runtime.state import gather_full_state_dict
 from autopar.runtime.zero3_ops import full_parameters
 from autopar.runtime.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.moe_groups import full_expert_parameters
+from autopar.runtime.graft import graft
+from autopar.runtime.step_batches import StepBatches
 
 __all__ = ["ProgramSurface"]
 
@@ -39,10 +41,11 @@ class ProgramSurface:
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
-                 unused: tuple = ()):
+                 unused: tuple = (), builder=None, shape_cache_size: int = 8):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
         fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
-        stage graph reads, kept whole (runtime/unused_state.py)."""
+        stage graph reads, kept whole (runtime/unused_state.py); ``builder``: lowers this rank's stages
+        for another batch shape (autopar/shape_builder.py; None: only the compiled shapes run)."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
         # the rank's groups, its collectives' deadline (naming what it is doing) and its dp traffic log
         self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place)
@@ -58,6 +61,10 @@ class ProgramSurface:
         self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
         self.events: list = []
         self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
+        self.zero3_runtimes = tuple(parts.zero3)  # (graphs built for other shapes add theirs)
+        # microbatches, their stage graphs per shape and the schedule per count (runtime/step_batches.py)
+        self.batching = StepBatches(self, example_shapes=getattr(lowered, "example_shapes", {}), build=builder,
+                                    cache_size=shape_cache_size)
 
     # -- what a person reads -------------------------------------------------------------
     @property
@@ -67,18 +74,25 @@ class ProgramSurface:
 
     # -- batches and collectives' errors -----------------------------------------------------
     def _microbatches(self, tensors: tuple) -> list[dict]:
-        m = self.plan.pipeline.num_microbatches
-        local = self.plan.global_batch_size // self.plan.mesh.dp
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != local:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise PlanError(f"expected this rank's data-parallel batch of {local} rows, got {got}",
-                                where=f"rank {self.info.rank} (dp index {self.info.coords['dp']})",
-                                fix="pass global_batch[dp_index * local:(dp_index + 1) * local]; "
-                                    "program.shard_batch(global_batch) does it")
-        names = self.captured.input_names
-        chunks = [t.chunk(m, dim=0) for t in tensors]
-        return [{name: c[i] for name, c in zip(names, chunks)} for i in range(m)]
+        """A full batch of the compiled shapes (or their symbolic family) as microbatches: the asynchronous
+        programs' batches, which take neither fewer rows nor shapes compiled on their own."""
+        batches, stages = self.batching.cut(tensors)
+        if len(batches) != self.batching.count or any(s is not self.stages for s in stages):
+            raise PlanError(f"this asynchronous program runs full batches of the compiled shapes; this rank's batch "
+                            f"makes {len(batches)} microbatches of {[tuple(b[n].shape) for n in b][:2]} ...",
+                            where=f"rank {self.info.rank}, train_step",
+                            fix="drop the last, partial batch (DataLoader(..., drop_last=True)) and pad every batch to "
+                                "the compiled shapes, or compile with dynamic_shapes='seq' (any sequence length), or "
+                                "use a synchronous schedule")
+        return batches
+
+    def _bind_lowered(self, lowered) -> dict:
+        """Stage graphs built for another batch shape, sharing this program's state (runtime/graft.py)."""
+        stages, runtimes = graft(lowered.stages, base=self.stages, ctx=self.ctx, channel=self.channel)
+        self.zero3_runtimes += runtimes
+        if hasattr(self, "grad_sync"):
+            self.grad_sync.zero3_runtimes = self.zero3_runtimes
+        return stages
 
     def _batch(self, inputs: tuple, target, where: str) -> tuple:
         """The graph's inputs in order, from tensors or from one dict batch (its keyword inputs)."""
@@ -113,11 +127,11 @@ class ProgramSurface:
         return batches
 
     def shard_batch(self, tensor):
-        """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch)."""
+        """This rank's dp slice of a global batch (a tensor, or each tensor of a dict batch): the rows cut as
+        evenly as they come (a last batch of 6 rows over dp=4: 2, 2, 1, 1)."""
         if isinstance(tensor, dict):
             return {k: self.shard_batch(v) for k, v in tensor.items()}
-        local = tensor.shape[0] // self.plan.mesh.dp
-        return tensor[self.info.coords["dp"] * local: (self.info.coords["dp"] + 1) * local]
+        return tensor.tensor_split(self.plan.mesh.dp, dim=0)[self.info.coords["dp"]]
 
     def _place(self) -> str:
         """Where this rank is, for a collective's error: its stages and the action or phase running."""
@@ -149,15 +163,17 @@ class ProgramSurface:
 
     def _forward_only(self, inputs: tuple):
         """The model's output for this rank's batch, on every rank (call under ``torch.no_grad``)."""
-        batches = self._count_items(self._microbatches(self._batch(inputs, None, "program(...)")
-                                                       if self.captured.keywords else tuple(inputs)))
+        batches, stages = self.batching.cut(self._batch(inputs, None, "program(...)")
+                                            if self.captured.keywords else tuple(inputs))
+        batches = self._count_items(batches)
         self.phase = "index range check"
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step="a forward-only call")
         self.phase = "schedule"
-        actions = self.inference_schedule.actions[self.info.coords["pp"]]
-        results = run_actions(actions, stages=self.stages, microbatches=batches, channel=self.channel,
-                              train=False)
+        schedule = self.inference_schedule if len(batches) == self.batching.count else forward_only(
+            self.batching.schedule_for(len(batches)))
+        results = run_actions(schedule.actions[self.info.coords["pp"]], stages=stages, microbatches=batches,
+                              channel=self.channel, train=False)
         payload = [None]
         if results:
             flat = [pytree.tree_flatten(results[i])[0] for i in sorted(results)]

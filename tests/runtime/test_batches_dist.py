@@ -1,0 +1,74 @@
+"""Batches as a user's loader makes them train equal to one device (docs/batches.md).
+
+- transformers' Llama, GPT-2 and BERT on batches collated to a different length every step (17, 32, 9,
+  24 tokens; labels -100 on the padding) on dp=2, pp=2, tp=2 (and pp=2 x tp=2, slow): one symbolic
+  recapture at the first new length, none after (``built``);
+- an epoch's last batch of 6 rows after batches of 8 on dp=2 and pp=2, on the model's own loss
+  (token counts), a token-mean ``loss_fn`` and a mean-squared error (rows weigh), with a dp rank
+  holding fewer rows than the other (5 rows over dp=2);
+- a step autopar refuses (a length past the bound; one sequence parallelism cannot split; no rows
+  left for a dp rank) raises autopar's error on every rank, and no rank steps.
+
+Each group of cases runs in one spawned process group (tests/equivalence.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from batch_runners import hf_reference, lm_reference, mse_reference  # noqa: E402
+from case_marks import by_world  # noqa: E402
+from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
+
+LENGTHS = (("lengths", (17, 32, 9, 24)),)
+_OVERRIDES = {  # no dropout (one device draws other masks), and positions for 32 tokens
+    "llama": (),
+    "gpt2": (("n_positions", 64), ("resid_pdrop", 0.0), ("embd_pdrop", 0.0), ("attn_pdrop", 0.0)),
+    "bert": (("max_position_embeddings", 64), ("hidden_dropout_prob", 0.0), ("attention_probs_dropout_prob", 0.0)),
+}
+_MESHES = ((2, 1, 1), (1, 2, 1), (1, 1, 2))
+LENGTH_CASES = [Case(model=name, mesh=mesh, kind="batch_runners:hf_train", steps=4, overrides=_OVERRIDES[name],
+                     extra=LENGTHS) for name in _OVERRIDES for mesh in _MESHES + ((1, 2, 2),)]
+LENGTH_CASES += [  # the sequence symbolic from the start, and under sequence parallelism (lengths of even size)
+    Case(model="llama", mesh=(1, 2, 1), kind="batch_runners:hf_train", steps=4, extra=LENGTHS,
+         options=(("dynamic_shapes", "seq"),)),
+    Case(model="llama", mesh=(1, 1, 2), kind="batch_runners:hf_train", steps=4,
+         extra=(("lengths", (18, 32, 10, 24)),), options=(("sequence_parallel", True),)),
+]
+LAST = (("lengths", (16, 16, 16, 16)), ("rows", (8, 8, 8, 6)))
+UNEVEN = (("lengths", (16, 16, 16)), ("rows", (8, 8, 5)))
+PARTIAL_CASES = [Case(model=model, mesh=mesh, kind=f"batch_runners:{kind}", steps=4 if extra is LAST else 3,
+                      overrides=_OVERRIDES.get(model, ()), extra=extra)
+                 for model, kind in (("llama", "hf_train"), ("gpt_tiny", "lm_train"), ("mlp", "mse_train"))
+                 for mesh, extra in (((2, 1, 1), LAST), ((1, 2, 1), LAST), ((2, 1, 1), UNEVEN))]
+_REFERENCES = {"hf_train": hf_reference, "lm_train": lm_reference, "mse_train": mse_reference}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(group: str, world: int):
+    cases = [c for c in (LENGTH_CASES if group == "lengths" else PARTIAL_CASES) if c.world_size == world]
+    return dict(zip(cases, run_cases(cases, timeout_s=1500)))
+
+
+def _reference(case):
+    return _REFERENCES[case.kind.partition(":")[2]](case)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", by_world(LENGTH_CASES, ids=lambda c: c.name()))
+def test_a_length_per_step_trains_equal_to_one_device(case):
+    result = _results("lengths", case.world_size)[case]
+    assert_equivalent(case, result, _reference(case))
+    for mine in result["rank_results"]:  # the first new length recaptures once, symbolic; the rest reuse it
+        assert mine["built"] == (0 if dict(case.options).get("dynamic_shapes") == "seq" else 1), mine["built"]
+        assert [d.split(":")[0] for d in mine["dynamic_dims"]] == ["seq (dim 1 of input_ids, attention_mask, labels)"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", by_world(PARTIAL_CASES, ids=lambda c: c.name()))
+def test_a_partial_batch_trains_equal_to_one_device_on_the_same_rows(case):
+    result = _results("partial", case.world_size)[case]
+    assert_equivalent(case, result, _reference(case))
