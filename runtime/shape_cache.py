@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.errors import AutoparError, InputError, PlanError
-from autopar.runtime.dynamic_shapes import DynamicDim
+from autopar.runtime.dynamic_shapes import DynamicDim, dim_label
 
-__all__ = ["ShapeCache", "ShapeEntry", "check_sizes", "shapes_of"]
+__all__ = ["ShapeCache", "ShapeEntry", "check_sizes", "shapes_of", "past_bound"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,19 @@ class ShapeEntry:
         return True
 
 
+def past_bound(name: str, size: int, axis: int, high: int, source: str, *, where: str) -> InputError:
+    """The error of an input longer than the bound on ``axis``: the dim, the size, the bound and the fix."""
+    label = dim_label(axis)
+    unit = "tokens" if label == "seq" else "rows" if label == "rows" else "entries"
+    if label == "rows":
+        fix = f"pass at most {high} rows (the compiled microbatch size)"
+    else:
+        fix = (f"truncate to at most {high} (tokenizer(..., truncation=True, max_length={high})), or compile with "
+               "a larger max_seq_len if the model takes longer sequences")
+    return InputError(f"input {name!r} holds {size} {unit} on dim {axis} ({label}), past the bound {high} "
+                      f"({source or 'the plan'})", where=where, fix=fix)
+
+
 def check_sizes(dynamic: tuple[DynamicDim, ...], shapes, *, where: str) -> None:
     """Refuse a microbatch whose symbolic dims leave their range, break the multiple, or disagree."""
     by_name = dict(shapes)
@@ -80,12 +93,7 @@ def check_sizes(dynamic: tuple[DynamicDim, ...], shapes, *, where: str) -> None:
             continue
         name, size = next(iter(seen.items()))
         if dim.high is not None and size > dim.high:
-            unit = "tokens" if dim.label == "seq" else "rows"
-            raise InputError(f"input {name!r} holds {size} {unit} on dim {dim.inputs[0][1]} ({dim.label}), past the "
-                             f"bound {dim.high} ({dim.bound_source or 'the plan'})", where=where,
-                             fix=f"truncate to at most {dim.high} (tokenizer(..., truncation=True, max_length="
-                                 f"{dim.high})), or compile with a larger max_seq_len if the model takes longer "
-                                 "sequences")
+            raise past_bound(name, size, dim.inputs[0][1], dim.high, dim.bound_source, where=where)
         if size < dim.low:
             raise InputError(f"input {name!r} holds {size} on dim {dim.inputs[0][1]} ({dim.label}); the program "
                              f"takes {dim.low}..{dim.high or 'any'}", where=where,
@@ -101,10 +109,12 @@ class ShapeCache:
     """This rank's stage graphs per microbatch shape (module docstring)."""
 
     def __init__(self, *, base: ShapeEntry, build: Callable | None, bind: Callable, mode: str, size: int,
-                 where: Callable[[], str]):
+                 where: Callable[[], str], bound: tuple[int, str] | None = None):
         """``build(batch or None, marks)`` lowers this rank's stages (None: at the example's shapes; ``marks``:
-        {input: dims} to keep symbolic); ``bind(lowered)`` makes them share the compiled graphs' state."""
+        {input: dims} to keep symbolic); ``bind(lowered)`` makes them share the compiled graphs' state;
+        ``bound``: (the Plan's max_seq_len, where it comes from), checked on dim 1 of a shape built alone."""
         self.base, self.build, self.bind, self.mode, self.size, self.where = base, build, bind, mode, size, where
+        self.bound = bound
         self.family: ShapeEntry | None = None  # the symbolic recapture, once one was made
         self.exact: OrderedDict = OrderedDict()  # shape key -> ShapeEntry, least recently used first
         self.tried: set = set(base.symbolic)  # dims a symbolic recapture was asked for
@@ -124,15 +134,28 @@ class ShapeCache:
         if shapes in self.exact:
             self.exact.move_to_end(shapes)
             return self.exact[shapes].stages
-        if self.build is None:
-            raise PlanError(f"this program runs the shapes it was compiled for; the batch has {dict(shapes)}",
-                            where=self.where(), fix="pass batches of the compiled shapes, or compile with "
-                                                    "dynamic_shapes='seq' (any sequence length)")
+        self._check_new(shapes)
         entry = self._symbolic(batch, shapes)
         if entry is not None:
             check_sizes(entry.dynamic, shapes, where=self.where())
             return entry.stages
         return self._exact(batch, shapes).stages
+
+    def _check_new(self, shapes) -> None:
+        """Refuse a shape no graph can be built for: another rank of a tensor, a sequence past ``bound``."""
+        for name, shape in shapes:
+            mine = self.base.shapes.get(name)
+            if mine is not None and len(mine) != len(shape):
+                raise InputError(f"batch input {name!r} has {len(shape)} dims {shape}, the program was compiled on "
+                                 f"{len(mine)} {mine}", where=self.where(),
+                                 fix="pass each input as the example batch held it (the same dims, other sizes)")
+            longer = mine is not None and len(shape) > 1 and shape[1] != mine[1]
+            if longer and self.bound and shape[1] > self.bound[0]:
+                raise past_bound(name, shape[1], 1, self.bound[0], self.bound[1], where=self.where())
+        if self.build is None:
+            raise PlanError(f"this program runs the shapes it was compiled for; the batch has {dict(shapes)}",
+                            where=self.where(), fix="pass batches of the compiled shapes, or compile with "
+                                                    "dynamic_shapes='seq' (any sequence length)")
 
     def _changed(self, shapes) -> set:
         return {(name, d) for name, shape in shapes for d, (a, b) in enumerate(zip(self.base.shapes[name], shape))

@@ -47,8 +47,9 @@ class StepBatches:
         self.names = tuple(n for n in program.captured.input_names if spec is None or n != spec.input)
         base = ShapeEntry(shapes=dict(example_shapes), stages=program.stages,
                           dynamic=next((s.dynamic for s in program.stages.values()), ()))
+        bound = (plan.max_seq_len, plan.max_seq_len_source) if plan.max_seq_len else None
         self.shapes = ShapeCache(base=base, build=build, bind=program._bind_lowered, mode=plan.dynamic_shapes,
-                                 size=cache_size, where=self._where)
+                                 size=cache_size, where=self._where, bound=bound)
         self._schedules = {self.count: program.schedule}
         self.equal_counts = _dp_collectives(program.stages)
 

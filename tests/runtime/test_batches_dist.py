@@ -72,3 +72,37 @@ def test_a_length_per_step_trains_equal_to_one_device(case):
 def test_a_partial_batch_trains_equal_to_one_device_on_the_same_rows(case):
     result = _results("partial", case.world_size)[case]
     assert_equivalent(case, result, _reference(case))
+
+
+# (mesh, options, the two steps' (rows, length), the error every rank raises: kind, what, fix)
+REFUSALS = [
+    ((2, 1, 1), (), ((8, 16), (8, 80)), ("InputError", "holds 80 tokens on dim 1 (seq), past the bound 64",
+                                         "max_length=64")),
+    ((2, 1, 1), (), ((8, 16), (1, 16)), ("PlanError", "no rows", "drop_last=True")),
+    ((1, 2, 1), (), ((8, 16), (1, 16)), ("PlanError", "a batch of 1 rows makes 1 microbatches", "drop_last=True")),
+    ((1, 1, 2), (("sequence_parallel", True),), ((8, 16), (8, 17)),
+     ("InputError", "17 does not divide", "pad_to_multiple_of=2")),
+]
+REFUSAL_CASES = [Case(model="llama", mesh=mesh, options=options, kind="batch_runners:refused", steps=2,
+                      extra=(("rows", tuple(r for r, _ in steps)), ("lengths", tuple(n for _, n in steps))))
+                 for mesh, options, steps, _ in REFUSALS]
+
+
+@functools.lru_cache(maxsize=None)
+def _refusals():
+    return dict(zip(REFUSAL_CASES, run_cases(REFUSAL_CASES, timeout_s=900)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("index", range(len(REFUSALS)), ids=lambda i: REFUSAL_CASES[i].name())
+def test_a_refused_step_is_autopars_error_on_every_rank_and_nothing_steps(index):
+    result = _refusals()[REFUSAL_CASES[index]]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    kind, what, fix = REFUSALS[index][3]
+    for rank, mine in enumerate(result["rank_results"]):
+        assert mine["step_count"] == 1, (rank, mine)
+        assert mine["kind"] is not None, f"rank {rank} ran the step"
+        if "refused its batch" in mine["what"]:  # a peer's refusal, named: the fix points at its error
+            assert mine["kind"] == "PlanError" and "see the error dp rank" in mine["fix"], mine
+            continue
+        assert mine["kind"] == kind and what in mine["what"] and fix in mine["fix"], (rank, mine)
