@@ -28,14 +28,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
+from autopar.passes.dynamic_capture import sequence_dims
 from autopar.passes.index_bounds import position_limit
 from autopar.runtime.dynamic_shapes import DynamicDim
 
-__all__ = ["model_max_length", "bound_dims"]
+__all__ = ["model_max_length", "bound_dims", "padded_to"]
 
 
 #: config fields that name a model's longest sequence (transformers maps n_positions, n_ctx onto the first)
@@ -95,3 +97,23 @@ def bound_dims(dims: tuple[DynamicDim, ...], *, model: nn.Module, gm: fx.GraphMo
         out.append(dataclasses.replace(dim, high=high, bound_source=source if high is not None else "",
                                        multiple_of=seq_multiple))
     return tuple(out)
+
+
+def padded_to(inputs, target, length: int):
+    """(inputs, target) with their sequence dim (:func:`autopar.passes.dynamic_capture.sequence_dims`) padded
+    with zeros to ``length``: the batch the planner costs when batches may be as long as the bound.
+    ``inputs``: a tuple of tensors or a dict batch; unchanged when no sequence is shorter than ``length``."""
+    keys = list(inputs) if isinstance(inputs, Mapping) else None
+    values = tuple(inputs.values()) if keys is not None else tuple(inputs)
+    marks = sequence_dims(values, target)
+
+    def pad(i, t):
+        if i not in marks or t.shape[1] >= length:
+            return t
+        extra = list(t.shape)
+        extra[1] = length - t.shape[1]
+        return torch.cat([t, torch.zeros(extra, dtype=t.dtype, device=t.device)], dim=1)
+
+    padded = tuple(pad(i, t) for i, t in enumerate(values))
+    new_target = pad(len(values), target) if target is not None else None
+    return (dict(zip(keys, padded)) if keys is not None else padded), new_target

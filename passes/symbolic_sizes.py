@@ -22,8 +22,9 @@ Example::
     >>> c = capture(model, (x,), loss_fn=loss_fn, example_target=y, dynamic={0: (1,), 1: (1,)})
     >>> gm = annotate_tensors(c.gm, example_inputs=(x, y))
     >>> shapes = symbolic_shapes(gm, (x, y), c.dynamic)
-    >>> [str(d) for d in shapes["add"]]     # the embedding sum: rows, seq, hidden
-    ['4', 's50', '32']
+    >>> rows, seq, hidden = shapes["add"]      # the embedding sum
+    >>> rows, str(seq) == c.dynamic[0].symbol, hidden
+    (8, True, 32)
 """
 from __future__ import annotations
 

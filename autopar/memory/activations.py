@@ -12,6 +12,9 @@ inputs are not activations.
 Collectives and p2p nodes run as fakes with the same autograd footprint as the real ones
 (``TpCopy`` a view, ``TpReduce`` a copy, ``recv`` a fresh tensor, ``send`` nothing).
 
+A stage graph with symbolic dims (a sequence of any length, docs/batches.md) runs at ``sizes``
+({symbol: size}, the bound by default): the figure is that of the longest batch the plan takes.
+
 The *transient* of a recompute region is what its recomputation materialises again in backward
 (its saved storages minus those it holds anyway); one region recomputes at a time.
 
@@ -52,9 +55,9 @@ class _FakeRun(fx.Interpreter):
     """Interprets a stage graph on fake tensors with autograd on, for the saved-tensor ledger."""
 
     def __init__(self, gm: fx.GraphModule, *, mode: FakeTensorMode, ledger: SavedLedger, fakes: dict,
-                 transients: dict, seen: set):
+                 transients: dict, seen: set, sizes: dict | None = None):
         super().__init__(gm)
-        self.mode, self.ledger, self.fakes = mode, ledger, fakes
+        self.mode, self.ledger, self.fakes, self.sizes = mode, ledger, fakes, sizes or {}
         self.transients, self.seen = transients, seen  # {region key: bytes} (memo), keys met in this stage
 
     def get_attr(self, target, args, kwargs):
@@ -75,7 +78,7 @@ class _FakeRun(fx.Interpreter):
         if isinstance(module, P2PNode):
             if isinstance(module, SendActivation):
                 return args[0].new_zeros(())
-            out = torch.empty(module.shape, dtype=module.dtype)
+            out = torch.empty(module.shape_at(self.sizes), dtype=module.dtype)
             return out.requires_grad_() if module.requires_grad else out
         if isinstance(module, GraphCollective):
             return self._collective(module, args)
@@ -103,7 +106,7 @@ class _FakeRun(fx.Interpreter):
 
     def _region(self, module: Recompute, args):
         body = _FakeRun(module.body, mode=self.mode, ledger=self.ledger, fakes=self.fakes,
-                        transients=self.transients, seen=self.seen)
+                        transients=self.transients, seen=self.seen, sizes=self.sizes)
         held = SavedLedger()
         held.excluded = self.ledger.excluded
 
@@ -123,7 +126,7 @@ class _FakeRun(fx.Interpreter):
             plain.excluded = self.ledger.excluded
             with plain.watch():
                 _FakeRun(module.body, mode=self.mode, ledger=plain, fakes=self.fakes, transients={},
-                         seen=set()).run(*args)
+                         seen=set(), sizes=self.sizes).run(*args)
             self.transients[key] = max(0, plain.total() - held.total())
         self.seen.add(key)
         return out
@@ -187,37 +190,44 @@ def _attr(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _placeholder_fakes(gm: fx.GraphModule, mode: FakeTensorMode) -> list:
+def _placeholder_fakes(gm: fx.GraphModule, mode: FakeTensorMode, resized: dict) -> list:
     fakes = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
         info = get_meta(node, TENSOR)
+        shape = None if info is None or info.shape is None else [
+            resized.get((node.name, d), size) for d, size in enumerate(info.shape)]
         with mode:
-            fakes.append(torch.empty(info.shape, dtype=info.dtype) if info and info.shape is not None else None)
+            fakes.append(torch.empty(shape, dtype=info.dtype) if shape is not None else None)
     return fakes
 
 
-def stage_activations(gm: fx.GraphModule, *, memo: dict | None = None) -> StageActivations:
+def stage_activations(gm: fx.GraphModule, *, memo: dict | None = None, dynamic: tuple = (),
+                      sizes: dict | None = None) -> StageActivations:
     """Bytes one microbatch's forward of stage graph ``gm`` saves for backward (a fake run).
 
     ``memo`` (a dict shared across calls) reuses the figures of structurally identical stages and
     recompute regions (the middle stages of a deep model), so the cost follows distinct stages.
+    ``dynamic``: the graph's symbolic dims (``StageGraph.dynamic``), run at ``sizes`` ({symbol: size}).
     """
     memo = {} if memo is None else memo
-    key = ("stage", _structure(gm))
+    resized = {pair: sizes[d.symbol] for d in dynamic if d.symbol in (sizes or {}) for pair in d.inputs}
+    key = ("stage", _structure(gm), tuple(sorted(resized.items())))
     if key not in memo:
-        memo[key] = _stage_activations(gm, transients=memo.setdefault("regions", {}))
+        memo[key] = _stage_activations(gm, transients=memo.setdefault("regions", {}), resized=resized,
+                                       sizes=sizes or {})
     return memo[key]
 
 
-def _stage_activations(gm: fx.GraphModule, *, transients: dict) -> StageActivations:
+def _stage_activations(gm: fx.GraphModule, *, transients: dict, resized: dict, sizes: dict) -> StageActivations:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     ledger, seen = SavedLedger(), set()
-    inputs = _placeholder_fakes(gm, mode)
+    inputs = _placeholder_fakes(gm, mode, resized)
     ledger.exclude(inputs)
     with mode, torch.enable_grad(), ledger.watch():
-        _FakeRun(gm, mode=mode, ledger=ledger, fakes={}, transients=transients, seen=seen).run(*inputs)
+        _FakeRun(gm, mode=mode, ledger=ledger, fakes={}, transients=transients, seen=seen,
+                 sizes=sizes).run(*inputs)
     return StageActivations(saved=ledger.total(), transient=max((transients[k] for k in seen), default=0))
 
 

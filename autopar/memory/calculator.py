@@ -59,6 +59,7 @@ class MemoryEstimate:
     optimizer: str
     zero_stage: int
     precision: str
+    at_bound: str = ""  # the symbolic dims the activations are figured at ("seq 64"): their bound
 
     def peak_rank(self) -> RankMemory:
         """The rank that needs the most memory."""
@@ -70,16 +71,22 @@ class MemoryEstimate:
         parts = [("params", r.params), ("masters", r.master_params), ("grads", r.grads),
                  ("optimizer", r.optimizer), ("activations", r.activations), ("buffers", r.buffers)]
         body = ", ".join(f"{name} {value / GiB:.2f}" for name, value in parts)
+        bound = f"; activations at the bound {self.at_bound}" if self.at_bound else ""
         return (f"peak rank {r.rank} {r.coords}: {r.total / GiB:.2f} GiB ({body}); "
-                f"ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}")
+                f"ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}{bound}")
+
+
+def bound_sizes(dynamic: tuple) -> dict[str, int]:
+    """{symbol: its bound} of the symbolic dims that have one."""
+    return {d.symbol: d.high for d in dynamic if d.high is not None}
 
 
 def _activations(result, pp: int, stages, memo: dict) -> tuple[int, int, dict]:
     """(peak bytes, peak count, bytes per microbatch by stage) of pp rank ``pp``."""
     schedule = result.schedule
     per_stage: dict[int, StageActivations] = {}
-    for s in stages:
-        per_stage[s.stage] = stage_activations(s.gm, memo=memo)
+    for s in stages:  # symbolic dims at their bound: the longest batch the plan takes (docs/batches.md)
+        per_stage[s.stage] = stage_activations(s.gm, memo=memo, dynamic=s.dynamic, sizes=bound_sizes(s.dynamic))
     row = schedule.actions[pp]
     saved = {s: a.saved for s, a in per_stage.items()}
     peak = peak_bytes(row, saved, split_backward=schedule.split_backward)
@@ -124,4 +131,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
                                  master_params=states.master_params, grads=states.grads,
                                  optimizer=states.optimizer, buffers=states.buffers, activations=peak,
                                  peak_in_flight=count, per_microbatch=saved)
-    return MemoryEstimate(ranks=ranks, optimizer=optimizer, zero_stage=zero, precision=plan.precision)
+    dims = next((s.dynamic for s in lowered0.stages), ())
+    at_bound = ", ".join(f"{d.label} {d.high}" for d in dims if d.high is not None)
+    return MemoryEstimate(ranks=ranks, optimizer=optimizer, zero_stage=zero, precision=plan.precision,
+                          at_bound=at_bound)

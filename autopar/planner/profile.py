@@ -16,7 +16,8 @@ tensor-parallel degree the planner considers, :func:`profile_model` shards the c
   an all-to-all would move), from :func:`autopar.passes.moe_detect.find_moe_layers` on the graph
   captured with its experts whole (``expert_parallel=1``).
 
-The model is captured once, at one sample per microbatch, and with its identical blocks captured
+The model is captured once, at one sample per microbatch, its sequences padded to the bound the
+batches may reach (``max_seq_len``, else the model's own maximum; docs/batches.md), and with its identical blocks captured
 once (:mod:`autopar.passes.block_template`): the template block's chunk stands for every block,
 so an 80-layer model costs what a 3-layer one does. Costs scale linearly with the microbatch.
 """
@@ -41,6 +42,7 @@ from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_pipeline
 from autopar.passes.recompute import recompute_stage
+from autopar.passes.seq_bounds import model_max_length, padded_to
 from autopar.plan_model import MeshShape, ParamShard
 
 __all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
@@ -220,8 +222,23 @@ def _expand(chunks: list[ChunkCost], cap: Captured) -> list[ChunkCost]:
     return chunks[: i + 1] + extra + chunks[i + 1:]
 
 
+def _at_bound(model, example_inputs, example_target, options: CompileOptions):
+    """The example with its sequences padded to the bound (``max_seq_len``, else the model's maximum) when
+    batches may be longer than the example's (docs/batches.md): the planner costs the longest batch."""
+    if options.dynamic_shapes == "static":
+        return example_inputs, example_target
+    known = (options.max_seq_len, "") if options.max_seq_len else model_max_length(model)
+    if known is None:
+        return example_inputs, example_target
+    inputs = example_inputs if isinstance(example_inputs, Mapping) else (
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+    return padded_to(inputs, example_target, known[0])
+
+
 def _capture(model, *, example_inputs, loss_fn, example_target, options: CompileOptions):
-    """Capture at one sample per microbatch (all samples when batch statistics forbid splitting)."""
+    """Capture at one sample per microbatch (all samples when batch statistics forbid splitting), with the
+    sequences as long as the bound."""
+    example_inputs, example_target = _at_bound(model, example_inputs, example_target, options)
     batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
                                       "recompute": "none", "zero_stage": 0,
