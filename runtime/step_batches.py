@@ -60,14 +60,15 @@ class StepBatches:
     # -- 1. cut --------------------------------------------------------------------------------
     def cut(self, tensors: tuple) -> tuple[list[dict], list[dict]]:
         """(microbatches, the stage graphs of each): raises autopar's error for a batch it cannot run."""
-        rows = batch_rows(tensors, self.names, local=self.local, where=self._where())
+        names = self.names[:len(tensors)]  # (forward only: no target)
+        rows = batch_rows(tensors, names, local=self.local, where=self._where())
         sizes = microbatch_rows(rows, size=self.size, count=self.count, takes=self.takes)
-        batches = cut_rows(tensors, self.names, sizes)
+        batches = cut_rows(tensors, names, sizes)
         stages, last = [], None
         for batch in batches:
-            key = tuple(tuple(batch[n].shape) for n in self.names)
+            key = tuple(tuple(batch[n].shape) for n in names)
             if last is None or key != last[0]:
-                last = (key, self.shapes.stages_for(batch, self.names))
+                last = (key, self.shapes.stages_for(batch, names))
             stages.append(last[1])
         return batches, stages
 
