@@ -132,7 +132,7 @@ def schedule_of(name: str, pp: int, m: int, v: int):
     pipelines of the common families use their closed forms instead (no action list).
     """
     row = family(name)
-    if pp > 8 and row.closed_form is not None:
+    if pp > 8 and row.closed_form is not None and row.replicas == 1 and not row.asynchronous:
         return _closed_form(name, pp, m, v)
     short = m if m <= 2 * pp else 2 * pp  # (fewer microbatches than ranks: the generator refuses or runs them)
     schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
