@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.registry import family, schedule_names
 from autopar.runtime.schedules.step_graph import END, critical_path, step_graph
+from autopar.runtime.trace import action_durations, bubble_report, measured_critical_path, replay, transfer_latency
+from schedule_runners import CRITICAL_PATH_CASES, results
 
 UNIT = StageCosts(forward=1, backward=1, weight=1)
 
@@ -110,3 +112,28 @@ def test_the_graph_ends_at_every_rank_last_action_and_marks_transfers():
     assert graph.edges[first, second]["kinds"] == {"data"} and graph.edges[first, second]["transfer"] == 0.5
     own = (_action(schedule, "1F0"), _action(schedule, "1B0"))
     assert graph.edges[own]["kinds"] == {"order", "data"} and graph.edges[own]["transfer"] == 0.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CRITICAL_PATH_CASES, ids=lambda c: dict(c.options)["schedule"])
+def test_a_measured_step_gives_its_own_critical_path(case):
+    """A real 2-rank pp=2 run (1F1B, ZB-V): each step's events give the step graph with the measured durations,
+    and its critical path is made of the run's own action times and its transfer latency, as long as the
+    replayed step (runtime/trace.py replay)."""
+    result = results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    schedule = result["schedule"]
+    assert schedule.name == dict(case.options)["schedule"] and schedule.num_ranks == 2
+    for events in result["steps"]:
+        durations, latency = action_durations(events), transfer_latency(schedule, events)
+        path = measured_critical_path(schedule, events)
+        assert path.length == pytest.approx(replay(schedule, events).step_time, rel=1e-12)
+        assert path.length > 0 and {s.rank for s in path.steps} == {0, 1}  # the fill crosses the ranks
+        for step in path.steps:
+            expected = latency if step.kind == "transfer" else durations[_action(schedule, step.label)]
+            assert step.seconds == pytest.approx(expected, rel=1e-12), step
+        graph = step_graph(schedule)
+        actions = [_action(schedule, a) for a in path.actions]
+        assert all(graph.has_edge(a, b) for a, b in zip(actions, actions[1:]))
+        assert graph.has_edge(actions[-1], END)  # it ends with the last action of a rank
+        assert f"critical path {path.length:.4g} s" in bubble_report(schedule, events)
