@@ -125,7 +125,7 @@ def fit_report(formula: MemoryFormula, *, capacity: float, step: int = 1, where:
     c = formula.coords[rank]
     lines = [f"memory of rank {rank} (dp={c['dp']} pp={c['pp']} tp={c['tp']}), b = microbatch size, s = sequence "
              f"length: {describe(formula.expr(rank))}"]
-    device = f"{capacity / GiB:.2f} GiB per device" + (f" ({where})" if where else "")
+    device = f"{_bytes(capacity)} per device" + (f" ({where})" if where else "")
     longest = longest_sequence(formula, capacity=capacity, step=step) if s0 is not None else None
     if s0 is not None and longest is None:
         lines.append("longest sequence: memory does not grow with the sequence here")
