@@ -31,8 +31,9 @@ run 'autopar COMMAND --help' for the options of one command."""
 
 _INSPECT_DESCRIPTION = """\
 Plan a model for a dp x pp x tp mesh in this one process (no process group, no GPUs) and
-print the Plan's summary and the rewritten graph of the chosen rank(s): the tensor-parallel
-collectives (tp_copy_*, tp_reduce_*) and pipeline send_*/recv_* nodes appear in the code.
+print the Plan's summary, the schedule's critical path (simulated with each stage's FLOPs) and the
+rewritten graph of the chosen rank(s): the tensor-parallel collectives (tp_copy_*, tp_reduce_*)
+and pipeline send_*/recv_* nodes appear in the code.
 
 TARGET is MODULE:CALLABLE. The callable takes no arguments and returns one of
   model                                        (then give --input-shape, see below)
@@ -82,6 +83,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print("\n\n".join(graph_diff(result, rank) for rank in ranks))
         return 0
     print(result.summary())
+    from autopar.report.timeline import simulate_plan
+    timing = simulate_plan(result)  # stage costs from FLOPs, as the report's timeline
+    print(timing.sim.critical_path.summary(unit=f"units ({timing.unit})"))
     if args.html and args.rank is None and not args.all_ranks:  # the graphs are in the report
         return 0
     for rank in ranks:

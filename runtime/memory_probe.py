@@ -70,6 +70,10 @@ class SavedLedger:
         """Bytes of the held storages (their size now), excluded ones left out."""
         return sum(self.held[k].nbytes() for k in self.keys())
 
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes of each held storage, excluded ones left out, in the order they were first saved."""
+        return tuple(v.nbytes() for k, v in self.held.items() if k not in self.excluded)
+
 
 @dataclass(frozen=True)
 class StateBytes:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from equivalence import Case, build, make_optimizer, replica_record, run_cases
 
 __all__ = ["text_batches", "async_run", "trace_run", "layout_of", "SYNC_CASES", "INFER_CASES", "ASYNC_CASES",
-           "TRACE_CASE", "results"]
+           "TRACE_CASE", "CRITICAL_PATH_CASES", "results"]
 
 
 def text_batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,7 +132,11 @@ ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_los
                          options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
 if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
     ASYNC_DICT_CASES = []
-ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
+#: a measured step's own critical path (runtime/trace.py measured_critical_path): 1F1B and ZB-V on pp=2
+CRITICAL_PATH_CASES = [_case("gpt_tiny", (1, 2, 1), "1f1b", 4, kind="schedule_runners:trace_run", steps=2),
+                       _case("gpt_tiny", (1, 2, 1), "zb_v", 4, layers=4, kind="schedule_runners:trace_run", steps=2)]
+ALL_CASES = (SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES
+             + CRITICAL_PATH_CASES)  # TRACE_CASE runs alone (its timing test)
 
 
 @functools.lru_cache(maxsize=None)

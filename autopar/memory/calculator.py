@@ -93,25 +93,24 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
 
     ``optimizer``: ``"sgd"`` (no state), ``"momentum"`` (SGD with momentum), ``"adam"``/``"adamw"``.
     ``zero_stage`` overrides the plan's for the model states (what-if); precision and recompute
-    are read from the plan's graphs.
+    are read from the plan's graphs. Every rank the result has built is estimated (all of them
+    from a plain :func:`autopar.plan`; with ``ranks=`` only those).
     """
     plan = result.plan
     zero = plan.zero_stage if zero_stage is None else zero_stage
     shape = plan.mesh
-    lowered0 = result.lowered[0]
     stage_to_rank = result.schedule.stage_to_rank
-    activations, memo = {}, {}
     local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp = dp / ep
-    for pp in range(shape.pp):
-        mine = [s for s in lowered0.stages if stage_to_rank[s.stage] == pp]
-        activations[pp] = _activations(result, pp, mine, memo)  # tp ranks share shapes: tp rank 0 stands for all
-    groups = {}
-    for pp in range(shape.pp):
-        for tp in range(shape.tp):
-            stages = [s for s in result.lowered[tp].stages if stage_to_rank[s.stage] == pp]
+    activations, groups, memo = {}, {}, {}
+    for graphs in result.ranks.values():
+        c = graphs.coords
+        stages = [s for s in _stages(result, c["pp"], c["tp"]) if stage_to_rank[s.stage] == c["pp"]]
+        if c["pp"] not in activations:  # tp ranks share shapes: the first built stands for all
+            activations[c["pp"]] = _activations(result, c["pp"], stages, memo)
+        if (c["pp"], c["tp"]) not in groups:
             params, buffers = rank_params(stages)
             owned = owned_names(params, dp=shape.dp, local=local) if zero in (1, 2) and shape.dp > 1 else None
-            groups[(pp, tp)] = (params, buffers, owned)
+            groups[(c["pp"], c["tp"])] = (params, buffers, owned)
     ranks = {}
     for rank, graphs in result.ranks.items():
         c = graphs.coords
@@ -124,4 +123,12 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
                                  master_params=states.master_params, grads=states.grads,
                                  optimizer=states.optimizer, buffers=states.buffers, activations=peak,
                                  peak_in_flight=count, per_microbatch=saved)
-    return MemoryEstimate(ranks=ranks, optimizer=optimizer, zero_stage=zero, precision=plan.precision)
+    return MemoryEstimate(ranks=dict(sorted(ranks.items())), optimizer=optimizer, zero_stage=zero,
+                          precision=plan.precision)
+
+
+def _stages(result, pp: int, tp: int):
+    """The stage graphs of tp rank ``tp`` holding pp rank ``pp``'s stages (the full lowering where built)."""
+    if tp in result.lowered:
+        return result.lowered[tp].stages
+    return next(g.stages for g in result.ranks.values() if g.coords["pp"] == pp and g.coords["tp"] == tp)

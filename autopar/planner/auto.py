@@ -18,7 +18,7 @@ from autopar.errors import PlanError
 from autopar.options import CompileOptions, resolve_plan
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
-from autopar.planner.cost_model import Estimate
+from autopar.planner.cost_model import CostModel, Estimate
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
 from autopar.planner.search import SearchResult, SearchSpace, search
@@ -44,6 +44,10 @@ class PlannerReport:
     def table(self, *, top: int = 10, rejected: int = 5) -> str:
         """The ranked candidates (est. step time, memory per rank) and some rejected ones with reasons."""
         return format_table(self.result, top=top, rejected=rejected)
+
+    def critical_path(self, *, optimizer: str = "adam"):
+        """The critical path of the chosen plan's pipeline under the planner's stage times (seconds)."""
+        return CostModel(self.profile, self.cluster, optimizer=optimizer).critical_path(self.best.candidate)
 
     def summary(self) -> str:
         return "\n".join([f"planned for {self.result.world} ranks of {self.cluster.name} "
