@@ -1,0 +1,285 @@
+"""The job-wide watch: heartbeats, and the diagnosis every surviving rank writes when the job stops.
+
+Each rank's :class:`JobWatch` talks to the job's *rendezvous store*, never to its process groups
+(a group with a missed collective is unusable; the store is a plain key-value server):
+:func:`open_store` connects a client to torchrun's store (``MASTER_ADDR``/``MASTER_PORT``: the
+agent's store under torchrun, or the one rank 0 serves for ``init_process_group``'s ``env://``),
+else takes the default group's own store, else a FileStore in ``run_dir``. Keys live under a
+prefix of the program's own, agreed at build time, so restarts and later programs never mix.
+
+- **Heartbeats**: a daemon thread writes ``hb/<rank>`` (the time and what the rank is doing) every
+  :data:`HEARTBEAT_S` seconds and reads the failure counter; nothing else touches the store while
+  the job is healthy.
+- **After a failure** (a collective or a receive past ``p2p_timeout_s``, a peer that died, a wait
+  the thread sees last longer than that, or SIGTERM from torchrun tearing the job down), the
+  failing rank raises the counter and publishes its flight record; every other live rank's thread
+  sees the counter within a heartbeat and publishes its own. The failing rank collects what came
+  within two heartbeats and a second, reads the flight files of the ranks that did not publish
+  (a killed rank leaves its file in ``run_dir``), and builds the diagnosis
+  (:mod:`autopar.runtime.diagnosis`): it is logged, written to ``run_dir/diagnosis.txt`` and
+  ``diagnosis.json``, and its summary joins the RuntimeCommError's message. A SIGTERM that comes
+  while a rank diagnoses waits until the report is written (torchrun sends SIGKILL only 30 s later).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+import weakref
+
+import torch.distributed as dist
+
+from autopar.runtime.diagnosis import Diagnosis, RankView, diagnose, views_to_json
+from autopar.runtime.flight_record import FlightRecord, read_record
+
+__all__ = ["JobWatch", "open_store", "start_watch", "HEARTBEAT_S", "write_report"]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # seconds between heartbeats
+_STORE_TIMEOUT_S = 10.0  # one store operation at most
+
+
+def open_store(*, run_dir: str | None, world: int):
+    """The rendezvous store (module docstring) and how it was found, or (None, reason)."""
+    env = os.environ
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        try:
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
+            return store, f"torchrun's store at {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        except Exception as exc:  # noqa: BLE001 - no server there: try the next
+            log.debug("no rendezvous store at MASTER_ADDR:MASTER_PORT: %s", exc)
+    try:
+        return dist.distributed_c10d._get_default_store(), "the default process group's store"
+    except Exception as exc:  # noqa: BLE001 - a group made without a store
+        log.debug("the default process group has no store: %s", exc)
+    if run_dir:
+        os.makedirs(os.path.join(run_dir, "flight"), exist_ok=True)
+        return dist.FileStore(os.path.join(run_dir, "flight", "store"), world), f"a FileStore in {run_dir}"
+    return None, "no store reachable"
+
+
+def _doing(record: FlightRecord) -> str:
+    """What the rank is doing, in a few words (its heartbeat's payload)."""
+    latest = record.latest(8)
+    for e in reversed(latest):
+        if e.state == "waiting":
+            return f"waiting in {e.describe()} (step {e.step})"
+    for e in reversed(latest):
+        if e.kind == "action":
+            return f"{'running' if e.is_open else 'after'} {e.describe()} (step {e.step})"
+    return f"{latest[-1].kind} {latest[-1].describe()}" if latest else "nothing recorded yet"
+
+
+def write_report(run_dir: str, report: Diagnosis, *, rank: int) -> str:
+    """Write ``diagnosis.txt`` and ``diagnosis.json`` into ``run_dir`` (each atomically); the text's path."""
+    os.makedirs(run_dir, exist_ok=True)
+    for name, text in (("diagnosis.json", views_to_json(report)), ("diagnosis.txt", report.text() + "\n")):
+        tmp = os.path.join(run_dir, f".{name}.{rank}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(run_dir, name))
+    return os.path.join(run_dir, "diagnosis.txt")
+
+
+class JobWatch:
+    """This rank's heartbeats and its part in the job-wide diagnosis (module docstring)."""
+
+    def __init__(self, *, record: FlightRecord, store, prefix: str, world: int, run_dir: str | None,
+                 timeout_s: float, heartbeat_s: float = HEARTBEAT_S):
+        self.record, self.store, self.prefix, self.world = record, store, prefix, world
+        self.rank, self.run_dir, self.timeout_s, self.heartbeat_s = record.rank, run_dir, timeout_s, heartbeat_s
+        self.report: Diagnosis | None = None
+        self.report_path: str | None = None
+        self._seen_failures = 0
+        self._busy = threading.Lock()  # held while this rank diagnoses
+        self._terminate = False  # SIGTERM came during the diagnosis: die once it is written
+        self._stop = threading.Event()
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        return f"{self.prefix}/{what}" + ("" if rank is None else f"/{rank}")
+
+    # -- the heartbeat thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the heartbeat thread (it ends with this watch) and take part in SIGTERM."""
+        if self.store is not None:
+            threading.Thread(target=_beat_loop, args=(weakref.ref(self), self._stop, self.heartbeat_s), daemon=True,
+                             name=f"autopar-heartbeat-{self.rank}").start()
+        _join_sigterm(self)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self) -> None:
+        """One heartbeat: say we live, publish the record if a rank failed since, catch an overlong wait."""
+        self.store.set(self._key("hb", self.rank), json.dumps({"t": time.time(), "doing": _doing(self.record)}))
+        failures = int(self.store.add(self._key("failures"), 0))
+        if failures > self._seen_failures:
+            self._seen_failures = failures
+            self.publish()
+        self._watchdog()
+
+    def _watchdog(self) -> None:
+        """A wait the rank's own deadline should have ended (an untimed one: NCCL, an object collective)."""
+        if self.report is not None:
+            return
+        limit = self.timeout_s + 2 * self.heartbeat_s + 1.0
+        for e in self.record.latest(16):
+            if e.state == "waiting" and time.time() - e.start > limit:
+                self.diagnose(f"rank {self.rank} has been blocked in {e.describe()} for {time.time() - e.start:.0f} "
+                              f"s, longer than p2p_timeout_s ({self.timeout_s:g} s)")
+                return
+
+    def publish(self, failure: str = "") -> None:
+        """Put this rank's flight record on the store."""
+        self.store.set(self._key("record", self.rank), json.dumps({"snapshot": self.record.snapshot(),
+                                                                   "failure": failure}))
+        if int(self.store.add(self._key("published", self.rank), 1)) == 1:
+            self.store.add(self._key("published"), 1)
+
+    # -- the diagnosis --------------------------------------------------------------------------------
+    def diagnose(self, reason: str) -> Diagnosis | None:
+        """Publish, collect every rank's record, log and write the report (once per watch); the report."""
+        if not self._busy.acquire(timeout=4 * self.heartbeat_s + 2 * _STORE_TIMEOUT_S):
+            return self.report
+        try:
+            if self.report is None:
+                self.record.note("failure", reason, failed=True)
+                self.report = diagnose(self._views(reason), world=self.world, now=time.time(), reporter=self.rank,
+                                       reason=f"rank {self.rank}: {reason}")
+                log.error("job-wide diagnosis by rank %d:\n%s", self.rank, self.report.text())
+                if self.run_dir:
+                    self.report_path = write_report(self.run_dir, self.report, rank=self.rank)
+            return self.report
+        finally:
+            self._busy.release()
+            if self._terminate:
+                _die()
+
+    def _views(self, reason: str) -> dict:
+        views = {}
+        if self.store is not None:
+            try:
+                self.store.add(self._key("failures"), 1)
+                self.publish(reason)
+                views = self._collect()
+            except Exception as exc:  # noqa: BLE001 - the store is gone too: this rank's record and the files
+                log.warning("rank %d: the rendezvous store did not answer (%s): the diagnosis uses this rank's "
+                            "record and the flight files in run_dir only", self.rank, exc)
+        views.setdefault(self.rank, RankView(self.rank, self.record.snapshot(), source="store", alive=True,
+                                             failure=reason))
+        for rank in range(self.world):  # the ranks that did not publish: the files they left, if any
+            view = views.get(rank)
+            if view is not None and view.source != "none" or not self.run_dir:
+                continue
+            snapshot = read_record(self.run_dir, rank)
+            if snapshot is not None:
+                views[rank] = RankView(rank, snapshot, source="file", alive=view.alive if view else False,
+                                       heartbeat_age=view.heartbeat_age if view else None,
+                                       heartbeat_doing=view.heartbeat_doing if view else "")
+        return views
+
+    def _collect(self) -> dict:
+        """Every rank's published record within two heartbeats and a second, and each rank's last heartbeat."""
+        deadline = time.monotonic() + 2 * self.heartbeat_s + 1.0
+        while int(self.store.add(self._key("published"), 0)) < self.world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        now, views = time.time(), {}
+        for rank in range(self.world):
+            beat = self._get(self._key("hb", rank))
+            age, doing = (now - beat["t"], beat["doing"]) if beat else (None, "")
+            published = self._get(self._key("record", rank))
+            if published is not None:
+                views[rank] = RankView(rank, published["snapshot"], source="store", heartbeat_age=age,
+                                       heartbeat_doing=doing, alive=True, failure=published["failure"])
+            else:  # not published: gone if its heartbeat stopped, else alive but silent
+                views[rank] = RankView(rank, None, heartbeat_age=age, heartbeat_doing=doing,
+                                       alive=age is not None and age < 2 * self.heartbeat_s)
+        return views
+
+    def _get(self, key: str):
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def on_failure(self, text: str) -> str:
+        """The main thread's hook before it raises RuntimeCommError: diagnose; a line for the error."""
+        report = self.diagnose(text)
+        if report is None:
+            return ""
+        return report.summary() + (f" (report: {self.report_path})" if self.report_path else "")
+
+    def on_sigterm(self) -> bool:
+        """SIGTERM (torchrun tears the job down): diagnose first. True if a diagnosis runs now and dies after."""
+        if self._busy.locked():
+            self._terminate = True
+            return True
+        if self.report is None:
+            self.diagnose(f"rank {self.rank} received SIGTERM (the launcher stops the job) while "
+                          f"{_doing(self.record)}")
+        return False
+
+
+def _beat_loop(ref, stop: threading.Event, period: float) -> None:
+    """The heartbeat thread: beats until its watch is gone or stopped; store errors are retried quietly."""
+    while True:  # the first beat at once, then one per period
+        watch = ref()
+        if watch is None:
+            return
+        try:
+            watch.beat()
+        except Exception as exc:  # noqa: BLE001 - the store went away (the job ends): keep trying, quietly
+            log.debug("rank %d: heartbeat failed: %s", watch.rank, exc)
+        del watch
+        if stop.wait(period):
+            return
+
+
+def _die() -> None:
+    """End the process as the SIGTERM that was held back would have."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)
+
+
+def _join_sigterm(watch: JobWatch) -> None:
+    """Diagnose on SIGTERM: chain onto autopar's handler, or install one where none is set (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if getattr(current, "autopar_watches", None) is not None:
+        current.autopar_watches.append(weakref.ref(watch))
+        return
+    if current not in (signal.SIG_DFL, None):
+        return  # the user's own handler stays
+
+    def handler(signum, frame):
+        deferred = False
+        for ref in list(handler.autopar_watches):
+            live = ref()
+            if live is not None:
+                deferred = live.on_sigterm() or deferred
+        if not deferred:
+            _die()
+
+    handler.autopar_watches = [weakref.ref(watch)]
+    signal.signal(signal.SIGTERM, handler)
+
+
+def start_watch(record: FlightRecord, *, world: int, run_dir: str | None, timeout_s: float) -> JobWatch | None:
+    """This rank's watch over the job (collective: agrees on the store prefix); None on a world of one."""
+    if world < 2 or not dist.is_initialized():
+        return None
+    nonce = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)  # the prefix of this program's keys, the same on every rank
+    store, how = open_store(run_dir=run_dir, world=world)
+    log.debug("rank %d: flight record watch over %s", record.rank, how)
+    watch = JobWatch(record=record, store=store, prefix=f"/autopar/flight/{nonce[0]}", world=world, run_dir=run_dir,
+                     timeout_s=timeout_s)
+    watch.start()
+    return watch
