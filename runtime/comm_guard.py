@@ -85,8 +85,9 @@ class CommGuard:
         summary = self.on_failure(f"{error.what} ({error.where})")
         if not summary:
             return error
+        rest = error.fix or ""
         return type(error)(error.what, where=error.where, fix=f"the job-wide diagnosis says: {summary}. "
-                                                               f"{error.fix or ''}")
+                                                               f"{rest[:1].upper()}{rest[1:]}")
 
     def error(self, op: str, *, group, purpose: str, exc: BaseException) -> RuntimeCommError:
         """RuntimeCommError for collective ``op`` over ``group`` that failed with ``exc``."""
@@ -117,6 +118,10 @@ class CommGuard:
 
     def _begin(self, op: str, group, purpose: str) -> int | None:
         return None if self.flight is None else self.flight.collective(op, purpose, self.ranks_of(group))
+
+    def record(self, op: str, purpose: str, ranks) -> int | None:
+        """A flight entry for an exchange among ``ranks`` the caller waits on itself (``wait(entry=...)``)."""
+        return None if self.flight is None else self.flight.collective(op, purpose, tuple(sorted(ranks)))
 
     def wait(self, work, *, op: str, group, purpose: str, entry: int | None = None) -> None:
         """Wait for ``work`` (an async collective's handle) until the deadline; ``entry``: its flight entry."""

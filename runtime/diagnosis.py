@@ -66,6 +66,7 @@ class Wait:
     entry: Entry
     on: tuple[int, ...]
     during: str
+    gone: bool = False  # the waiting rank is gone itself: its record stops in this wait
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def _waits(views: dict) -> list[Wait]:
             continue
         on = (entry.peer,) if entry.kind == "recv" else tuple(
             r for r in entry.group if r != rank and not _same(views.get(r), entry))
-        out.append(Wait(rank, entry, on, _during(view, entry)))
+        out.append(Wait(rank, entry, on, _during(view, entry), gone=view.alive is False))
     return out
 
 
@@ -358,6 +359,8 @@ def _wait_line(w: Wait, now: float) -> str:
     e = w.entry
     if e.state == "failed":
         how = f"gave up waiting in {e.describe()} after {e.end - e.start:.1f} s"
+    elif w.gone:
+        how = f"was waiting in {e.describe()} when its record stops ({now - e.start:.1f} s before this report)"
     else:
         how = f"waits in {e.describe()} since {now - e.start:.1f} s"
     on = f", on rank{'s' if len(w.on) > 1 else ''} {', '.join(map(str, w.on))}" if w.on else \

@@ -120,17 +120,21 @@ class FlightRecord:
             self._open_files(folder)
 
     def _open_files(self, folder: str) -> None:
+        """New files (an earlier record of this rank, still mapped by a live program, keeps its own)."""
         self.path, names = record_files(folder, self.rank)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         size = _HEADER + self.capacity * _SIZE
-        with open(self.path, "wb") as f:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w+b") as f:
             f.truncate(size)
-        with open(self.path, "r+b") as f:
             self._buffer = mmap.mmap(f.fileno(), size)
         self._offset = _HEADER
-        self._names_file = open(names, "w", encoding="utf-8")  # noqa: SIM115 - kept open, one line per new string
-        self._names_file.write(json.dumps("") + "\n")
         self.set_meta()
+        self._names_file = open(f"{names}.{os.getpid()}.tmp", "w", encoding="utf-8")  # noqa: SIM115 - kept open
+        self._names_file.write(json.dumps("") + "\n")
+        self._names_file.flush()
+        os.replace(self._names_file.name, names)
+        os.replace(tmp, self.path)
 
     def set_meta(self, **meta) -> None:
         """Add to the record's meta (coordinates, stages, world size), kept in the file's header."""

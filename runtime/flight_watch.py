@@ -74,7 +74,15 @@ def _doing(record: FlightRecord) -> str:
     for e in reversed(latest):
         if e.kind == "action":
             return f"{'running' if e.is_open else 'after'} {e.describe()} (step {e.step})"
-    return f"{latest[-1].kind} {latest[-1].describe()}" if latest else "nothing recorded yet"
+    if not latest:
+        return "not in a step yet"
+    last = latest[-1]
+    return f"after its {last.name} note" if last.kind == "note" else f"{last.kind} {last.describe()}"
+
+
+def _in_step(record: FlightRecord) -> bool:
+    """Whether the rank is inside a step: an action running, a collective or a receive not ended."""
+    return any(e.is_open and e.kind in ("action", "collective", "recv") for e in record.latest(8))
 
 
 def write_report(run_dir: str, report: Diagnosis, *, rank: int) -> str:
@@ -207,20 +215,26 @@ class JobWatch:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def on_failure(self, text: str) -> str:
-        """The main thread's hook before it raises RuntimeCommError: diagnose; a line for the error."""
-        report = self.diagnose(text)
+        """The main thread's hook before it raises RuntimeCommError: diagnose; a line for the error ("" if
+        the diagnosis could not be made: the error it was to explain is raised all the same)."""
+        try:
+            report = self.diagnose(text)
+        except Exception:  # noqa: BLE001 - never hide the rank's own error behind the diagnosis's
+            log.exception("rank %d: the job-wide diagnosis failed", self.rank)
+            return ""
         if report is None:
             return ""
         return report.summary() + (f" (report: {self.report_path})" if self.report_path else "")
 
     def on_sigterm(self) -> bool:
-        """SIGTERM (torchrun tears the job down): diagnose first. True if a diagnosis runs now and dies after."""
+        """SIGTERM (torchrun tears the job down) inside a step: diagnose first. True if a diagnosis is under
+        way (this rank dies once it is written)."""
         if self._busy.locked():
             self._terminate = True
             return True
-        if self.report is None:
-            self.diagnose(f"rank {self.rank} received SIGTERM (the launcher stops the job) while "
-                          f"{_doing(self.record)}")
+        if self.report is None and _in_step(self.record):  # (an idle program, a finished one: nothing to say)
+            self.on_failure(f"rank {self.rank} received SIGTERM (the launcher stops the job) while "
+                            f"{_doing(self.record)}")
         return False
 
 

@@ -53,8 +53,8 @@ def test_a_rank_that_stops_sending_mid_1f1b_is_named_with_the_microbatch_it_did_
     assert "culprit: rank 0: it ran 0F2 (step 2) but never sent the activation of edge 0, microbatch 2 that " \
            "rank 1 waits for" in text
     assert re.search(r"its last action: 0B2 \(stage 0, microbatch 2\), step 2", text)
-    assert "rank 1 gave up waiting in receive of the activation of edge 0, microbatch 2 from rank 0 (stage 0) " \
-           "after 2.0 s, during 1F2, on rank 0" in text
+    assert re.search(r"rank 1 gave up waiting in receive of the activation of edge 0, microbatch 2 from rank 0 "
+                     r"\(stage 0\) after \d+\.\d s, during 1F2, on rank 0", text), text
     for rank in (0, 1):  # each rank's own error carries the verdict
         error = fr.result(root, "stop_sending", rank)["error"]
         assert "the job-wide diagnosis says: culprit rank 0: it ran 0F2" in error, error
@@ -69,9 +69,9 @@ def test_a_straggler_that_finishes_is_named_with_its_figures_and_the_wait_it_cau
         assert found["rank"] == 1 and found["peers"] == (0,) and found["slowest_action"].startswith("0F")
         assert found["forward_s"] >= 0.8 and found["slowest_s"] >= 0.8
     (warning,) = [w for w in results[0]["warnings"] if w.startswith(f"straggler at step {fr.FAULT_STEP}")]
-    assert re.search(r"rank 1 \(pipeline rank 0\) computed its actions in \d\.\d+ s \(forward 0\.8\d\d s", warning)
+    assert re.search(r"rank 1 \(pipeline rank 0\) computed its actions in \d+\.\d{3} s \(forward \d+\.\d{3} s", warning)
     node = fr.VICTIM
-    assert re.search(rf"rank 0's longest wait this step: 0\.[78]\d\d s in all_reduce #\d+ over ranks \[0, 1\] "
+    assert re.search(rf"rank 0's longest wait this step: \d+\.\d{{3}} s in all_reduce #\d+ over ranks \[0, 1\] "
                      rf"\(TpReduce node {node} \(mesh axis tp\)\) during 0F0", warning), warning
     assert not any(w.startswith("straggler") for w in results[1]["warnings"])  # one rank says it
 
@@ -84,10 +84,10 @@ def test_a_rank_asleep_past_the_deadline_is_named_by_the_rank_that_waits_for_it(
     assert re.search(r"culprit rank 1: it waits on no peer: it has been running 0F0 \(stage 0, microbatch 0\) "
                      r"for \d\.\d s; its last action: 0F0", first), first
     assert re.search(rf"rank 0 gave up waiting in all_reduce #\d+ over ranks \[0, 1\] \(TpReduce node {node} "
-                     rf"\(mesh axis tp\)\) after 2\.0 s, during 0F0, on rank 1", first), first
+                     rf"\(mesh axis tp\)\) after \d+\.\d s, during 0F0, on rank 1", first), first
     # rank 1 wakes, finds rank 0 gone from the group, and its report still names itself: it came 4 s late
     assert re.search(rf"culprit rank 1: it issued all_reduce #\d+ over ranks \[0, 1\] \(TpReduce node {node} "
-                     rf"\(mesh axis tp\)\) [34]\.\d s after rank 0 had begun waiting in it", late), late
+                     rf"\(mesh axis tp\)\) \d+\.\d s after rank 0 had begun waiting in it", late), late
     assert "culprit: rank 1:" in fr.report(root, "sleeper")
 
 
