@@ -69,7 +69,8 @@ def test_a_straggler_that_finishes_is_named_with_its_figures_and_the_wait_it_cau
         assert found["rank"] == 1 and found["peers"] == (0,) and found["slowest_action"].startswith("0F")
         assert found["forward_s"] >= 0.8 and found["slowest_s"] >= 0.8
     (warning,) = [w for w in results[0]["warnings"] if w.startswith(f"straggler at step {fr.FAULT_STEP}")]
-    assert re.search(r"rank 1 \(pipeline rank 0\) computed its actions in \d+\.\d{3} s \(forward \d+\.\d{3} s", warning)
+    assert re.search(r"rank 1 \(pipeline rank 0\) computed its actions in \d+\.\d{3} s \(forward \d+\.\d{3} s",
+                     warning), warning
     node = fr.VICTIM
     assert re.search(rf"rank 0's longest wait this step: \d+\.\d{{3}} s in all_reduce #\d+ over ranks \[0, 1\] "
                      rf"\(TpReduce node {node} \(mesh axis tp\)\) during 0F0", warning), warning
