@@ -2,8 +2,9 @@
 
 A run compiled with ``run_dir=RUN_DIR`` leaves there each rank's flight record (``flight/rank<R>.bin``)
 and, when a rank lived to write it, the diagnosis (``diagnosis.json``, ``diagnosis.txt``). This
-command prints the same report the ranks logged, rebuilt from ``diagnosis.json``; when no rank
-wrote one (every process was killed), it reads the flight files alone (docs/errors.md).
+command prints the same report the ranks logged, rebuilt from ``diagnosis.json`` (or, on a host
+where only ``diagnosis.txt`` was written, that); when no rank wrote one (every process was
+killed), it reads the flight files alone (docs/errors.md).
 
     autopar diagnose /scratch/run7
 """
@@ -35,6 +36,10 @@ def diagnose_text(run_dir: str) -> str:
         raise InputError(f"{run_dir!r} is not a folder", where="autopar diagnose RUN_DIR",
                          fix="pass the run_dir the program was compiled with")
     report = read_run(run_dir)
+    text = os.path.join(run_dir, "diagnosis.txt")
+    if report is None and os.path.exists(text):  # written by a rank that took the report from another host
+        with open(text, encoding="utf-8") as f:
+            return f.read().rstrip("\n")
     if report is None:
         raise InputError(f"{run_dir!r} holds no diagnosis.json and no flight files (flight/rank<R>.bin)",
                          where="autopar diagnose RUN_DIR",

@@ -201,10 +201,12 @@ class FlightRecord:
             self._names_file = None
 
     # -- reading ---------------------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        """The record as JSON-able data (the raw slots and the strings); :func:`decode` reads it."""
+    def snapshot(self, last: int | None = None) -> dict:
+        """The record (its ``last`` entries only, if given) as JSON-able data: the raw slots and the strings;
+        :func:`decode` reads it."""
         raw = bytes(self._buffer[self._offset:self._offset + self.capacity * _SIZE])  # one copy, under the GIL
-        return {"meta": dict(self.meta), "names": list(self._names), "slots": _raw_slots(raw)}
+        slots = _raw_slots(raw)
+        return {"meta": dict(self.meta), "names": list(self._names), "slots": slots[-last:] if last else slots}
 
     def entries(self) -> list[Entry]:
         """Every entry still held, oldest first."""

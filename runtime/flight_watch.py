@@ -11,14 +11,17 @@ prefix of the program's own, agreed at build time, so restarts and later program
   :data:`HEARTBEAT_S` seconds and reads the failure counter; nothing else touches the store while
   the job is healthy.
 - **After a failure** (a collective or a receive past ``p2p_timeout_s``, a peer that died, a wait
-  the thread sees last longer than that, or SIGTERM from torchrun tearing the job down), the
-  failing rank raises the counter and publishes its flight record; every other live rank's thread
-  sees the counter within a heartbeat and publishes its own. The failing rank collects what came
-  within two heartbeats and a second, reads the flight files of the ranks that did not publish
-  (a killed rank leaves its file in ``run_dir``), and builds the diagnosis
-  (:mod:`autopar.runtime.diagnosis`): it is logged, written to ``run_dir/diagnosis.txt`` and
-  ``diagnosis.json``, and its summary joins the RuntimeCommError's message. A SIGTERM that comes
-  while a rank diagnoses waits until the report is written (torchrun sends SIGKILL only 30 s later).
+  the thread sees last longer than that, or SIGTERM from torchrun tearing the job down inside a
+  step), the failing rank raises the failure counter and publishes its flight record; every other
+  live rank's thread sees the counter within a heartbeat and publishes its own. The *first* failing
+  rank collects what came within two heartbeats and a second, reads the flight files of the ranks
+  that did not publish (a killed rank leaves its file in ``run_dir``), makes the one report
+  (:mod:`autopar.runtime.diagnosis`) and puts its text on the store; every other rank, failing
+  later or still live, takes that same report from there. Every rank logs it and writes
+  ``run_dir/diagnosis.txt`` (the maker also ``diagnosis.json``, which ``autopar diagnose`` rebuilds
+  the text from), and its summary joins each rank's RuntimeCommError. Store traffic after a failure
+  is one record per rank and one read of each by one rank. A SIGTERM that comes while a rank takes
+  part waits until the report is written (torchrun sends SIGKILL only 30 s later).
 """
 from __future__ import annotations
 
@@ -31,17 +34,19 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from autopar.runtime.diagnosis import Diagnosis, RankView, diagnose, views_to_json
 from autopar.runtime.flight_record import FlightRecord, read_record
 
-__all__ = ["JobWatch", "open_store", "start_watch", "HEARTBEAT_S", "write_report"]
+__all__ = ["JobWatch", "Report", "open_store", "start_watch", "HEARTBEAT_S", "write_report"]
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats
+PUBLISHED_ENTRIES = 1024  # a rank's newest entries it puts on the store (its file keeps them all)
 _STORE_TIMEOUT_S = 10.0  # one store operation at most
 
 
@@ -85,10 +90,25 @@ def _in_step(record: FlightRecord) -> bool:
     return any(e.is_open and e.kind in ("action", "collective", "recv") for e in record.latest(8))
 
 
-def write_report(run_dir: str, report: Diagnosis, *, rank: int) -> str:
-    """Write ``diagnosis.txt`` and ``diagnosis.json`` into ``run_dir`` (each atomically); the text's path."""
+@dataclass(frozen=True)
+class Report:
+    """The job's one report: its text, its one-line summary, the rank that made it, and (on that rank) the
+    :class:`~autopar.runtime.diagnosis.Diagnosis` it was made from."""
+
+    text: str
+    summary: str
+    reporter: int
+    diagnosis: Diagnosis | None = None
+
+
+def write_report(run_dir: str, report: Report, *, rank: int) -> str:
+    """Write ``diagnosis.txt`` (and, on the rank that made it, ``diagnosis.json``) into ``run_dir``, each
+    atomically; the text's path."""
     os.makedirs(run_dir, exist_ok=True)
-    for name, text in (("diagnosis.json", views_to_json(report)), ("diagnosis.txt", report.text() + "\n")):
+    files = [("diagnosis.txt", report.text + "\n")]
+    if report.diagnosis is not None:
+        files.insert(0, ("diagnosis.json", views_to_json(report.diagnosis)))
+    for name, text in files:
         tmp = os.path.join(run_dir, f".{name}.{rank}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -103,7 +123,7 @@ class JobWatch:
                  timeout_s: float, heartbeat_s: float = HEARTBEAT_S):
         self.record, self.store, self.prefix, self.world = record, store, prefix, world
         self.rank, self.run_dir, self.timeout_s, self.heartbeat_s = record.rank, run_dir, timeout_s, heartbeat_s
-        self.report: Diagnosis | None = None
+        self.report: Report | None = None
         self.report_path: str | None = None
         self._seen_failures = 0
         self._busy = threading.Lock()  # held while this rank diagnoses
@@ -131,6 +151,8 @@ class JobWatch:
         if failures > self._seen_failures:
             self._seen_failures = failures
             self.publish()
+        if failures:
+            self._take_shared()
         self._watchdog()
 
     def _watchdog(self) -> None:
@@ -146,43 +168,87 @@ class JobWatch:
 
     def publish(self, failure: str = "") -> None:
         """Put this rank's flight record on the store."""
-        self.store.set(self._key("record", self.rank), json.dumps({"snapshot": self.record.snapshot(),
-                                                                   "failure": failure}))
+        snapshot = self.record.snapshot(last=PUBLISHED_ENTRIES)
+        self.store.set(self._key("record", self.rank), json.dumps({"snapshot": snapshot, "failure": failure}))
         if int(self.store.add(self._key("published", self.rank), 1)) == 1:
             self.store.add(self._key("published"), 1)
 
     # -- the diagnosis --------------------------------------------------------------------------------
-    def diagnose(self, reason: str) -> Diagnosis | None:
-        """Publish, collect every rank's record, log and write the report (once per watch); the report."""
+    def diagnose(self, reason: str) -> Report | None:
+        """This rank's part after a failure (once per watch): publish its record; the first failing rank
+        collects every record and makes the report, the others take it from the store; every one logs and
+        writes it. Returns the report."""
         if not self._busy.acquire(timeout=4 * self.heartbeat_s + 2 * _STORE_TIMEOUT_S):
             return self.report
         try:
             if self.report is None:
                 self.record.note("failure", reason, failed=True)
-                self.report = diagnose(self._views(reason), world=self.world, now=time.time(), reporter=self.rank,
-                                       reason=f"rank {self.rank}: {reason}")
-                log.error("job-wide diagnosis by rank %d:\n%s", self.rank, self.report.text())
-                if self.run_dir:
-                    self.report_path = write_report(self.run_dir, self.report, rank=self.rank)
+                self.report = self._report(reason)
+                self._emit()
             return self.report
         finally:
             self._busy.release()
             if self._terminate:
                 _die()
 
-    def _views(self, reason: str) -> dict:
+    def _report(self, reason: str) -> Report:
         views = {}
         if self.store is not None:
             try:
-                self.store.add(self._key("failures"), 1)
+                first = int(self.store.add(self._key("failures"), 1)) == 1
                 self.publish(reason)
+                shared = None if first else self._await_report()
+                if shared is not None:
+                    return shared
                 views = self._collect()
             except Exception as exc:  # noqa: BLE001 - the store is gone too: this rank's record and the files
                 log.warning("rank %d: the rendezvous store did not answer (%s): the diagnosis uses this rank's "
                             "record and the flight files in run_dir only", self.rank, exc)
+        made = diagnose(self._with_files(views, reason), world=self.world, now=time.time(), reporter=self.rank,
+                        reason=f"rank {self.rank}: {reason}")
+        report = Report(made.text(), made.summary(), self.rank, made)
+        if self.store is not None:
+            try:
+                self.store.set(self._key("report"), json.dumps({"text": report.text, "summary": report.summary,
+                                                                "reporter": report.reporter}))
+            except Exception as exc:  # noqa: BLE001 - the others make their own
+                log.debug("rank %d: could not share the report: %s", self.rank, exc)
+        return report
+
+    def _await_report(self) -> Report | None:
+        """The first failing rank's report, once it has collected (None if it never comes: then our own)."""
+        deadline = time.monotonic() + 2 * self.heartbeat_s + 1.0 + _STORE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            shared = self._get(self._key("report"))
+            if shared is not None:
+                return Report(shared["text"], shared["summary"], shared["reporter"])
+            time.sleep(0.1)
+        return None
+
+    def _take_shared(self) -> None:
+        """The heartbeat thread, after a failure elsewhere: log and write the job's report once it is there."""
+        if self.report is not None or not self._busy.acquire(blocking=False):
+            return
+        try:
+            shared = self._get(self._key("report"))
+            if shared is not None and self.report is None:
+                self.report = Report(shared["text"], shared["summary"], shared["reporter"])
+                self._emit()
+        finally:
+            self._busy.release()
+
+    def _emit(self) -> None:
+        """Log the report and write it into run_dir."""
+        log.error("job-wide diagnosis (made by rank %d; rank %d logs it):\n%s", self.report.reporter, self.rank,
+                  self.report.text)
+        if self.run_dir:
+            self.report_path = write_report(self.run_dir, self.report, rank=self.rank)
+
+    def _with_files(self, views: dict, reason: str) -> dict:
+        """``views`` with this rank's own record and the flight files of the ranks that published nothing."""
         views.setdefault(self.rank, RankView(self.rank, self.record.snapshot(), source="store", alive=True,
                                              failure=reason))
-        for rank in range(self.world):  # the ranks that did not publish: the files they left, if any
+        for rank in range(self.world):
             view = views.get(rank)
             if view is not None and view.source != "none" or not self.run_dir:
                 continue
@@ -224,7 +290,7 @@ class JobWatch:
             return ""
         if report is None:
             return ""
-        return report.summary() + (f" (report: {self.report_path})" if self.report_path else "")
+        return report.summary + (f" (report: {self.report_path})" if self.report_path else "")
 
     def on_sigterm(self) -> bool:
         """SIGTERM (torchrun tears the job down) inside a step: diagnose first. True if a diagnosis is under
@@ -239,14 +305,18 @@ class JobWatch:
 
 
 def _beat_loop(ref, stop: threading.Event, period: float) -> None:
-    """The heartbeat thread: beats until its watch is gone or stopped; store errors are retried quietly."""
-    while True:  # the first beat at once, then one per period
+    """The heartbeat thread: beats until its watch is gone or stopped, or the store fails three beats in a
+    row (its server is gone: the job is over)."""
+    failed = 0
+    while failed < 3:  # the first beat at once, then one per period
         watch = ref()
         if watch is None:
             return
         try:
             watch.beat()
-        except Exception as exc:  # noqa: BLE001 - the store went away (the job ends): keep trying, quietly
+            failed = 0
+        except Exception as exc:  # noqa: BLE001 - the store went away: try again, quietly
+            failed += 1
             log.debug("rank %d: heartbeat failed: %s", watch.rank, exc)
         del watch
         if stop.wait(period):

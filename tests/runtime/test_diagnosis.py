@@ -9,7 +9,7 @@ from autopar.cli import main
 from autopar.runtime import flight_record
 from autopar.runtime.diagnosis import RankView, diagnose, read_run
 from autopar.runtime.flight_record import ACTION, DONE, RECV, SEND, STEP, WAITING, FlightRecord
-from autopar.runtime.flight_watch import write_report
+from autopar.runtime.flight_watch import Report, write_report
 
 
 class Clock:
@@ -159,7 +159,7 @@ def test_the_report_reads_back_the_same_from_the_run_dir_and_from_flight_files_a
     _tp(r0, nodes)
     _tp(r1, nodes[:1] + nodes[2:], wait_last=False)
     d = _report(_views(r0, r1))
-    write_report(str(run), d, rank=0)
+    write_report(str(run), Report(d.text(), d.summary(), 0, d), rank=0)
     assert main(["diagnose", str(run)]) == 0
     assert capsys.readouterr().out == d.text() + "\n" == (run / "diagnosis.txt").read_text()
     (run / "diagnosis.json").unlink()  # no rank lived to write one: the flight files alone
