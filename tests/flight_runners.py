@@ -143,6 +143,8 @@ def _train(program, data) -> dict:
     finally:
         logging.getLogger("autopar").removeHandler(caught)
     out["warnings"] = caught.messages
+    report = program.watch.report
+    out["reporter"] = None if report is None else report.reporter  # the rank that made the report this one logged
     return out
 
 

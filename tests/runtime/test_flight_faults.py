@@ -55,12 +55,13 @@ def test_a_rank_that_stops_sending_mid_1f1b_is_named_with_the_microbatch_it_did_
     assert re.search(r"its last action: 0B2 \(stage 0, microbatch 2\), step 2", text)
     assert re.search(r"rank 1 gave up waiting in receive of the activation of edge 0, microbatch 2 from rank 0 "
                      r"\(stage 0\) after \d+\.\d s, during 1F2, on rank 0", text), text
-    verdicts = set()
-    for rank in (0, 1):  # each rank's own error carries the verdict: the same one report
-        error = fr.result(root, "stop_sending", rank)["error"]
-        assert "the job-wide diagnosis says: culprit rank 0: it ran 0F2" in error, error
-        verdicts.add(error.split("the job-wide diagnosis says: ")[1].split(" (report:")[0])
-    assert len(verdicts) == 1, verdicts
+    verdicts, makers = set(), set()
+    for rank in (0, 1):  # each rank's own error carries the verdict: the same one report, made by one rank
+        out = fr.result(root, "stop_sending", rank)
+        assert "the job-wide diagnosis says: culprit rank 0: it ran 0F2" in out["error"], out["error"]
+        verdicts.add(out["error"].split("the job-wide diagnosis says: ")[1].split(" (report:")[0])
+        makers.add(out["reporter"])
+    assert len(verdicts) == 1 and len(makers) == 1 and None not in makers, (verdicts, makers)
 
 
 def test_a_straggler_that_finishes_is_named_with_its_figures_and_the_wait_it_caused():
