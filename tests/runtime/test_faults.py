@@ -103,7 +103,7 @@ def test_a_rank_killed_under_torchrun_is_named_by_the_survivor_before_torchrun_s
     text = (run_dir / "diagnosis.txt").read_text()
     assert "culprit: rank 1: it is gone (no heartbeat for" in text, text + run.stderr[-4000:]
     assert "its last action: 1F2 (stage 1, microbatch 2), step 2" in text
-    assert "job-wide diagnosis by rank 0" in run.stderr
+    assert "job-wide diagnosis (made by rank 0; rank 0 logs it)" in run.stderr
 
 
 def _result(case):
