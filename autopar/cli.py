@@ -1,7 +1,8 @@
-"""The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT.
+"""The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT, ``diagnose`` a run.
 
     autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
     autopar train --mesh dp=1,pp=2,tp=2 --steps 100
+    autopar diagnose RUN_DIR
 
 ``python -m autopar`` is the same command. Errors in what was asked (a bad ``--mesh``, a module
 that does not import, a model that does not fit the mesh) print autopar's message and exit 2.
@@ -26,6 +27,7 @@ examples:
   autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
   autopar coverage autopar.models.examples:gpt_tiny --tp 2
   autopar train --mesh dp=1,pp=2,tp=2 --steps 100
+  autopar diagnose RUN_DIR
 
 run 'autopar COMMAND --help' for the options of one command."""
 
@@ -132,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_command(sub)  # autopar plan: the planner's ranked table and reasons (autopar/planner/cli.py)
     from autopar.coverage_cli import add_coverage_command
     add_coverage_command(sub)  # autopar coverage: how each weight is sharded over tp (autopar/coverage_cli.py)
+    from autopar.diagnose_cli import add_diagnose_command
+    add_diagnose_command(sub)  # autopar diagnose: the job-wide diagnosis of a run (autopar/diagnose_cli.py)
     train = sub.add_parser("train", help="train a small GPT on a dp x pp x tp mesh of CPU processes (demo)",
                            description=demo.DESCRIPTION, epilog=demo.EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

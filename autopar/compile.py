@@ -134,6 +134,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     program = program_class(lowered=lowered, info=info, schedule=schedule,
                             optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
+                            flight_record=opts.flight_record, run_dir=opts.run_dir,
                             materialize=_materializer(fill, lowered, info=info, mesh=mesh, masters=masters),
                             unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])

@@ -49,4 +49,4 @@ def compile_data_parallel(model, *, info, opts, example_inputs, example_target, 
     schedule = build_schedule("gpipe", num_ranks=1, num_microbatches=1, num_virtual=1)
     return DataParallelProgram(lowered=lowered, info=info, schedule=schedule, optimizer_factory=optimizer_factory,
                                state_keys=tuple(model.state_dict().keys()), p2p_timeout_s=opts.p2p_timeout_s,
-                               loss_fn=loss_fn)
+                               loss_fn=loss_fn, flight_record=opts.flight_record, run_dir=opts.run_dir)

@@ -26,7 +26,8 @@ __all__ = ["CompileOptions", "resolve_plan", "choose_microbatches", "choose_buck
 
 # the options the Plan does not record (every other one resolves into it: resolve_plan)
 ANALYSIS_OPTIONS = ("tensor_parallel", "vocab_parallel", "block_capture")  # steer what the analyses look for
-RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay")
+RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay",
+                   "flight_record", "run_dir")
 
 
 class CompileOptions(UserModel):
@@ -51,6 +52,14 @@ class CompileOptions(UserModel):
     vocab_parallel: bool | None = None
     sequence_parallel: bool = False  # with tensor_parallel: norms/dropout/residuals sharded on the sequence
     p2p_timeout_s: float = Field(300.0, gt=0)
+    flight_record: int = Field(4096, ge=0, description=(
+        "entries of each rank's flight record (its last actions, collectives and transfers), read by the "
+        "job-wide diagnosis when a collective or a transfer fails; `0` turns the record, the heartbeats, the "
+        "diagnosis and the straggler warnings off ([errors.md](errors.md#when-a-job-hangs-or-a-rank-dies))"))
+    run_dir: str | None = Field(None, description=(
+        "a folder for the run's files: each rank's flight record (kept when a rank is killed) and the job-wide "
+        "diagnosis (`diagnosis.txt`, read again by `autopar diagnose RUN_DIR`); `None`: the diagnosis goes to "
+        "the log only"))
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation on every stage
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
     # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,

@@ -40,6 +40,7 @@ from torch.func import functional_call
 
 from autopar.errors import PlanError
 from autopar.runtime.executor import ActionEvent, weigh_loss
+from autopar.runtime.flight_record import ACTION
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
 from autopar.runtime.p2p import P2PNode
 from autopar.runtime.program_surface import ProgramSurface
@@ -173,6 +174,7 @@ class AsyncProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        self._flight_step()
         batches = self._microbatches(self._batch(inputs, target, "train_step"))
         self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
@@ -230,6 +232,8 @@ class AsyncProgram(ProgramSurface):
         start = time.perf_counter()
         for action in actions:
             self.channel.action, self.channel.microbatch = str(action), action.microbatch % _TAG_MICROBATCHES
+            entry = None if self.flight is None else self.flight.begin(ACTION, str(action), stage=action.stage,
+                                                                       microbatch=action.microbatch)
             t0, waited = time.perf_counter(), self.channel.wait_s
             if action.kind is ActionKind.F:
                 next_forward = action.microbatch + 1
@@ -241,6 +245,8 @@ class AsyncProgram(ProgramSurface):
             # snapshots a later forward may read stay; in-flight stashes live in their autograd graphs
             self.versions.release_below(self.rule.forward_version(self.stage.stage, next_forward))
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
+            if entry is not None:
+                self.flight.end(entry)
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))
         # a send completes when its receiver takes it, maybe only in the next call: wait at the drain only

@@ -94,6 +94,7 @@ class DataParallelProgram(ProgramSurface):
         """One optimizer step on the global batch (tensors or a dict batch, read on dp rank 0); returns the
         mean loss, every rank."""
         inputs = self._batch(inputs, None, "train_step")  # a dict batch: its tensors in the graph's order
+        self._flight_step()
         self.events, t0 = [], time.perf_counter()
         self.comm_log.reset()
         self.optimizer.zero_grad()

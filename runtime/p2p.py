@@ -7,7 +7,10 @@ So a stage's backward is one ``torch.autograd.backward`` call on its send tokens
 gradients happens inside it, in autograd's order, matched by tags (edge, microbatch, direction).
 
 The nodes talk through a :class:`P2PChannel` (bound by the runtime) that knows which global rank
-runs each stage; stages on the same rank hand values over locally.
+runs each stage; stages on the same rank hand values over locally. With the rank's
+:class:`~autopar.runtime.comm_guard.CommGuard` carrying a flight record, every send and every
+receive's wait is an entry of it (peer, edge, microbatch), and a receive that fails runs the
+job-wide diagnosis before its error is raised (:mod:`autopar.runtime.flight_watch`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
+from autopar.runtime.flight_record import DONE, RECV, SEND, WAITING
 
 __all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 
@@ -35,8 +39,10 @@ class P2PChannel:
     """One rank's pipeline transfers: stage->rank map, pending sends, local hand-overs."""
 
     def __init__(self, *, rank: int, stage_to_rank: dict[int, int], group=None,
-                 timeout_s: float = 300.0, device: torch.device | str = "cpu"):
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu", guard=None):
         self.rank = rank
+        self.guard = guard  # the rank's CommGuard: its flight record and failure hook (None: neither)
+        self.flight = guard.flight if guard is not None else None  # the executor records actions here too
         self.device = torch.device(device)  # where received activations and gradients land
         self.stage_to_rank = dict(stage_to_rank)
         self.group = group
@@ -57,6 +63,9 @@ class P2PChannel:
             self._local[tag] = tensor
             return
         self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
+        if self.flight is not None:
+            self.flight.begin(SEND, "gradient" if is_grad else "activation", stage=-1, microbatch=microbatch,
+                              peer=dst, peer_stage=stage, seq=edge, state=DONE)
 
     def post(self, shape, dtype, *, stage: int, edge: int, microbatch: int, is_grad: bool) -> None:
         """Post the receive of a later :meth:`recv` now, so the transfer lands while this rank computes."""
@@ -89,18 +98,28 @@ class P2PChannel:
             return self._local.pop(tag)
         self.post(shape, dtype, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
         work, buffer = self._posted.pop((src, tag))
+        what = "gradient" if is_grad else "activation"
+        entry = None if self.flight is None else self.flight.begin(
+            RECV, what, stage=my_stage, microbatch=microbatch, peer=src, peer_stage=stage, seq=edge, state=WAITING)
         began = time.perf_counter()
         try:
             work.wait(self.timeout)
-            self.wait_s += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            self.wait_s += waited
         except Exception as exc:  # noqa: BLE001 - a timeout or a dead peer
-            what = "gradient" if is_grad else "activation"
-            raise RuntimeCommError(
+            error = RuntimeCommError(
                 f"waiting for the {what} of edge {edge}, microbatch {microbatch} failed: {exc}",
                 where=f"rank {self.rank}, stage {my_stage}, action {self.action}, peer rank {src} "
                       f"(stage {stage})",
                 fix="check that the peer rank is alive and runs the same schedule; raise "
-                    "p2p_timeout_s if the peer is only slow") from exc
+                    "p2p_timeout_s if the peer is only slow")
+            if entry is not None:
+                self.flight.end(entry, failed=True)
+            raise (self.guard.diagnosed(error) if self.guard is not None else error) from exc
+        if entry is not None:
+            self.flight.end(entry)
+            if waited > self.flight.longest_wait[0]:
+                self.flight.longest_wait = (waited, entry)
         return buffer
 
     def prune(self) -> None:

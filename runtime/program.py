@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.passes.graph_names import user_name
@@ -18,6 +19,7 @@ from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.program_surface import ProgramSurface
+from autopar.runtime.stragglers import StragglerCheck
 from autopar.runtime.tp_grad_sync import sum_partial_gradients
 
 __all__ = ["RankProgram"]
@@ -40,6 +42,13 @@ class RankProgram(ProgramSurface):
                                       current_action=self._doing, zero3_runtimes=p.zero3,
                                       expert_owners=self.optimizer.expert_owner_of())
         self.loss_ranks = p.loss_ranks  # ranks whose stages compute the loss (two for Chimera: one per replica)
+        self.stragglers: list = []  # the last step's stragglers (runtime/stragglers.py)
+        self._straggler_check = None
+        if self.flight is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._straggler_check = StragglerCheck(
+                rank=self.info.rank, world=dist.get_world_size(), pp=self.info.coords["pp"],
+                action_names=[[str(a) for a in row] for row in self.schedule.actions], flight=self.flight,
+                device=self.info.device)
 
     def _doing(self) -> str:
         """The schedule's action running now, or the step's phase outside the schedule (a bucket's launch label)."""
@@ -59,10 +68,13 @@ class RankProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        self._flight_step()
         self.phase = "counting the step's tokens"  # (a collective over dp: runtime/item_count.py)
         batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
+        if self._straggler_check is not None:
+            self._straggler_check.begin()
         self.events = []
         self.comm_log.reset()
         self.grad_sync.begin(len(batches))
@@ -78,7 +90,14 @@ class RankProgram(ProgramSurface):
         self.phase = "non-finite check and loss reduction"
         # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
         # the step's loss is summed over the world on the same all-reduce
-        loss_total = check_finite(self, results, index_problem=index_problem, riders=self._loss_share(results))
+        # each rank's action figures ride on it too, for the straggler check (runtime/stragglers.py)
+        check = self._straggler_check
+        riders = self._loss_share(results)
+        if check is not None:
+            riders = torch.cat([riders, check.riders(self.events)])
+        loss_total = check_finite(self, results, index_problem=index_problem, riders=riders)
+        if check is not None:
+            self.stragglers = check.judge(loss_total[1:], step=self.step_count + 1)
         if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
             self.phase = "gradient clipping"
             self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)

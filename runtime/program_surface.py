@@ -9,6 +9,12 @@ A program is made of :class:`~autopar.runtime.rank_parts.RankParts` (built once,
 :class:`~autopar.runtime.rank_context.ProgramState` names, read by checkpoints, the non-finite
 check, clipping and the memory probe), the stage graphs to read, this rank's slice of a batch,
 the full state dict and checkpoints. Each kind adds its ``train_step`` and its forward.
+
+Every program keeps this rank's flight record (``program.flight``, :mod:`autopar.runtime.flight_record`:
+its last actions, collectives and transfers) and, on a world of two ranks or more, watches the job
+(``program.watch``, :mod:`autopar.runtime.flight_watch`): heartbeats, and the job-wide diagnosis when
+a collective or a transfer fails. ``flight_record=0`` turns both off; ``run_dir`` keeps the record in
+a file that outlives the process and receives the report.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import torch.utils._pytree as pytree
 from autopar.errors import PlanError
 from autopar.runtime.executor import run_actions
 from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from autopar.runtime.flight_record import STEP, FlightRecord
+from autopar.runtime.flight_watch import start_watch
 from autopar.runtime.rank_context import MeshInfo, RankContext
 from autopar.runtime.rank_parts import LoweredStages, build_parts
 from autopar.runtime.rank_tensors import model_buffers
@@ -39,13 +47,17 @@ class ProgramSurface:
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
-                 unused: tuple = ()):
+                 unused: tuple = (), flight_record: int = 4096, run_dir: str | None = None):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
         fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
-        stage graph reads, kept whole (runtime/unused_state.py)."""
+        stage graph reads, kept whole (runtime/unused_state.py); ``flight_record``: entries of the rank's
+        flight record (0: none, and no job watch); ``run_dir``: where its file and the diagnosis go."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        world = dist.get_world_size() if dist.is_initialized() else info.shape.world_size
+        self.flight = FlightRecord(rank=info.rank, capacity=flight_record, folder=run_dir,
+                                   meta={"world": world, "coords": dict(info.coords)}) if flight_record > 0 else None
         # the rank's groups, its collectives' deadline (naming what it is doing) and its dp traffic log
-        self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place)
+        self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place, flight=self.flight)
         self.parts = parts = build_parts(lowered=lowered, ctx=self.ctx, schedule=schedule,
                                          optimizer_factory=optimizer_factory, state_keys=state_keys,
                                          masters=masters, materialize=materialize)
@@ -58,6 +70,17 @@ class ProgramSurface:
         self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
         self.events: list = []
         self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
+        self.watch = None  # heartbeats and the job-wide diagnosis (runtime/flight_watch.py)
+        if self.flight is not None:
+            self.flight.set_meta(stages=sorted(self.stages))
+            self.watch = start_watch(self.flight, world=world, run_dir=run_dir, timeout_s=p2p_timeout_s)
+            self.comm_guard.on_failure = self.watch.on_failure if self.watch is not None else None
+
+    def _flight_step(self) -> None:
+        """Mark the start of a training step in the flight record (numbered from 1, as errors name steps)."""
+        if self.flight is not None:
+            self.flight.step = self.step_count + 1
+            self.flight.end(self.flight.begin(STEP, "step"))
 
     # -- what a person reads -------------------------------------------------------------
     @property

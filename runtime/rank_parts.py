@@ -144,7 +144,7 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     stages = {s.stage: s for s in mine}
     stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
     channel = P2PChannel(rank=info.rank, stage_to_rank=stage_ranks, group=info.groups["pp"],
-                         timeout_s=ctx.guard.timeout_s, device=info.device)
+                         timeout_s=ctx.guard.timeout_s, device=info.device, guard=ctx.guard)
     if plan.expert_parallel > 1:  # MoE experts over ep ranks of dp: the ep and edp groups (runtime/moe_groups.py)
         add_expert_groups(info, ep=plan.expert_parallel)
     zero3 = _bind(mine, ctx=ctx, channel=channel)
