@@ -8,16 +8,18 @@ Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.runtim
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from autopar.errors import PlanError
 from autopar.passes.graph_names import user_name
-from autopar.runtime.clip import clip_program_gradients
+from autopar.runtime.clip import clip_program_gradients, program_grad_squares
 from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.program_surface import ProgramSurface
+from autopar.runtime.step_report import group_lrs
 from autopar.runtime.tp_grad_sync import sum_partial_gradients
 
 __all__ = ["RankProgram"]
@@ -59,8 +61,10 @@ class RankProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        start = time.perf_counter()
         self.phase = "counting the step's tokens"  # (a collective over dp: runtime/item_count.py)
-        batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
+        tensors = self._batch(inputs, target, "train_step")
+        batches = self._count_items(self._microbatches(tensors))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
         self.events = []
@@ -77,15 +81,22 @@ class RankProgram(ProgramSurface):
         sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"], guard=self.comm_guard)
         self.phase = "non-finite check and loss reduction"
         # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
-        # the step's loss is summed over the world on the same all-reduce
-        loss_total = check_finite(self, results, index_problem=index_problem, riders=self._loss_share(results))
-        if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
+        # the step's loss and the squared gradient norm (runtime/clip.py) are summed over the world on the
+        # same all-reduce
+        riders = torch.cat([self._loss_share(results), program_grad_squares(self).float().reshape(1)])
+        loss_total, squares = check_finite(self, results, index_problem=index_problem, riders=riders).unbind()
+        norm = squares.clamp(min=0).sqrt()
+        if self.max_grad_norm is not None:  # the global norm over every shard and axis, scaled to max_grad_norm
             self.phase = "gradient clipping"
-            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
+            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm, norm=norm)
         self.phase = "optimizer step"
-        self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
+        lrs = group_lrs(self.optimizer.param_groups)  # what this step uses (a scheduler changes them after)
+        with self.optimizer.stepping():
+            self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
         self.step_count += 1
-        return loss_total[0] / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
+        loss = loss_total / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
+        self._report(loss, lrs=lrs, grad_norm=float(norm), inputs=tensors, start=start)
+        return loss
 
     def _loss_share(self, results: dict) -> torch.Tensor:
         """This rank's part of the step's loss sum (1 element, fp32): the sum of its last-stage
