@@ -40,15 +40,16 @@ def _wrapped(model, factory=_adamw_groups, **kw) -> ShardedOptimizer:
                             **kw)
 
 
-def _schedulers(opt):
+def _scheduler(opt, index: int):
+    """Scheduler ``index`` on ``opt`` (only that one: a scheduler sets the groups when it is built)."""
     from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
-    yield lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
-    yield lr_scheduler.CosineAnnealingLR(opt, T_max=4)
-    yield lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8)  # cycles the betas too
-    yield lr_scheduler.SequentialLR(opt, [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2),
-                                          lr_scheduler.ExponentialLR(opt, gamma=0.8)], milestones=[2])
-    yield get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=8)
-    yield get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=8)
+    return [lambda: lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step),
+            lambda: lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+            lambda: lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8),  # cycles the betas too
+            lambda: lr_scheduler.SequentialLR(opt, [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2),
+                                                    lr_scheduler.ExponentialLR(opt, gamma=0.8)], milestones=[2]),
+            lambda: get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=8),
+            lambda: get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=8)][index]()
 
 
 @pytest.mark.parametrize("index", range(6))
@@ -60,7 +61,7 @@ def test_schedulers_drive_the_wrapper_as_they_drive_torchs_optimizer(index):
     twin = copy.deepcopy(model)
     opt, plain = _wrapped(model), _adamw_groups(twin.named_parameters())
     assert isinstance(opt, torch.optim.Optimizer)
-    sched, plain_sched = list(_schedulers(opt))[index], list(_schedulers(plain))[index]
+    sched, plain_sched = _scheduler(opt, index), _scheduler(plain, index)
     g = torch.Generator().manual_seed(1)
     for _ in range(6):
         for p, q in zip(model.parameters(), twin.parameters()):
