@@ -21,7 +21,7 @@ gradients it *counts* (:func:`counted_here`), and one all-reduce over the whole 
 Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient.
 
 A :class:`~autopar.runtime.program.RankProgram` computes the norm every step, clipping or not: each
-rank's sum of squares (:func:`program_grad_squares`) rides on the all-reduce of the step's non-finite
+rank's sum of squares (over :func:`counted_parameters`) rides on the all-reduce of the step's non-finite
 check, so neither the report (``program.last_step.grad_norm``) nor clipping costs a collective of its
 own.
 """
@@ -35,8 +35,8 @@ from autopar.runtime.collectives import issue
 from autopar.runtime.zero3_ops import zero3_targets
 from autopar.runtime.rank_context import ProgramState
 
-__all__ = ["counted_here", "local_squares", "global_grad_norm", "scale_gradients", "clip_grad_norm",
-           "program_grad_squares", "clip_program_gradients"]
+__all__ = ["counted_here", "local_squares", "squares_of", "global_grad_norm", "scale_gradients", "clip_grad_norm",
+           "counted_parameters", "clip_program_gradients"]
 
 
 def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[int],
@@ -64,10 +64,16 @@ def local_squares(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: 
                   owned_experts: set[str] | None = None) -> torch.Tensor:
     """The sum of the squares of the gradients this rank counts (float64, 0-dim): summed over the world,
     the square of the global norm."""
-    squares = torch.zeros((), dtype=torch.float64, device=named[0][1].device if named else None)
-    for name, p in named:
-        if p.grad is not None and counted_here(name, plan=plan, coords=coords, stage_to_pp=stage_to_pp,
-                                               owned=owned, sharded=sharded, owned_experts=owned_experts):
+    return squares_of([p for name, p in named if counted_here(
+        name, plan=plan, coords=coords, stage_to_pp=stage_to_pp, owned=owned, sharded=sharded,
+        owned_experts=owned_experts)], device=named[0][1].device if named else None)
+
+
+def squares_of(params: list[torch.nn.Parameter], *, device=None) -> torch.Tensor:
+    """The sum of the squares of ``params``' gradients (float64, 0-dim; those without one skipped)."""
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is not None:
             squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
     return squares
 
@@ -122,10 +128,12 @@ def _counting(program: ProgramState) -> dict:
                 sharded=sharded, owned_experts=owned_experts)
 
 
-def program_grad_squares(program: ProgramState) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm (no collective): the step's non-finite check
-    sums it over the world on its own all-reduce (runtime/program.py)."""
-    return local_squares(program.named_params, **_counting(program))
+def counted_parameters(program: ProgramState) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients this rank counts in the global norm (fixed for a program: read it once).
+    The sum of their squares (:func:`squares_of`, no collective) rides on the step's non-finite check's
+    all-reduce (runtime/program.py)."""
+    counting = _counting(program)
+    return [p for name, p in program.named_params if counted_here(name, **counting)]
 
 
 def clip_program_gradients(program: ProgramState, *, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:

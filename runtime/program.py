@@ -14,7 +14,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.passes.graph_names import user_name
-from autopar.runtime.clip import clip_program_gradients, program_grad_squares
+from autopar.runtime.clip import clip_program_gradients, counted_parameters, squares_of
 from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.numerics import check_finite
@@ -42,6 +42,7 @@ class RankProgram(ProgramSurface):
                                       current_action=self._doing, zero3_runtimes=p.zero3,
                                       expert_owners=self.optimizer.expert_owner_of())
         self.loss_ranks = p.loss_ranks  # ranks whose stages compute the loss (two for Chimera: one per replica)
+        self.norm_counted = counted_parameters(self)  # this rank's share of the global gradient norm (runtime/clip.py)
 
     def _doing(self) -> str:
         """The schedule's action running now, or the step's phase outside the schedule (a bucket's launch label)."""
@@ -83,7 +84,8 @@ class RankProgram(ProgramSurface):
         # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
         # the step's loss and the squared gradient norm (runtime/clip.py) are summed over the world on the
         # same all-reduce
-        riders = torch.cat([self._loss_share(results), program_grad_squares(self).float().reshape(1)])
+        squares = squares_of(self.norm_counted, device=self.info.device)
+        riders = torch.cat([self._loss_share(results), squares.float().reshape(1)])
         loss_total, squares = check_finite(self, results, index_problem=index_problem, riders=riders).unbind()
         norm = squares.clamp(min=0).sqrt()
         if self.max_grad_norm is not None:  # the global norm over every shard and axis, scaled to max_grad_norm
