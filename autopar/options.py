@@ -27,7 +27,7 @@ __all__ = ["CompileOptions", "resolve_plan", "choose_microbatches", "choose_buck
 # the options the Plan does not record (every other one resolves into it: resolve_plan)
 ANALYSIS_OPTIONS = ("tensor_parallel", "vocab_parallel", "block_capture")  # steer what the analyses look for
 RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay",
-                   "flight_record", "run_dir")
+                   "flight_record", "run_dir", "optimizer_params")
 
 
 class CompileOptions(UserModel):
@@ -72,6 +72,11 @@ class CompileOptions(UserModel):
         "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
         "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
+    optimizer_params: Literal["params", "named"] = Field("params", description=(
+        "what the `optimizer` factory receives: `params`, a list of parameters, or `named`, the "
+        "`(name, parameter)` pairs `model.named_parameters()` gives, to build parameter groups by name; either "
+        "way once, as stand-ins of the whole model, and each group holds for every shard of its parameters "
+        "([training_loop.md](training_loop.md))"))
     pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
         "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
         "(0: no rescheduling) ([schedules.md](schedules.md))"))

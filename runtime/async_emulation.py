@@ -148,8 +148,8 @@ class _Emulator:
                 h.remove()
         return loss, leaves
 
-    def update(self, k: int) -> None:
-        """Apply update ``k`` on every stage: its gradient, PipeMare's lr scale and delta."""
+    def update(self, k: int, lr_factor: float = 1.0) -> None:
+        """Apply update ``k`` on every stage: its gradient, PipeMare's lr scale (times ``lr_factor``) and delta."""
         for s, live in enumerate(self.live):
             if not live:
                 self.versions[s].append(())
@@ -158,7 +158,7 @@ class _Emulator:
                 p.grad = g
             opt = self.optimizers[s]
             for group, base in zip(opt.param_groups, self.base_lrs[s]):
-                group["lr"] = base * self.rule.lr_scale(s, k)
+                group["lr"] = base * self.rule.lr_scale(s, k) * lr_factor
             old = [p.detach().clone() for p in live]
             opt.step()
             for group, base in zip(opt.param_groups, self.base_lrs[s]):
@@ -190,15 +190,18 @@ def _microbatch_rows(tensor: torch.Tensor, *, dp: int, num_microbatches: int) ->
 
 def emulate(model: nn.Module, *, rule: StalenessRule, layout: StageLayout, batches: Sequence[tuple],
             num_microbatches: int, loss_fn, optimizer: Callable, dp: int = 1,
-            count_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EmulationResult:
+            count_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            lr_lambda: Callable[[int], float] | None = None) -> EmulationResult:
     """Train ``model`` (left untouched) on ``batches`` [(inputs tuple, target)] under ``rule``; see the module doc.
 
     ``count_tokens``: for a ``loss_fn`` that is a token mean, the tokens it counts in a target; each
     microbatch's loss is then weighted by its tokens over its update's, as the runtime does
-    (runtime/item_count.py), so an update trains on the token mean of its whole batch."""
+    (runtime/item_count.py), so an update trains on the token mean of its whole batch.
+    ``lr_lambda``: every update of the microbatches of batch ``b`` steps with the groups' learning rates
+    times ``lr_lambda(b)``: what a ``LambdaLR`` stepped once per batch sets for that batch."""
     emulator = _Emulator(model, rule=rule, layout=layout, optimizer=optimizer)
     losses, i = [], 0
-    for inputs, target in batches:
+    for b, (inputs, target) in enumerate(batches):
         columns = [_microbatch_rows(t, dp=dp, num_microbatches=num_microbatches) for t in (*inputs, target)]
         weights = [1.0] * num_microbatches if count_tokens is None else _update_weights(
             columns[-1], per_update=rule.updates_every, count_tokens=count_tokens)
@@ -206,7 +209,7 @@ def emulate(model: nn.Module, *, rule: StalenessRule, layout: StageLayout, batch
         for parts, weight in zip(zip(*columns), weights):
             batch_losses.append(emulator.run(tuple(parts[:-1]), parts[-1], i, loss_fn, weight))
             if rule.closes_update(i):
-                emulator.update(rule.update_of(i))
+                emulator.update(rule.update_of(i), 1.0 if lr_lambda is None else lr_lambda(b))
             i += 1
         losses.append(float(torch.tensor(batch_losses, device="cpu").mean()))
     final = {n: p.detach() for names, live in zip(emulator.owned, emulator.live) for n, p in zip(names, live)}

@@ -26,6 +26,12 @@ Each step of a rank (one stage per rank):
 - An update runs when its result is first read (or at the drain): gradients averaged over dp,
   summed over tied copies on other ranks (2BW only), learning rate scaled (PipeMare), the user's
   optimizer stepped, PipeMare's ``delta`` advanced.
+- Schedulers: ``train_step`` snapshots ``program.optimizer.param_groups``' settings (lr, weight
+  decay, ...) for the batch it feeds, and every update of that batch's microbatches steps with
+  them, whenever its stage runs it (an update of batch ``b`` may run during the call that feeds
+  ``b + 1``, after a scheduler moved on). So a scheduler stepped once per ``train_step`` gives
+  each batch's updates one learning rate, as a synchronous step would, and the numbers still do not
+  depend on how the stream is cut into calls (docs/training_loop.md).
 """
 from __future__ import annotations
 
@@ -46,12 +52,19 @@ from autopar.runtime.p2p import P2PNode
 from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.schedules.action import Action, ActionKind
 from autopar.runtime.schedules.asynchronous import stream_segment
+from autopar.runtime.param_groups import settings_of
+from autopar.runtime.step_report import group_lrs
 from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
 
 __all__ = ["AsyncProgram"]
 
 log = logging.getLogger(__name__)
 _TAG_MICROBATCHES = 4096  # p2p tags hold 12 bits of microbatch; a few are in flight at once
+
+
+def _snapshot(groups: list[dict]) -> list[dict]:
+    """Each group's settings as they are now (a tensor learning rate copied: schedulers set it in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in settings_of(g).items()} for g in groups]
 
 
 class _Proxy:
@@ -126,8 +139,7 @@ class AsyncProgram(ProgramSurface):
         self._gm_params = [(name, index[id(p)]) for name, p in self.stage.gm.named_parameters()]
         self.tied = self._shared_params()
         self.delta = [torch.zeros_like(p) for p in self.versions.params] if rule.kind == "pipemare" else None
-        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
-        self._base_lrs = [g["lr"] for g in groups]
+        self._settings: dict[int, list[dict]] = {}  # batch of the stream -> its groups' settings (lr, ...)
         self._cursor = (0, 0)  # next forward, next backward (global microbatch numbers)
         self._fed = 0  # microbatches fed so far
         self._inputs: dict[int, dict] = {}
@@ -175,17 +187,25 @@ class AsyncProgram(ProgramSurface):
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
         self._flight_step()
-        batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        start = time.perf_counter()
+        tensors = self._batch(inputs, target, "train_step")
+        batches = self._microbatches(tensors)
         self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
         first = self._fed
+        # the settings (lr, ...) this batch's updates step with, whenever each stage runs them
+        settings = self._settings[first // len(batches)] = _snapshot(self.optimizer.param_groups)
         for k, batch in enumerate(batches):
             self._inputs[first + k] = batch
         self._fed += len(batches)
         results = self._run(end=self._fed - 1)
         self.step_count += 1
-        return self._batch_loss([results[i] for i in sorted(results)])
+        # a scheduler stepped after this call counts it as the optimizer's step (torch warns otherwise)
+        self.optimizer._opt_called = True
+        loss = self._batch_loss([results[i] for i in sorted(results)])
+        self._report(loss, lrs=group_lrs(settings), grad_norm=None, inputs=tensors, start=start)
+        return loss
 
     def flush(self) -> None:
         """Finish every pending backward and apply every pending update (the pipeline drains)."""
@@ -197,14 +217,14 @@ class AsyncProgram(ProgramSurface):
         self.flush()
         return super().full_state_dict()
 
-    def save_checkpoint(self, root: str) -> str:
+    def save_checkpoint(self, root: str, *, extra=None) -> str:
         """Flush, then save as the base class does."""
         self.flush()
-        return super().save_checkpoint(root)
+        return super().save_checkpoint(root, extra=extra)
 
-    def load_checkpoint(self, path: str) -> int:
+    def load_checkpoint(self, path: str, *, extra=None) -> int:
         """Load as the base class does; the stream restarts from the loaded weights (version 0)."""
-        step = super().load_checkpoint(path)
+        step = super().load_checkpoint(path, extra=extra)
         self._restart()
         return step
 
@@ -218,7 +238,7 @@ class AsyncProgram(ProgramSurface):
             raise PlanError("cannot load weights into a pipeline with microbatches in flight",
                             where="asynchronous program", fix="call program.flush() first")
         self.versions = WeightVersions(self.named_params)
-        self._cursor, self._fed, self._inputs, self._stashed = (0, 0), 0, {}, {}
+        self._cursor, self._fed, self._inputs, self._stashed, self._settings = (0, 0), 0, {}, {}, {}
         if self.delta is not None:
             self.delta = [torch.zeros_like(p) for p in self.versions.params]
 
@@ -304,14 +324,14 @@ class AsyncProgram(ProgramSurface):
             p.grad = g
         average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp, guard=self.comm_guard)
         sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"], guard=self.comm_guard)
+        batch = update * self.rule.updates_every // self.plan.pipeline.num_microbatches  # the batch it trains on
         scale = self.rule.lr_scale(self.stage.stage, update)
-        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
-        for group, base in zip(groups, self._base_lrs):
-            group["lr"] = base * scale
+        settings = [{**g, "lr": g["lr"] * scale} if "lr" in g else g for g in self._settings[batch]]
         old = [p.detach().clone() for p in params] if self.delta is not None else None
-        self.optimizer.step()
-        for group, base in zip(groups, self._base_lrs):
-            group["lr"] = base
+        with self.optimizer.stepping(settings):
+            self.optimizer.step()
+        for earlier in [b for b in self._settings if b < batch]:  # updates run in order: no one reads these again
+            del self._settings[earlier]
         if self.delta is not None:
             update_velocity(self.delta, old, params, decay=self.rule.correction_decay)
         for p in params:

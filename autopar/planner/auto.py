@@ -59,11 +59,13 @@ class PlannerReport:
         return self.table() + "\n\n" + self.summary()
 
 
-def optimizer_kind(factory) -> str:
-    """The memory calculator's optimizer kind of an optimizer factory (``sgd``, ``momentum``, ``adam``)."""
+def optimizer_kind(factory, *, named: bool = False) -> str:
+    """The memory calculator's optimizer kind of an optimizer factory (``sgd``, ``momentum``, ``adam``);
+    ``named``: the factory takes ``(name, parameter)`` pairs (``optimizer_params="named"``)."""
     if factory is None:
         return "adam"
-    probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    probe_param = torch.nn.Parameter(torch.zeros(1))
+    probe = factory([("probe", probe_param)] if named else [probe_param])
     name = type(probe).__name__.lower()
     if name == "sgd":
         return "momentum" if any(g.get("momentum", 0) for g in probe.param_groups) else "sgd"
@@ -190,7 +192,7 @@ def plan_for_compile(model, mesh, *, example_inputs, loss_fn, example_target, mo
         shape = mesh_info(mesh).shape
     report = choose_plan(model, shape, example_inputs=example_inputs, loss_fn=loss_fn,
                          example_target=example_target, mode=mode, cluster=cluster, options=options,
-                         optimizer=optimizer_kind(optimizer))
+                         optimizer=optimizer_kind(optimizer, named=options.get("optimizer_params") == "named"))
     if mesh is None:
         m = report.plan.mesh
         mesh = init_mesh(dp=m.dp, pp=m.pp, tp=m.tp)
