@@ -39,7 +39,8 @@ class AttnCase:
     padding: bool = False  # key padding (the last tokens of row 0), as kv_valid
     docs: bool = False  # packed documents (document ids)
     dense: str = ""  # "bool": the mask as a dense boolean bias; "additive": transformers' lowest-value mask
-    learned_bias: bool = False  # a random per-head additive bias that requires grad
+    learned_bias: bool = False  # a random additive bias that requires grad
+    bias_heads: bool = True  # the learned bias per head (else one for every head)
     load_balanced: bool = True
     strategies: tuple = ("ring", "ulysses")
 
@@ -60,6 +61,7 @@ CASES = [
     AttnCase("packed_docs_dense_bool", causal=True, docs=True, dense="bool"),
     AttnCase("alibi", causal=True, alibi=True),
     AttnCase("learned_bias", learned_bias=True),
+    AttnCase("learned_shared_bias", learned_bias=True, bias_heads=False, causal=True, kv_heads=2),
     AttnCase("softcap_window", causal=True, softcap=5.0, window=9, kv_heads=2),
     AttnCase("latent_dims", causal=True, head_dim=12, v_dim=8),
 ]
@@ -96,7 +98,7 @@ def inputs(case):
     if case.padding:
         valid[0, s - 7:] = False
     docs = _doc_ids(case)[:b] if case.docs else None
-    learned = torch.randn(1, case.heads, s, s, generator=g) if case.learned_bias else None
+    learned = torch.randn(1, case.heads if case.bias_heads else 1, s, s, generator=g) if case.learned_bias else None
     return dict(q=q, k=k, v=v, dout=dout, valid=valid, docs=docs, learned=learned)
 
 

@@ -382,7 +382,7 @@ def _eager(gm, softmax: fx.Node) -> AttentionInfo:
     nodes = [product, *own, *chain.nodes, softmax, *between, output]
     return _info(gm, form="eager", output=output, q=q, k=k, v=v, k_transposed=k_transposed, scale=chain.scale,
                  softcap=chain.softcap, dropout=dropout, terms=chain.terms, is_causal=False,
-                 nodes=sorted(set(nodes), key=lambda n: list(gm.graph.nodes).index(n)))
+                 nodes=[n for n in gm.graph.nodes if n in set(nodes)])
 
 
 def _sdpa(gm, node: fx.Node) -> AttentionInfo:

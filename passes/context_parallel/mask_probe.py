@@ -125,9 +125,9 @@ def _alibi_slopes(bias: torch.Tensor, visible: torch.Tensor) -> tuple[float, ...
 
 def _sources(gm: fx.GraphModule, term: fx.Node, leaves: list[fx.Node]) -> tuple[str, ...]:
     """The inputs, parameters and position producers (``arange``, ``cumsum``) a term is built from."""
-    found = [leaf.name for leaf in leaves]
+    found, reads = [leaf.name for leaf in leaves], ancestors([term])
     for node in gm.graph.nodes:
-        if node in ancestors([term]):
+        if node in reads:
             if param_of(gm, node) is not None:
                 found.append(node.target)
             elif is_op(node, "arange", "cumsum"):

@@ -196,3 +196,12 @@ def test_a_module_that_mixes_positions_is_not_taken_for_a_row_wise_unit():
     report = _analyse(Sorter())
     assert report.refusals and "sorts along the sequence" in report.refusals[0].reason
     assert report.refusals[0].path == "model.step" and not report.with_rule("rowwise")
+
+
+def test_sequence_inputs_that_disagree_are_a_plan_error():
+    from autopar.errors import PlanError
+    _, graph, _ = captured("gpt2", "sdpa")
+    with pytest.raises(PlanError, match=r"missing \['position_ids'\].*name graph inputs"):
+        analyze_sequence(graph.gm, seq_inputs={"input_ids": 1, "position_ids": 1})
+    with pytest.raises(PlanError, match="disagree"):
+        analyze_sequence(graph.gm, seq_inputs={"input_ids": 1, "labels": 0})

@@ -95,3 +95,12 @@ def test_wrong_shapes_and_heads_are_refused_before_any_communication():
         ring_attention(q, q[:, :3], q[:, :3], spec=SPEC, layout=layout, group=None)
     with pytest.raises(PlanError, match=r"mask/bias of shape \(1, 1, 4, 4\) is not \[B\|1, H\|1, 4\|1, 12\]"):
         ring_attention(q, q, q, spec=SPEC, layout=layout, group=None, bias=torch.zeros(1, 1, 4, 4))
+
+
+def test_the_ops_say_what_they_send():
+    ring = RingAttention(axis="cp", size=4, layout=CpLayout(seq_len=16, cp=4), spec=SPEC, kv_bytes=100)
+    assert [(c.direction, c.op, c.nbytes) for c in ring.comm(64, 64)] == [
+        ("forward", "send_recv", 300), ("backward", "send_recv", 300), ("backward", "send_recv", 400)]
+    a2a = UlyssesAttention(axis="cp", size=4, layout=CpLayout(seq_len=16, cp=4), spec=SPEC)
+    assert [(c.direction, c.op, c.nbytes) for c in a2a.comm(64, 32)] == [("forward", "all_to_all", 224),
+                                                                        ("backward", "all_to_all", 224)]
