@@ -10,8 +10,8 @@ family (``softmax``, ``linear``, ...) to its rule. The rule names:
 - ``positional``: computed from positions alone (rotary tables, a learned position table's rows): under
   cp it is computed at the rank's global positions;
 - ``label_shift``: a slice or pad that moves the sequence by k positions (``labels[..., 1:]``,
-  ``logits[..., :-1, :]``, transformers' ``pad(labels, (0, 1))[..., 1:]``): across shard boundaries the
-  rank needs the first k positions of the next shard in sequence order;
+  ``logits[..., :-1, :]``, transformers' ``pad(labels, (0, 1))[..., 1:]``): across chunk boundaries each
+  chunk a rank holds needs the first k positions of the chunk after it in sequence order;
 - ``reduce``: a sum, mean, max, ... over the sequence (pooling): exact with an all-reduce over cp;
 - ``scan``: a cumulative sum or product along the sequence: exact with an exclusive scan over cp;
 - ``loss``: a loss reduced over tokens: its sum and token count all-reduced over cp;
@@ -158,8 +158,8 @@ def slice_(node: fx.Node, r: Reader) -> Outcome:
     if step == 1 and p.outer == p.inner == 1 and 0 < dropped < n // 2 and (start == 0 or stop == n):
         side = "first" if start else "last"
         return Outcome(replace(p, size=stop - start), "label_shift",
-                       f"drops the {side} {dropped} position(s) of the sequence: a shift across shard boundaries "
-                       f"(the rank needs the next shard's first {dropped} in sequence order)")
+                       f"drops the {side} {dropped} position(s) of the sequence: a shift across chunk boundaries "
+                       f"(each chunk a rank holds needs the first {dropped} of the chunk after it in sequence order)")
     raise Refuse(f"{node.name} keeps positions [{start}:{stop}:{step}] of {n}: a part of the sequence no rank holds "
                  "alone", "keep cp=1, or slice after gathering")
 
@@ -173,8 +173,8 @@ def pad(node: fx.Node, r: Reader) -> Outcome:
         return _follow(p)
     if low == 0 and high > 0 and p.outer == p.inner == 1:
         return Outcome(replace(p, size=p.size + high), "label_shift",
-                       f"pads {high} position(s) after the sequence before a shift: only the last cp rank in sequence "
-                       "order pads; the others take the next shard's first positions")
+                       f"pads {high} position(s) after the sequence before a shift: only the last chunk in sequence "
+                       "order is padded; every other chunk takes the first positions of the chunk after it")
     raise Refuse(f"{node.name} pads the sequence by ({low}, {high})", "keep cp=1, or pad the batch before it is cut")
 
 
