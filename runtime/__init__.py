@@ -2,7 +2,8 @@
 
 The runtime reads ``autopar.passes`` (graph names, node meta), ``autopar.errors`` and
 ``autopar.plan_model``, never the compiler (tests/test_import_graph.py). ``schedules/`` is its own
-package: schedules as data, generators, the validator and the simulator.
+package: schedules as data, generators, the validator and the simulator. ``context_parallel/`` is its
+own package too: the cp layout and the ring and all-to-all attention ops (not wired into programs yet).
 
 The ops the passes insert into graphs::
 
