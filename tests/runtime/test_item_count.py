@@ -38,6 +38,12 @@ def test_each_microbatch_weighs_its_tokens_over_the_steps():
     assert [b["w"].item() for b in batches] == pytest.approx([2.0, 2 / 3, 0.0, 4 / 3], rel=1e-7)
 
 
+def test_an_update_of_one_token_gives_it_the_whole_weight():
+    batches = _microbatches([0, 1, 0, 0])
+    add_loss_weights(batches, SPEC, per_update=2)  # N of the first update is 1; the second has none
+    assert [b["w"].item() for b in batches] == [0.0, 2.0, 0.0, 0.0]
+
+
 def test_an_update_of_fewer_microbatches_counts_its_own_tokens():
     batches = _microbatches([3, 1, 0, 2])
     add_loss_weights(batches, SPEC, per_update=2)  # updates [3, 1] and [0, 2]: n_i * 2 / N_update
@@ -54,8 +60,8 @@ def test_the_models_own_count_is_the_steps_tokens_over_m_times_dp():
     batches = [{"labels": torch.tensor([[1, 2, -100]])}, {"labels": torch.tensor([[3, 4, 5]])}]
     spec = ItemCount(labels="labels", shift=1)
     assert [int(count_labels(b["labels"], spec)) for b in batches] == [1, 2]  # the first label is shifted away
-    add_item_counts(batches, spec, per_update=2, dp_size=2, guard=_OtherReplica([5]))
-    assert [float(b[spec.input]) for b in batches] == [(3 + 5) / 4, (3 + 5) / 4]
+    add_item_counts(batches, spec, per_update=2, dp_size=2, guard=_OtherReplica([6]))
+    assert [float(b[spec.input]) for b in batches] == [(3 + 6) / 4, (3 + 6) / 4]  # 2.25: a true division
     batches = [{"labels": torch.tensor([[1, 2, -100]])}, {"labels": torch.tensor([[3, 4, 5]])}]
     add_item_counts(batches, spec, per_update=1)
     assert [float(b[spec.input]) for b in batches] == [1.0, 2.0]
