@@ -42,3 +42,10 @@ def test_interleaved_1f1b_is_torchs_order(p, m, v):
 def test_looped_bfs_is_torchs_order(p, m, v):
     ours = [[str(a) for a in row] for row in looped_bfs(num_ranks=p, num_microbatches=m, num_virtual=v).actions]
     assert ours == _torch_order(S.ScheduleLoopedBFS, p, m, v)
+
+
+def test_interleaved_1f1b_needs_two_stages_per_rank_called_directly():
+    """The generator checks ``num_virtual`` itself, not only through build_schedule's registry."""
+    from autopar.errors import ScheduleError
+    with pytest.raises(ScheduleError, match="num_virtual must be an int >= 2, got 1"):
+        interleaved_1f1b(num_ranks=2, num_microbatches=2, num_virtual=1)

@@ -73,3 +73,10 @@ def test_the_drain_applies_every_update_whose_gradient_arrived():
     versions.accumulate(3, [torch.tensor([5.0])])  # update 2 missing: the drain stops before it
     versions.apply_pending(lambda k, grads: seen.append((k, grads[0].item())) or w.data.sub_(grads[0]))
     assert seen == [(0, 1.0), (1, 0.0)] and versions.applied == 2 and w.item() == 9.0
+
+
+def test_the_drain_applies_a_single_pending_update_alone():
+    w, versions = _versions()
+    versions.accumulate(0, [torch.tensor([2.0])])
+    versions.apply_pending(_sgd(w))  # update 1 has no gradient yet: the drain stops after update 0
+    assert versions.applied == 1 and w.item() == 8.0
