@@ -99,6 +99,7 @@ def test_rules_are_the_published_formulas(p, m):
             assert mare.forward_version(s, i) == max(0, i - (p - 1 - s)) and mare.backward_version(s, i) == i
             assert two.forward_version(s, i) == two.backward_version(s, i) == max(0, i // m - 1)
     assert [two.closes_update(i) for i in range(2 * m)] == ([False] * (m - 1) + [True]) * 2
+    assert [two.update_of(i) for i in range(2 * m)] == [0] * m + [1] * m  # whole updates, ints
 
 
 @pytest.mark.parametrize(("generate", "p", "m"), [(pipedream, 3, 2), (pipedream_2bw, 3, 3), (pipemare, 4, 1)])
@@ -147,6 +148,7 @@ def test_pipemare_rescales_the_rate_by_delay_then_releases_it():
     rule = StalenessRule(kind="pipemare", num_stages=4, lr_warmup_updates=10, correction_decay=0.5)
     assert rule.lr_scale(0, 0) == pytest.approx(1 / 3) and rule.lr_scale(3, 0) == 1.0
     assert rule.lr_scale(0, 5) == pytest.approx(3 ** -0.5) and rule.lr_scale(0, 10) == 1.0
+    assert rule.lr_scale(0, 25) == 1.0  # past the warm-up the full rate, never more
     assert dataclasses.replace(rule, lr_warmup_updates=0).lr_scale(0, 0) == 1.0
 
 
@@ -252,3 +254,25 @@ def test_oracle_of_one_stage_is_plain_per_microbatch_training():
             opt.step()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(got.state[name], value)
+
+
+@pytest.mark.parametrize("bad", [dict(kind="pipedream", num_stages=0), dict(kind="2bw", num_stages=2, updates_every=0),
+                                 dict(kind="pipemare", num_stages=2, lr_warmup_updates=-1),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=1.0),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=-0.5),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=1.5)],
+                         ids=["no-stages", "no-microbatch-per-update", "negative-warmup", "decay-1", "decay-negative",
+                              "decay-above-1"])
+def test_a_rule_out_of_range_is_a_schedule_error(bad):
+    from autopar.errors import ScheduleError
+    with pytest.raises(ScheduleError):
+        StalenessRule(**bad)
+
+
+def test_a_rule_is_frozen_keyword_data_whose_pipemare_has_no_warmup_by_default():
+    rule = StalenessRule(kind="pipemare", num_stages=4)
+    assert rule.lr_scale(0, 0) == 1.0  # lr_warmup_updates defaults to 0: the full rate from the start
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.num_stages = 2
+    with pytest.raises(TypeError):
+        StalenessRule("pipedream", 2)
