@@ -43,7 +43,6 @@ Running a step::
     clip.py               clipping by the global norm over every shard and axis
     async_pipeline.py     AsyncProgram: PipeDream, 2BW, PipeMare as one endless stream
     weight_versions.py    an asynchronous stage's weight versions and pending updates
-    async_emulation.py    the asynchronous rules emulated in one process (the tests' reference)
     data_parallel.py      DataParallelProgram: the rank-0 baseline
 
 The weights out and back in::
