@@ -50,7 +50,6 @@ from autopar.runtime.weight_versions import WeightVersions, corrected_weights, u
 __all__ = ["AsyncProgram"]
 
 log = logging.getLogger(__name__)
-_TAG_MICROBATCHES = 4096  # p2p tags hold 12 bits of microbatch; a few are in flight at once
 
 
 class _Proxy:
@@ -229,7 +228,7 @@ class AsyncProgram(ProgramSurface):
         self.events, results = [], {}
         start = time.perf_counter()
         for action in actions:
-            self.channel.action, self.channel.microbatch = str(action), action.microbatch % _TAG_MICROBATCHES
+            self.channel.action, self.channel.microbatch = str(action), action.microbatch
             t0, waited = time.perf_counter(), self.channel.wait_s
             if action.kind is ActionKind.F:
                 next_forward = action.microbatch + 1
@@ -243,9 +242,20 @@ class AsyncProgram(ProgramSurface):
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))
-        # a send completes when its receiver takes it, maybe only in the next call: wait at the drain only
-        self.channel.flush() if end is None else self.channel.prune()
+        # a send completes when its receiver takes it, maybe only in the next call: wait for those taken
+        self.channel.flush() if end is None else self.channel.prune(self._taken)
         return results
+
+    def _taken(self, stage: int, microbatch: int, is_grad: bool) -> bool:
+        """Whether ``stage`` has received this rank's send of ``microbatch``, judged from what it sent since.
+
+        In the 1F1B stream a stage with ``w`` warm-up forwards runs B(k) right after F(k + w): an activation
+        it takes at F(i) precedes its B(j) for j >= i - w; a gradient it takes at B(i) precedes its F(j)
+        for j > i + w. The newest of each this rank has received from ``stage`` says how far it got."""
+        w = self.rule.delay(stage)
+        if is_grad:
+            return self.channel.heard.get((stage, False), -1) > microbatch + w
+        return self.channel.heard.get((stage, True), -1) >= microbatch - w
 
     def _forward(self, action: Action):
         i, s = action.microbatch, self.stage.stage
@@ -270,6 +280,7 @@ class AsyncProgram(ProgramSurface):
 
     def _backward(self, action: Action) -> None:
         i, s = action.microbatch, self.stage.stage
+        self.channel.post_backward(stage=s, microbatch=i)  # the receives its forward's sends noted
         if self.rule.stashes:
             out, leaves = self._held.pop(i)
             del self._stashed[i]
