@@ -176,6 +176,7 @@ class AsyncProgram(ProgramSurface):
         self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
+        self.comm_log.reset()  # this step's dp collectives (its updates' ZeRO-1 broadcasts), as a synchronous step
         first = self._fed
         for k, batch in enumerate(batches):
             self._inputs[first + k] = batch
