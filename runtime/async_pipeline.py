@@ -223,8 +223,7 @@ class AsyncProgram(ProgramSurface):
     def _run(self, *, end: int | None) -> dict[int, torch.Tensor]:
         """Run this rank's segment of the stream up to the forward of microbatch ``end`` (None: drain)."""
         pp = self.info.coords["pp"]
-        next_forward = self._cursor[0]
-        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=next_forward,
+        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=self._cursor[0],
                                                next_backward=self._cursor[1], end=end)
         self.events, results = [], {}
         start = time.perf_counter()
@@ -232,14 +231,12 @@ class AsyncProgram(ProgramSurface):
             self.channel.action, self.channel.microbatch = str(action), action.microbatch
             t0, waited = time.perf_counter(), self.channel.wait_s
             if action.kind is ActionKind.F:
-                next_forward = action.microbatch + 1
                 loss = self._forward(action)
                 if loss is not None:
                     results[action.microbatch] = loss
             else:
                 self._backward(action)
-            # snapshots a later forward may read stay; in-flight stashes live in their autograd graphs
-            self.versions.release_below(self.rule.forward_version(self.stage.stage, next_forward))
+            # the copy of the live version stays until an update; in-flight stashes live in their autograd graphs
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))
@@ -265,7 +262,9 @@ class AsyncProgram(ProgramSurface):
         batch = self._inputs[i] if not self.rule.stashes else self._inputs.pop(i)
         args = tuple(batch[n] for n in self.stage.input_names)
         if self.rule.stashes:
-            leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
+            # a copy only where this stage applies an update before the backward (after w more forwards)
+            copy = self.rule.forward_version(s, i + self.rule.delay(s)) != version
+            leaves = [t.requires_grad_() for t in self.versions.read(version, copy=copy, microbatch=i)]
             out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
             self._held[i], self._stashed[i] = (out, leaves), version
         else:  # no stash: no autograd now; B recomputes from the inputs kept here
@@ -287,6 +286,7 @@ class AsyncProgram(ProgramSurface):
             del self._stashed[i]
             roots, grads = _roots(self.stage, out, self.rule.updates_every)
             torch.autograd.backward(roots, grads)
+            self.versions.done(i)
         else:
             version, received = self._held.pop(i)
             self.versions.apply_through(self.rule.backward_version(s, i), self._update)

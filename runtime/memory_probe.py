@@ -12,6 +12,9 @@
   (ZeRO-3 frees gathered weights) counts zero.
 - :func:`measure_activations` runs one ``train_step`` with a ledger around every stage forward
   and returns the bytes per (stage, microbatch).
+- :func:`weight_version_bytes` sums what an asynchronous program holds besides its live weights:
+  the weight copies its in-flight forwards read, the gradients of updates not applied yet and
+  PipeMare's velocity (:mod:`autopar.memory.versions` predicts it).
 - :func:`live_storages` counts every storage of a tensor the garbage collector finds alive in this
   process, and the collector's objects: what a long run must hold steady from one step to the next
   (tests/runtime/test_soak_held.py, bench/bench_soak.py).
@@ -30,7 +33,7 @@ import torch
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations",
-           "LiveStorages", "live_storages"]
+           "weight_version_bytes", "LiveStorages", "live_storages"]
 
 
 def _storage_key(t: torch.Tensor):
@@ -125,6 +128,18 @@ def held_state_bytes(program: ProgramState) -> StateBytes:
             for value in per_param.values():
                 state.add(value)
     return StateBytes(params.total, masters.total, grads.total, state.total, buffers.total)
+
+
+def weight_version_bytes(program) -> int:
+    """Bytes of the storages an asynchronous program (runtime/async_pipeline.py) holds for weight versions
+    now: copies, pending updates' gradients, PipeMare's velocity; 0 for a synchronous program."""
+    versions = getattr(program, "versions", None)
+    if versions is None:
+        return 0
+    held = _Counter()
+    for t in versions.buffers() + list(getattr(program, "delta", None) or []):
+        held.add(t)
+    return held.total
 
 
 @contextlib.contextmanager
