@@ -236,7 +236,7 @@ class AsyncProgram(ProgramSurface):
                     results[action.microbatch] = loss
             else:
                 self._backward(action)
-            # the copy of the live version stays until an update; in-flight stashes live in their autograd graphs
+            # a weight copy goes with the last backward that read it (WeightVersions.done)
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))

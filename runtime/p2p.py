@@ -89,8 +89,8 @@ class P2PChannel:
              my_stage: int) -> torch.Tensor:
         src = self.stage_to_rank[stage]
         tag = _tag(edge, microbatch, is_grad)
-        self.heard[(stage, is_grad)] = max(microbatch, self.heard.get((stage, is_grad), microbatch))
         if src == self.rank:
+            self._heard(stage, microbatch, is_grad)
             return self._local.pop(tag)
         self.post(shape, dtype, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
         work, buffer = self._posted.pop((src, tag))
@@ -106,7 +106,11 @@ class P2PChannel:
                       f"(stage {stage})",
                 fix="check that the peer rank is alive and runs the same schedule; raise "
                     "p2p_timeout_s if the peer is only slow") from exc
+        self._heard(stage, microbatch, is_grad)
         return buffer
+
+    def _heard(self, stage: int, microbatch: int, is_grad: bool) -> None:
+        self.heard[(stage, is_grad)] = max(microbatch, self.heard.get((stage, is_grad), microbatch))
 
     def prune(self, taken: Callable[[int, int, bool], bool]) -> None:
         """Finish the sends a receiver has taken, ``taken(stage, microbatch, is_grad)``; the rest stay pending.

@@ -65,9 +65,7 @@ def held(case: Case, mesh) -> dict:
                 program.save_checkpoint(os.path.join(root[0], "ckpt"))
             if step in at:
                 k = 3 * at.index(step)
-                live = live_storages()
-                slots[k], slots[k + 1], slots[k + 2] = live.count, live.nbytes, live.objects
-                del live
+                slots[k:k + 3] = _settled_census(live_storages)
         program.flush()  # an asynchronous pipeline's last backwards and sends, before the group moves on
         dropped = weakref.ref(program)
         del program
@@ -81,6 +79,24 @@ def held(case: Case, mesh) -> dict:
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {"ranks": dict(enumerate(every))}
+
+
+def _settled_census(census, attempts: int = 5) -> tuple[int, int, int]:
+    """(storages, bytes, objects) once two counts in a row agree on the storages and bytes.
+
+    A collective's worker thread (gloo's) may still hold the tensor of a collective that has completed, and
+    drops it only once it gets the interpreter lock: a count taken meanwhile sees one tensor more (seen: a
+    4-byte flag on one rank of one run in many). Between two counts this thread lets others run."""
+    import time
+
+    before = census()
+    for _ in range(attempts):
+        time.sleep(0)  # yields the interpreter lock (no clock is read)
+        now = census()
+        if (now.count, now.nbytes) == (before.count, before.nbytes):
+            break
+        before = now
+    return now.count, now.nbytes, now.objects
 
 
 def soak_case(model: str, mesh: tuple, **options) -> Case:
