@@ -7,6 +7,7 @@ the graph. ``autopar/lowering.py`` writes the pipeline out once and runs it unde
 Capture::
 
     capture.py            nn.Module (+ loss) -> one flat ATen graph (torch.export, or symbolic_trace)
+    dynamic_capture.py    the sequence dim captured symbolic (torch.export's Dim.AUTO), the dims it found
     devices.py            devices baked into the graph retargeted (meta constants -> CPU)
     low_precision.py      precision="bf16": the bf16 copy of the model that capture traces
     block_template.py     identical blocks: capture a few, repeat the last one after sharding
@@ -18,6 +19,8 @@ Analyses and checks (node.meta, nothing rewritten)::
     shape_prop.py         shapes and dtypes, by running the graph on fake tensors
     annotate.py           shapes, FLOPs, bytes, module paths, parameter ownership
     index_bounds.py       which inputs index a table, and how far (the runtime's index guard reads it)
+    seq_bounds.py         the longest sequence a symbolic graph takes (export's range, position tables, config)
+    symbolic_sizes.py     size nodes recomputed per stage; edge shapes fit as SizeExprs of the symbols
     batch_stats.py        refuse batch statistics over part of the batch (BatchNorm, dp > 1)
     static_shapes.py      refuse data-dependent output shapes
     item_count.py         where the model's own loss counts its label tokens (num_items_in_batch)
@@ -52,6 +55,10 @@ Pipeline (the graph becomes stage graphs)::
     chimera_replicate.py  Chimera: a second replica of every stage, re-addressed
     recompute.py          checkpointed block regions (full / selective)
     zero3.py              ZeRO-3: gather each group of dp shards before use, free after
+
+Context parallelism (``context_parallel/``, its own package; analyses only, not in the lowering yet)::
+
+    context_parallel/     attention found in the graph (masks evaluated on probes), the sequence followed through it
 
 Running and reading passes::
 

@@ -2,7 +2,7 @@
 
 A graph captured with a symbolic sequence (:mod:`autopar.passes.dynamic_capture`) runs any length
 the model's code allows; a batch past the bound is refused before any rank runs it
-(:mod:`autopar.runtime.batch_shapes`), with autopar's error naming the dim, the length and the fix.
+(:mod:`autopar.runtime.shape_cache`), with autopar's error naming the dim, the length and the fix.
 The bound is the user's ``max_seq_len`` when given, else the least of:
 
 - what export proved from the model's code (a position buffer sliced by the length: BERT's);

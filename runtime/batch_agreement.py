@@ -43,9 +43,11 @@ class StepRows:
         return sum(self.rows)
 
 
-def agreement_riders(*, rows: int, refused: bool, dp_index: int, dp_size: int) -> torch.Tensor:
-    """This rank's part of the agreement: its rows and its refusal flag, each in its own slot (float64)."""
-    out = torch.zeros(2 * dp_size, dtype=torch.float64)
+def agreement_riders(*, rows: int, refused: bool, dp_index: int, dp_size: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """This rank's part of the agreement: its rows and its refusal flag, each in its own slot (float64, on
+    ``device``: the rank's, where the dp all-reduce runs)."""
+    out = torch.zeros(2 * dp_size, dtype=torch.float64, device=device)
     out[dp_index] = rows
     out[dp_size + dp_index] = float(refused)
     return out

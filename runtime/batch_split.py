@@ -65,7 +65,7 @@ def microbatch_rows(rows: int, *, size: int, count: int, takes: Callable[[int], 
     if takes(k):
         return [size] * (k - 1) + [rows - size * (k - 1)]
     if rows >= count and takes(count):
-        return [len(c) for c in torch.arange(rows).tensor_split(count)]
+        return [len(c) for c in torch.arange(rows, device="cpu").tensor_split(count)]
     raise PlanError(f"a batch of {rows} rows makes {k} microbatches of at most {size} rows, fewer than the schedule "
                     f"runs (it needs {count}, one row each at least)", where="this rank's batch",
                     fix=FIX_PARTIAL.format(rows=size * count))

@@ -97,7 +97,8 @@ class StepBatches:
         program, dp = self.program, self.program.plan.mesh.dp
         index = program.info.coords["dp"]
         rows = sum(int(next(iter(b.values())).shape[0]) for b in batches) if batches else 0
-        riders = agreement_riders(rows=rows, refused=problem is not None, dp_index=index, dp_size=dp)
+        riders = agreement_riders(rows=rows, refused=problem is not None, dp_index=index, dp_size=dp,
+                                  device=program.info.device)
         spec, weight = program.captured.item_count, program.captured.loss_weight
         common = dict(dp_size=dp, dp_group=program.info.groups["dp"], guard=program.comm_guard, riders=riders)
         counted = spec is not None or (weight is not None and train)
@@ -107,7 +108,7 @@ class StepBatches:
             riders = add_loss_weights(batches, weight, per_update=per_update, **common)
         elif dp > 1:
             updates = (self.count // per_update if per_update else 1) if counted else 0
-            vector = torch.cat([torch.zeros(updates, dtype=torch.float64), riders])
+            vector = torch.cat([torch.zeros(updates, dtype=torch.float64, device=riders.device), riders])
             program.comm_guard.run("all_reduce", dist.all_reduce, vector, group=program.info.groups["dp"],
                                    purpose="the step's rows on every dp rank (and its token counts)")
             riders = vector[updates:]
