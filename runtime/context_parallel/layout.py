@@ -143,7 +143,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], *, layout: CpLayout, rank: in
     else:
         first = next(iter(batch[k] for k in keys), None)
         lead = first.shape[:seq_dim] if first is not None else ()
-        device = first.device if first is not None else "cpu"
+        device = first.device if first is not None else None
         batch["position_ids"] = torch.arange(layout.seq_len, device=device).expand(*lead, layout.seq_len)
         keys = keys + ("position_ids",)
     return {k: (layout.shard(v, dim=seq_dim, rank=rank) if k in keys else v) for k, v in batch.items()}
