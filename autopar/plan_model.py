@@ -12,12 +12,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autopar.errors import PlanError
+from autopar.parallel_dims import MESH_AXES, ParallelDims
 from autopar.runtime.schedules.registry import schedule_names
 
-__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "MESH_AXES",
-           "UserModel", "plan_error_from", "known_schedule"]
-
-MESH_AXES = ("dp", "pp", "tp")
+__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "PlanChoices", "RunOptions",
+           "AnalysisChoices",
+           "MESH_AXES", "UserModel", "plan_error_from", "known_schedule"]
 
 
 def known_schedule(value: str) -> str:
@@ -113,7 +113,12 @@ class MeshShape(_Frozen):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dims.world_size
+
+    @property
+    def dims(self) -> ParallelDims:
+        """These degrees as :class:`~autopar.parallel_dims.ParallelDims` (no expert parallelism)."""
+        return ParallelDims.of(self)
 
     def __str__(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
@@ -153,8 +158,68 @@ class ParamShard(_Frozen):
     blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
 
 
-class Plan(_Frozen):
-    """Everything decided for one model on one mesh."""
+class PlanChoices(_Frozen):
+    """The options the Plan records as they are given: each a field here, once. :class:`Plan` and
+    :class:`autopar.options.CompileOptions` both have them, and :func:`autopar.options.resolve_plan` takes a
+    given Plan's, else the options'. A new such option is a field here (its constraints its validation;
+    what it needs of the mesh in autopar/validation.py) and the one pass or runtime part that reads it."""
+
+    zero_stage: int = Field(1, ge=0, le=3)
+    data_parallel: Literal["ddp", "dataparallel"] = "ddp"  # dataparallel: the rank-0 baseline (pp=1)
+    capture: Literal["export", "symbolic_trace"] = "export"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
+    expert_parallel: int = Field(1, ge=1, description=(
+        "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
+        "by all-to-all ([moe.md](moe.md))"))
+    moe_capacity_factor: float | None = Field(None, gt=0, description=(
+        "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
+        "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
+
+
+class AnalysisChoices(_Frozen):
+    """The options that steer what the lowering's analyses look for; the Plan records what they chose (the
+    regions, the vocabulary shards, the captured blocks), not the options."""
+
+    tensor_parallel: bool = True
+    # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary. None: where the vocabulary
+    # divides by tp (else replicated, with a warning); True: required (ShardingError if it does not divide)
+    vocab_parallel: bool | None = None
+    # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
+    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
+    block_capture: Literal["auto", "once", "every"] = "auto"
+
+
+class RunOptions(_Frozen):
+    """How this run behaves, carried by the Plan (``Plan.run``) to the runtime, which reads it there: always
+    the call's options (a given Plan's are replaced: they belong to the run, not to the decisions). A new
+    run option is a field here and the runtime part that reads ``plan.run``."""
+
+    p2p_timeout_s: float = Field(300.0, gt=0)
+    flight_record: int = Field(4096, ge=0, description=(
+        "entries of each rank's flight record (its last actions, collectives and transfers), read by the "
+        "job-wide diagnosis when a collective or a transfer fails; `0` turns the record, the heartbeats, the "
+        "diagnosis and the straggler warnings off ([errors.md](errors.md#when-a-job-hangs-or-a-rank-dies))"))
+    run_dir: str | None = Field(None, description=(
+        "a folder for the run's files: each rank's flight record (kept when a rank is killed) and the job-wide "
+        "diagnosis (`diagnosis.txt`, read again by `autopar diagnose RUN_DIR`); `None`: the diagnosis goes to "
+        "the log only"))
+    max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
+    optimizer_params: Literal["params", "named"] = Field("params", description=(
+        "what the `optimizer` factory receives: `params`, a list of parameters, or `named`, the "
+        "`(name, parameter)` pairs `model.named_parameters()` gives, to build parameter groups by name; either "
+        "way once, as stand-ins of the whole model, and each group holds for every shard of its parameters "
+        "([training_loop.md](training_loop.md))"))
+    pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
+        "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
+        "(0: no rescheduling) ([schedules.md](schedules.md))"))
+    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1, description=(
+        "`pipemare` only: decay of the average weight change per update that corrects the backward's "
+        "weights toward the forward's ([schedules.md](schedules.md))"))
+
+
+class Plan(PlanChoices):
+    """Everything decided for one model on one mesh (the :class:`PlanChoices` fields among them), and how
+    this run behaves (``run``)."""
 
     model_name: str = "model"
     mesh: MeshShape = MeshShape()
@@ -165,19 +230,20 @@ class Plan(_Frozen):
     vocab_parallel: tuple[str, ...] = ()  # module paths of the embedding(s) and LM head sharded on the vocabulary
     sequence_parallel: bool = False
     shared_params: dict[str, tuple[int, ...]] = {}
-    zero_stage: int = Field(1, ge=0, le=3)
-    data_parallel: Literal["ddp", "dataparallel"] = "ddp"
     bucket_mb: float = Field(25.0, gt=0)
-    capture: Literal["export", "symbolic_trace"] = "export"
     num_parameters: int = Field(0, ge=0)
     recompute: tuple[Literal["none", "selective", "full"], ...] = ()  # per stage; () = "none" everywhere
-    precision: Literal["fp32", "bf16"] = "fp32"
-    expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
     expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
-    moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
+    run: RunOptions = RunOptions()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """Every degree of the Plan, expert parallelism's included: what the passes and the runtime ask."""
+        return ParallelDims.of(self.mesh, ep=self.expert_parallel)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        self.dims  # the degrees together (expert_parallel divides dp): autopar/parallel_dims.py
         pp, m = self.mesh.pp, self.pipeline.num_microbatches
         starts = self.pipeline.stage_starts
         stages = pp * self.pipeline.num_virtual

@@ -45,10 +45,11 @@ import torch.nn as nn
 
 from autopar.errors import PassError
 from autopar.passes.capture import MODEL_PREFIX
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
 from autopar.passes.tensor_parallel import shard_tensor
 
-__all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks"]
+__all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks", "repeat_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -436,6 +437,17 @@ def _plan_uniform(plan, path: str, num_blocks: int) -> bool:
             norm = lambda p: pattern.sub(f"{path}.#\\2", p, count=1)  # noqa: E731
             per_block[index].add((tuple(map(norm, region.columns)), tuple(map(norm, region.rows))))
     return len({frozenset(v) for v in per_block.values()}) <= 1
+
+
+def repeat_blocks(st: LoweringState) -> LoweringState:
+    """The lowering's pass: the template block stamped out for every block not captured, with the later
+    blocks' shards (``specs``), expert tensors, partial-gradient parameters and region plans."""
+    t, specs = st.template, dict(st.specs)  # (repeat adds the later blocks' shards)
+    gm = t.repeat(st.gm, tp_rank=st.tp_rank, tp_size=st.plan.mesh.tp, specs=specs,
+                  experts=(st.plan.dims.ep, st.ep_rank, frozenset(st.experts)))
+    return replace(st, gm=gm, specs=specs, experts=st.experts + tuple(t.repeated_names(st.experts)),
+                   partial_grads=st.partial_grads + tuple(t.repeated_names(st.partial_grads)),
+                   region_plans=t.extend_regions(st.region_plans))
 
 
 def capture_blocks(template: BlockTemplate | None, capture_fn):

@@ -9,15 +9,18 @@ needs them: each rank holds its batch. The graph's output belongs to the last st
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from autopar.passes.graph_names import user_name
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import PARAM, STAGE, TENSOR, get_meta
 from autopar.runtime.p2p import RecvActivation, SendActivation
 
-__all__ = ["StageGraph", "Edge", "split_pipeline", "needs_grad"]
+__all__ = ["StageGraph", "Edge", "split_pipeline", "split_graph", "needs_grad", "param_stages"]
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,27 @@ def _is_param(gm, target: str) -> bool:
     return isinstance(_fetch(gm, target), torch.nn.Parameter)
 
 
-def split_pipeline(gm: fx.GraphModule, *, num_stages: int, only=None) -> list[StageGraph]:
+def split_pipeline(st: LoweringState) -> LoweringState:
+    """``stages``: one graph per stage of the Plan (only ``st.only`` when given: then ``shared``, which stages
+    read each parameter, is read off the whole graph first, as the stages built cannot tell)."""
+    shared = param_stages(st.gm) if st.only is not None else None
+    return dataclasses.replace(st, stages=tuple(split_graph(st.gm, num_stages=st.num_stages, only=st.only)),
+                               shared=shared)
+
+
+def param_stages(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """{user name: stages reading it} of every parameter, read off the stage-assigned graph."""
+    out = {}
+    for node in gm.graph.nodes:
+        info = get_meta(node, PARAM) if node.op == "get_attr" else None
+        if info is None or not info.is_parameter:
+            continue
+        used = sorted({s.stage for u in node.users if (s := get_meta(u, STAGE)) is not None})
+        out[user_name(node.target)] = tuple(used)
+    return dict(sorted(out.items()))
+
+
+def split_graph(gm: fx.GraphModule, *, num_stages: int, only=None) -> list[StageGraph]:
     """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs.
 
     ``only``: build just these stages (one rank's program of a large plan); all when None.

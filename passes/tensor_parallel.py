@@ -1,6 +1,7 @@
 """Tensor-parallel transform: shard the regions' weights and insert Megatron's f and g.
 
-For each region found by :func:`autopar.passes.tp_regions.find_tp_regions`:
+For each region found by :func:`autopar.passes.tp_regions.find_tp_regions` (chosen by
+:func:`autopar.passes.tp_select.select_tp_regions`, the analysis pass before this one):
 column linears read their input through a :class:`TpCopy` (f: identity forward, all-reduce
 backward) and hold the output-dim shard of weight and bias; row linears hold the input-dim
 shard of the weight, their output goes through a :class:`TpReduce` (g: all-reduce forward) and
@@ -15,12 +16,16 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
-    >>> specs["model.blocks.0.mlp.fc.weight"]
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> st.specs["model.blocks.0.mlp.fc.weight"]
     ShardSpec(dim=0, chunks=1)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -29,11 +34,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
 from autopar.passes.tp_reduce_rules import insert_partial_sums
-from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
+from autopar.passes.tp_regions import TpRegion, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
@@ -277,10 +283,9 @@ def _drop_assertions(gm: fx.GraphModule, region: TpRegion) -> None:
             gm.graph.erase_node(node)
 
 
-def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
-                          regions: list[TpRegion] | None = None):
-    """Shard every region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    regions = find_tp_regions(gm, tp_size=tp_size) if regions is None else regions
+def shard_tensor_parallel(st: LoweringState) -> LoweringState:
+    """Shard every region of ``st.regions`` over the Plan's tp ranks; ``specs`` gains {param: ShardSpec}."""
+    gm, regions, tp_size, tp_rank = st.gm, st.regions, st.plan.mesh.tp, st.tp_rank
     specs: dict[str, ShardSpec] = {}
     counter = [0, 0]
     for region in regions:
@@ -311,4 +316,4 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: %d regions, %d sharded parameters", len(regions), len(specs))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

@@ -29,13 +29,17 @@ Example::
     >>> (x,), loss_fn, y = hf_raw_example("mixtral")
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> regions = find_expert_regions(gm)
-    >>> gm, specs = shard_expert_parallel(gm, regions, tp_size=2, tp_rank=0)
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_expert_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_expert_parallel(select_expert_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> specs = st.specs
     >>> specs["model.model.layers.0.mlp.experts.gate_up_proj"], specs["model.model.layers.0.mlp.experts.down_proj"]
     (ShardSpec(dim=1, chunks=2), ShardSpec(dim=2, chunks=1))
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -43,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tensor_parallel import ShardSpec, localize_sizes, node_where, set_param, shard_tensor
 from autopar.passes.tp_expert_rules import EXPERT_PRODUCTS, GATHERED_PRODUCTS, expert_product
@@ -231,8 +236,12 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, tp_size: int, index: int)
             localize_sizes(node, p, tp_size)
 
 
-def shard_expert_parallel(gm: fx.GraphModule, regions: list[ExpertRegion], *, tp_size: int, tp_rank: int):
-    """Shard every expert region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
+def shard_expert_parallel(st: LoweringState) -> LoweringState:
+    """Shard every expert region of ``st.expert_regions`` over the Plan's tp ranks (``specs`` gains their
+    weights); the state as it was without any."""
+    gm, regions, tp_size, tp_rank = st.gm, st.expert_regions, st.plan.mesh.tp, st.tp_rank
+    if not regions:
+        return st
     specs: dict[str, ShardSpec] = {}
     for index, region in enumerate(regions):
         _check(region, tp_size)
@@ -243,4 +252,4 @@ def shard_expert_parallel(gm: fx.GraphModule, regions: list[ExpertRegion], *, tp
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: %d expert regions, %d sharded expert weights", len(regions), len(specs))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

@@ -27,6 +27,9 @@ Example::
     >>> from autopar.passes.capture import capture
     >>> from autopar.passes.annotate import annotate
     >>> from autopar.passes.tensor_parallel import shard_tensor_parallel
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
     >>> class Head(nn.Module):
     ...     def __init__(self):
     ...         super().__init__()
@@ -35,8 +38,8 @@ Example::
     ...         return self.norm(torch.relu(self.dense(x)))
     >>> x = torch.randn(2, 8)
     >>> gm = annotate(capture(Head(), (x,)).gm, example_inputs=(x,))
-    >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
-    >>> specs["model.dense.weight"], [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> st.specs["model.dense.weight"], [n.target for n in st.gm.graph.nodes if n.op == "call_module"]
     (ShardSpec(dim=0, chunks=1), ['tp_copy_0', 'tp_gather_output_0'])
 """
 from __future__ import annotations

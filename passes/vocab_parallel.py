@@ -39,13 +39,16 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> vp = find_vocab_parallel(gm)
-    >>> gm, specs = shard_vocab_parallel(gm, vp, tp_size=2, tp_rank=0)
-    >>> specs["model.lm_head.weight"]
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.plan_model import MeshShape
+    >>> st = LoweringState.of_graph(gm, mesh=MeshShape(tp=2), tp_rank=0)
+    >>> st = shard_vocab_parallel(dataclasses.replace(st, vocab=find_vocab_parallel(gm)))
+    >>> st.specs["model.lm_head.weight"]
     ShardSpec(dim=0, chunks=1)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -53,6 +56,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tensor_parallel import (ShardSpec, insert_local_slices, localize_sizes, node_where, set_param,
                                             shard_tensor)
@@ -388,8 +392,12 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         output.replace_input_with(value, gathered)
 
 
-def shard_vocab_parallel(gm: fx.GraphModule, vp: VocabParallel, *, tp_size: int, tp_rank: int):
-    """Shard ``vp``'s embeddings and head over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
+def shard_vocab_parallel(st: LoweringState) -> LoweringState:
+    """Shard ``st.vocab``'s embeddings and head over the Plan's tp ranks (``specs`` gains them); the state as
+    it was when nothing is sharded on the vocabulary."""
+    gm, vp, tp_size, tp_rank = st.gm, st.vocab, st.plan.mesh.tp, st.tp_rank
+    if not vp:
+        return st
     specs: dict[str, ShardSpec] = {}
     for i, emb in enumerate(vp.embeddings):
         local = _check_vocab(emb.args[0], emb, tp_size)
@@ -408,4 +416,4 @@ def shard_vocab_parallel(gm: fx.GraphModule, vp: VocabParallel, *, tp_size: int,
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: vocabulary-parallel %s", list(vp.paths()))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

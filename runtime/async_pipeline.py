@@ -123,14 +123,14 @@ def _roots(stage, out, scale: int):
 class AsyncProgram(ProgramSurface):
     """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
-    def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
-        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm`` is not applied here
-        (each stage steps on its own clock); ``parts``: as :class:`ProgramSurface` builds them."""
+    def __init__(self, **parts):
+        """``parts``: as :class:`ProgramSurface` builds them; PipeMare's warm-up and correction decay are the
+        Plan's ``run`` (``max_grad_norm`` is not applied here: each stage steps on its own clock)."""
         super().__init__(**parts)
-        rule = self.schedule.staleness
-        if options is not None and rule.kind == "pipemare":
-            rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
-                                       correction_decay=options.pipemare_correction_decay)
+        rule, run = self.schedule.staleness, self.plan.run
+        if rule.kind == "pipemare":
+            rule = dataclasses.replace(rule, lr_warmup_updates=run.pipemare_lr_warmup_updates,
+                                       correction_decay=run.pipemare_correction_decay)
         self.rule = rule
         self._check_supported()
         (self.stage,) = self.stages.values()

@@ -85,7 +85,7 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
     """Every meta tensor of this rank's stage graphs as a :class:`Slot` (one per distinct tensor)."""
     from autopar.runtime.zero3_ops import zero3_shards
     z3 = zero3_shards(gms)  # flat ZeRO-3 blocks: over dp, or (experts split over ep) over edp = dp / ep
-    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    dims, ep = plan.dims, plan.expert_parallel  # expert tensors: this rank holds its ep block of dim 0
     experts = set(plan.expert_params) if ep > 1 else set()
     seen: set[int] = set()
     slots = []
@@ -113,9 +113,9 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
                             z3=shard.size if shard is not None else None, ep=ep if split_ep else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
                               tp_index=coords["tp"] * ways // plan.mesh.tp, dtype=tensor.dtype,
-                              z_index=shard.index(dp_rank=coords["dp"], ep=ep) if shard is not None else coords["dp"],
+                              z_index=shard.index(dims, coords) if shard is not None else coords["dp"],
                               kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad,
-                              ep_index=coords["dp"] % ep if split_ep else 0))
+                              ep_index=dims.index("ep", coords) if split_ep else 0))
     return slots
 
 

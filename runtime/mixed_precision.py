@@ -162,13 +162,13 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
     names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))
     shards = {user_name(k): v for k, v in lowered.param_shards.items()}
     masters = fp32_masters(model, names, param_shards=shards, tp_rank=info.coords["tp"], tp_size=info.shape.tp)
-    ep = lowered.plan.expert_parallel
-    if ep > 1:  # MoE experts split over ep ranks of dp: ep rank d % ep holds the d % ep-th block of dim 0
+    dims = lowered.plan.dims
+    if dims.ep > 1:  # MoE experts split over ep ranks of dp: each holds the block of dim 0 at its ep index
         experts = set(lowered.plan.expert_params)
-        masters = {n: t.chunk(ep, dim=0)[info.coords["dp"] % ep].clone() if n in experts else t
+        masters = {n: t.chunk(dims.ep, dim=0)[dims.index("ep", info.coords)].clone() if n in experts else t
                    for n, t in masters.items()}
     if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
         sharded = {user_name(t): z for t, z in zero3_shards([s.gm for s in mine]).items()}  # experts: over edp
-        masters = {n: zero3_block(t, rank=sharded[n].index(dp_rank=info.coords["dp"], ep=ep), size=sharded[n].size)
+        masters = {n: zero3_block(t, rank=sharded[n].index(dims, info.coords), size=sharded[n].size)
                    if n in sharded else t for n, t in masters.items()}
     return masters

@@ -49,16 +49,19 @@ class ProgramSurface:
     """This rank's parts of the compiled program, and what every way of running them shares."""
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
-                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
-                 unused: tuple = (), flight_record: int = 4096, run_dir: str | None = None,
-                 param_groups: GroupTemplate | None = None):
+                 state_keys: tuple[str, ...], masters: dict | None = None, materialize=None,
+                 unused: tuple = (), param_groups: GroupTemplate | None = None):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
         fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
-        stage graph reads, kept whole (runtime/unused_state.py); ``flight_record``: entries of the rank's
-        flight record (0: none, and no job watch); ``run_dir``: where its file and the diagnosis go;
+        stage graph reads, kept whole (runtime/unused_state.py). How the run behaves is the Plan's ``run``
+        (:class:`autopar.plan_model.RunOptions`): ``p2p_timeout_s`` bounds every collective, ``flight_record``
+        entries of the rank's flight record (0: none, and no job watch), ``run_dir`` where its file and the
+        diagnosis go;
         ``param_groups``: the optimizer factory's groups over the whole model (runtime/param_groups.py;
         None: those of this rank's own parameters)."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        run = lowered.plan.run
+        p2p_timeout_s, flight_record, run_dir = run.p2p_timeout_s, run.flight_record, run.run_dir
         world = dist.get_world_size() if dist.is_initialized() else info.shape.world_size
         self.flight = FlightRecord(rank=info.rank, capacity=flight_record, folder=run_dir,
                                    meta={"world": world, "coords": dict(info.coords)}) if flight_record > 0 else None

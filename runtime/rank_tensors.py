@@ -71,7 +71,7 @@ def held_tensors(program: ProgramState) -> list[Held]:
     stage graph reads among the buffers)."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shards(program)  # flat blocks over dp, or over edp (dp / ep) for expert tensors
-    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    dims, ep = plan.dims, plan.expert_parallel  # expert tensors: this rank holds its ep block of dim 0
     experts = set(plan.expert_params) if ep > 1 else set()
     held = []
     for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
@@ -93,9 +93,9 @@ def held_tensors(program: ProgramState) -> list[Held]:
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
         layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
                         z3=z3[name].size if name in z3 else None, ep=ep if name in experts else None)
-        z_index = z3[name].index(dp_rank=coords["dp"], ep=ep) if name in z3 else coords["dp"]
+        z_index = z3[name].index(dims, coords) if name in z3 else coords["dp"]
         held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, z_index, "param",
-                         ep_index=coords["dp"] % ep if name in experts else 0))
+                         ep_index=dims.index("ep", coords) if name in experts else 0))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
     for u in program.unused:  # read by no stage graph, kept whole on every rank (unused_state.py)

@@ -17,8 +17,8 @@ A group's shards are concatenated, so one collective serves the whole group.
 :func:`shard_zero3_parameters` replaces a stage graph's full parameters with this rank's shards.
 
 Axes: a group is sharded over ``dp`` (N = dp, rank r = the dp index), or, for mixture-of-experts
-expert tensors split over ep, over ``edp``, the dp/ep ranks holding the same experts (N = dp/ep,
-rank r = dp index // ep: :mod:`autopar.runtime.moe_groups`). Either way the reduce-scattered
+expert tensors split over ep, over ``edp``, the dp / ep ranks holding the same experts (N = edp, rank r =
+the edp index: :class:`autopar.parallel_dims.ParallelDims`). Either way the reduce-scattered
 gradient is divided by dp (``divide_by``): an expert's gradient already sums every token of its ep
 group, so its sum over edp divided by dp is the dp mean every other parameter gets.
 """
@@ -30,21 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.parallel_dims import ParallelDims
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 
 __all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "Zero3Shard", "shard_zero3_parameters", "full_parameters",
-           "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards", "shard_index"]
+           "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards"]
 
 
 def padded_numel(numel: int, size: int) -> int:
     """``numel`` rounded up to a multiple of ``size``."""
     return math.ceil(numel / size) * size
-
-
-def shard_index(axis: str, *, dp_rank: int, ep: int = 1) -> int:
-    """This rank's block of a group sharded over ``axis``: its dp index (``dp``) or its edp index (``edp``)."""
-    return dp_rank if axis == "dp" else dp_rank // ep
 
 
 @dataclass(frozen=True)
@@ -55,9 +51,9 @@ class Zero3Shard:
     axis: str
     size: int
 
-    def index(self, *, dp_rank: int, ep: int = 1) -> int:
-        """The block this rank (dp index ``dp_rank``) holds."""
-        return shard_index(self.axis, dp_rank=dp_rank, ep=ep)
+    def index(self, dims: ParallelDims, coords: dict[str, int]) -> int:
+        """The block the rank at mesh coordinates ``coords`` holds: its position along :attr:`axis`."""
+        return dims.index(self.axis, coords)
 
 
 class Zero3Runtime:
@@ -241,14 +237,14 @@ def zero3_shards(gms: list) -> dict[str, Zero3Shard]:
             for t, shape in zip(gather.targets, gather.shapes)}
 
 
-def shard_zero3_parameters(gms: list, *, dp_rank: int, dp_size: int, ep: int = 1) -> None:
-    """Replace each gathered parameter of ``gms`` by this rank's flat 1/N shard (ties kept): N = ``dp_size``
-    over dp, ``dp_size // ep`` over edp (expert tensors split over ``ep``)."""
-    sizes = {"dp": dp_size, "edp": dp_size // ep}
+def shard_zero3_parameters(gms: list, *, dims: ParallelDims, coords: dict[str, int]) -> None:
+    """Replace each gathered parameter of ``gms`` by the flat 1/N shard of the rank at ``coords`` (ties kept):
+    N and the block are the size of the gather's axis and the rank's position on it (dp; edp for expert
+    tensors split over ep)."""
     shards: dict[int, torch.nn.Parameter] = {}
     for gm in gms:
         for gather in _gathers(gm):
-            size, rank = sizes[gather.axis], shard_index(gather.axis, dp_rank=dp_rank, ep=ep)
+            size, rank = dims.size(gather.axis), dims.index(gather.axis, coords)
             assert gather.size == size, (gather.axis, gather.size, size)
             for target in gather.targets:
                 full = gm.get_parameter(target)

@@ -100,7 +100,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     zero = plan.zero_stage if zero_stage is None else zero_stage
     shape = plan.mesh
     stage_to_rank = result.schedule.stage_to_rank
-    local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp = dp / ep
+    local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp
     activations, groups, memo = {}, {}, {}
     for graphs in result.ranks.values():
         c = graphs.coords
@@ -115,9 +115,9 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     for rank, graphs in result.ranks.items():
         c = graphs.coords
         params, buffers, owned = groups[(c["pp"], c["tp"])]
-        states: StateFigures = state_figures(params, buffers, zero_stage=zero, dp=shape.dp, dp_index=c["dp"],
+        states: StateFigures = state_figures(params, buffers, zero_stage=zero, dims=plan.dims, coords=c,
                                              precision=plan.precision, optimizer=optimizer, owned=owned,
-                                             local=local, ep=plan.expert_parallel)
+                                             local=local)
         peak, count, saved = activations[c["pp"]]
         ranks[rank] = RankMemory(rank=rank, coords=dict(c), params=states.params,
                                  master_params=states.master_params, grads=states.grads,

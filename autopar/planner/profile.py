@@ -38,8 +38,8 @@ from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.collective_audit import audit_collectives
 from autopar.passes.meta_keys import COST, TENSOR, get_meta
 from autopar.passes.moe_detect import find_moe_layers
-from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
-from autopar.passes.pipeline_split import split_pipeline
+from autopar.passes.partition import _allowed_starts, cut_stages, pipeline_segments
+from autopar.passes.pipeline_split import split_graph
 from autopar.passes.recompute import recompute_stage
 from autopar.plan_model import MeshShape, ParamShard
 
@@ -186,8 +186,8 @@ def _chunks_of(gm, b0: int) -> list[ChunkCost]:
     segments = pipeline_segments(gm)
     allowed = _allowed_starts(segments)
     bounds = [0] + allowed + [len(segments)]
-    gm, _ = assign_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
-    stages = split_pipeline(gm, num_stages=len(bounds) - 1)
+    gm, _ = cut_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
+    stages = split_graph(gm, num_stages=len(bounds) - 1)
     seen: dict = {}
     chunks = [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0, seen) for i in range(len(stages))]
     return [dataclasses.replace(ch, moe=tuple(m for m in layers if set(m.expert_params) & {p.name for p in ch.params}))
@@ -225,7 +225,7 @@ def _capture(model, *, example_inputs, loss_fn, example_target, options: Compile
     batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
                                       "recompute": "none", "zero_stage": 0,
-                                      "expert_parallel": 1, "moe_capacity_factor": None})  # experts whole
+                                      "expert_parallel": 1})  # experts whole
     try:
         return capture_and_annotate(model, mesh=MeshShape(dp=batch), example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn, options=opts), 1, False
