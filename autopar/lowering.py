@@ -59,14 +59,57 @@ PHASES = ("model", "shard", "pipeline")
 Captured = LoweringState  # the state after the model phase: what every rank's lowering starts from
 
 
+# when a pass runs, read off the Plan (its docstring is what docs/architecture.md prints)
+def _dp(st: LoweringState) -> bool:
+    """dp > 1"""
+    return st.plan.mesh.dp > 1
+
+
+def _ep(st: LoweringState) -> bool:
+    """expert_parallel > 1"""
+    return st.plan.expert_parallel > 1
+
+
 def _tp(st: LoweringState) -> bool:
+    """tp > 1"""
     return st.plan.mesh.tp > 1
 
 
+def _sp(st: LoweringState) -> bool:
+    """tp > 1 and sequence_parallel"""
+    return _tp(st) and st.plan.sequence_parallel
+
+
+def _template(st: LoweringState) -> bool:
+    """identical blocks were captured once"""
+    return st.template is not None
+
+
+def _split_backward(st: LoweringState) -> bool:
+    """a loss, and a schedule that splits backward (zero-bubble)"""
+    return st.has_loss and family(st.plan.pipeline.schedule).split_backward
+
+
+def _replicas(st: LoweringState) -> bool:
+    """the schedule family runs model replicas (Chimera)"""
+    return family(st.plan.pipeline.schedule).replicas > 1
+
+
+def _recompute(st: LoweringState) -> bool:
+    """some stage's recompute mode is not none"""
+    return any(m != "none" for m in st.plan.recompute)
+
+
+def _zero3(st: LoweringState) -> bool:
+    """zero_stage=3 with DDP"""
+    return st.plan.zero_stage == 3 and st.plan.data_parallel == "ddp"
+
+
 def passes() -> tuple[PassStep, ...]:
-    """Every pass from the model to one rank's stage graphs, in order: (phase, name, pass, kind, runs when,
-    why it runs there). Analyses sit right before the pass that first reads what they find."""
-    steps = [  # (phase, the pass, kind, runs when (None: always), why it runs there)
+    """Every pass from the model to one rank's stage graphs, in order: (phase, pass, kind, runs when (None:
+    always), why it runs there). Analyses sit right before the pass that first reads what they find; a pass
+    with nothing to do for this graph (no MoE layer, no random op) hands its state back unchanged."""
+    steps = [
         ("model", "check_plan", "check", None,
          "what the Plan alone decides, before the slow capture: its schedule built and validated once for every "
          "rank, and the recompute modes and ZeRO-3 pipelines it refuses"),
@@ -82,9 +125,9 @@ def passes() -> tuple[PassStep, ...]:
          "shapes, dtypes, FLOPs, bytes, module paths and parameter ownership: what every later pass reads"),
         ("model", "check_captured", "check", None,
          "what only the annotated graph shows: a scalar loss, example indices inside the tables they index"),
-        ("shard", "sync_router_statistics", "transform", lambda st: st.plan.mesh.dp > 1,
+        ("shard", "sync_router_statistics", "transform", _dp,
          "MoE routers' load-balancing statistics over the global batch: the aux loss as one device computes it"),
-        ("shard", "shard_experts", "transform", lambda st: st.plan.expert_parallel > 1,
+        ("shard", "shard_experts", "transform", _ep,
          "MoE experts over ep ranks with all-to-all dispatch/combine; first, so tp and pp see those nodes"),
         ("shard", "select_vocab_parallel", "analysis", _tp,
          "the embedding, head and loss on vocabulary shards; before the regions, which leave the head to it"),
@@ -97,24 +140,22 @@ def passes() -> tuple[PassStep, ...]:
         ("shard", "select_expert_regions", "analysis", _tp,
          "the expert MLPs to shard over tp, found right before their rewrite"),
         ("shard", "shard_expert_parallel", "transform", _tp, "each expert's MLP column/row over tp"),
-        ("shard", "shard_sequence_parallel", "transform", lambda st: _tp(st) and st.plan.sequence_parallel,
+        ("shard", "shard_sequence_parallel", "transform", _sp,
          "needs every f and g in place: they become all-gathers and reduce-scatters"),
         ("shard", "fork_sharded_random", "transform", _tp,
          "after every sharding step: random ops on shards draw from the rank's own stream"),
-        ("pipeline", "repeat_blocks", "transform", lambda st: st.template is not None,
+        ("pipeline", "repeat_blocks", "transform", _template,
          "the last captured block stands for the rest: stamped out after sharding, before the cuts"),
         ("pipeline", "assign_stages", "analysis", None,
          "cost-balanced cuts at block boundaries, measured on this rank's shards"),
         ("pipeline", "split_pipeline", "transform", None, "one graph per stage, with send/recv between them"),
-        ("pipeline", "expose_weight_uses", "transform",
-         lambda st: st.has_loss and family(st.plan.pipeline.schedule).split_backward,
+        ("pipeline", "expose_weight_uses", "transform", _split_backward,
          "zero-bubble schedules run B and W apart: every weight use gets its own alias and output"),
-        ("pipeline", "replicate_stages", "transform", lambda st: family(st.plan.pipeline.schedule).replicas > 1,
+        ("pipeline", "replicate_stages", "transform", _replicas,
          "Chimera's second pipeline runs a second replica of every stage, in the other direction"),
-        ("pipeline", "recompute", "transform", lambda st: any(m != "none" for m in st.plan.recompute),
+        ("pipeline", "recompute", "transform", _recompute,
          "after the split (send/recv stay outside every region), before ZeRO-3 gathers around whole regions"),
-        ("pipeline", "shard_parameters_zero3", "transform",
-         lambda st: st.plan.zero_stage == 3 and st.plan.data_parallel == "ddp",
+        ("pipeline", "shard_parameters_zero3", "transform", _zero3,
          "last: every parameter sharded over dp, gathered before use and freed after"),
     ]
     here = globals()  # each pass by its name in this module (its import above)
