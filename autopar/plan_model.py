@@ -7,6 +7,7 @@ tensor-parallel regions are taken from it as written.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -34,7 +35,8 @@ def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
         problem, _, fix = msg.removeprefix("Value error, ").partition("; ")
         return problem, fix or f"change {field!r}"
     if error["type"] == "extra_forbidden":
-        known_text = f" (known: {', '.join(known)})" if known else ""
+        close = difflib.get_close_matches(field, known, n=3)  # the likeliest spellings first, then the rest
+        known_text = f" (known: {', '.join(dict.fromkeys(close + known))})" if known else ""
         return f"unknown field {field!r}", f"remove {field!r} or fix its spelling{known_text}"
     if error["type"] == "json_invalid":
         return msg, "pass the JSON text written by plan.model_dump_json(), edited by hand"
