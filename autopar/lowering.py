@@ -33,7 +33,8 @@ from autopar.passes.pass_manager import PassStep, run_passes
 from autopar.passes.pipeline_split import StageGraph, split_pipeline
 from autopar.passes.recompute import recompute_stage
 from autopar.passes.sequence_parallel import shard_sequence_parallel
-from autopar.passes.tensor_parallel import ShardSpec, shard_tensor_parallel
+from autopar.passes.shard_layout import ShardLayout
+from autopar.passes.tensor_parallel import shard_tensor_parallel
 from autopar.passes.tp_random import fork_sharded_random, is_random
 from autopar.passes.static_shapes import check_static_shapes
 from autopar.passes.tp_coverage import warn_unsharded_matmuls
@@ -43,7 +44,7 @@ from autopar.passes.vocab_parallel import VocabParallel, find_vocab_parallel, sh
 from autopar.passes.weight_grad_split import check_split_backward_recompute, expose_weight_uses
 from autopar.passes.zero3 import check_zero3, shard_parameters_zero3
 from autopar.passes.low_precision import low_precision_copy
-from autopar.plan_model import MeshShape, ParamShard, Plan, TpRegionPlan
+from autopar.plan_model import MeshShape, Plan, TpRegionPlan
 from autopar.passes.chimera_replicate import replicate_stages
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
@@ -63,7 +64,7 @@ class Lowered:
     plan: Plan
     captured: CapturedGraph
     stages: list[StageGraph]
-    param_shards: dict[str, ShardSpec]
+    param_shards: dict[str, ShardLayout]
     schedule: Schedule  # the Plan's schedule, validated (built once, in capture_and_annotate)
     tp_partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
 
@@ -79,7 +80,7 @@ class LoweringState:
     gm: fx.GraphModule
     example_inputs: tuple
     stages: tuple[StageGraph, ...] | None = None  # None before the pipeline split
-    specs: Mapping[str, ShardSpec] = field(default_factory=dict)  # tp-sharded parameters (graph names)
+    specs: Mapping[str, ShardLayout] = field(default_factory=dict)  # tp-sharded parameters (graph names)
     partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
     region_plans: tuple[TpRegionPlan, ...] = ()
     starts: tuple[str, ...] = ()  # the unit each stage after the first begins at (graph names)
@@ -456,8 +457,7 @@ def lower_captured(cap: Captured, *, tp_rank: int, stages=None, copy: bool = Tru
         **dict(plan),
         "pipeline": plan.pipeline.model_copy(update={"stage_starts": tuple(user_name(u) for u in st.starts)}),
         "tp_regions": st.region_plans,
-        "param_shards": {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts, blocks=v.blocks)
-                         for k, v in st.specs.items()},
+        "param_shards": {user_name(k): v for k, v in st.specs.items()},
         "vocab_parallel": tuple(user_name(p) for p in s.vocab.paths()),
         "shared_params": _shared_params(st),
         "recompute": plan.recompute if any(m != "none" for m in plan.recompute) else (),

@@ -51,14 +51,12 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fp32_masters(model: nn.Module, targets: list[str], *, param_shards: dict, tp_rank: int,
                  tp_size: int) -> dict[str, torch.Tensor]:
     """{user name: this tp rank's fp32 master} for graph parameter ``targets`` (user names)."""
-    from autopar.passes.tensor_parallel import shard_tensor
-
     masters = {}
     for name in targets:
         original = model.get_parameter(name).detach()
         spec = param_shards.get(name)
         if spec is not None and tp_size > 1:
-            original = shard_tensor(original, spec, rank=tp_rank, size=tp_size)
+            original = spec.cut(original, rank=tp_rank, size=tp_size)
         masters[name] = original.to(torch.float32).clone()
     return masters
 
