@@ -13,7 +13,7 @@ API (``program = autopar.compile(..., schedule="pipedream")`` returns an :class:
 - The numbers do not depend on how the stream is cut into calls: microbatches are numbered from
   the start of training, and what every forward and backward reads follows the schedule's
   :class:`~autopar.runtime.schedules.staleness.StalenessRule` of those numbers.
-  :func:`autopar.runtime.async_emulation.emulate` computes the same training in one process.
+  tests/async_oracle.py computes the same training in one process, sharing no code with this one.
 
 Each step of a rank (one stage per rank):
 
@@ -24,8 +24,9 @@ Each step of a rank (one stage per rank):
   forward from its kept inputs with the corrected weights ``w - (v_b - v_f) * delta`` and
   backpropagates through that. The gradient goes into update ``rule.update_of(i)``.
 - An update runs when its result is first read (or at the drain): gradients averaged over dp,
-  summed over tied copies on other ranks (2BW only), learning rate scaled (PipeMare), the user's
-  optimizer stepped, PipeMare's ``delta`` advanced.
+  summed over tied copies on other ranks (2BW only), clipped (``max_grad_norm``, 2BW only: the
+  global norm of this update's gradient over every stage and rank, runtime/clip.py), learning rate
+  scaled (PipeMare), the user's optimizer stepped, PipeMare's ``delta`` advanced.
 - Schedulers: ``train_step`` snapshots ``program.optimizer.param_groups``' settings (lr, weight
   decay, ...) for the batch it feeds, and every update of that batch's microbatches steps with
   them, whenever its stage runs it (an update of batch ``b`` may run during the call that feeds
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from autopar.errors import PlanError
+from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import ActionEvent, weigh_loss
 from autopar.runtime.flight_record import ACTION
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
@@ -124,15 +126,18 @@ class AsyncProgram(ProgramSurface):
     """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
     def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
-        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm`` is not applied here
-        (each stage steps on its own clock); ``parts``: as :class:`ProgramSurface` builds them."""
+        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm``: 2BW's update of each batch
+        clipped by the global norm of its gradient, refused by the others (docs/schedules.md); ``parts``: as
+        :class:`ProgramSurface` builds them."""
         super().__init__(**parts)
+        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
         rule = self.schedule.staleness
         if options is not None and rule.kind == "pipemare":
             rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
                                        correction_decay=options.pipemare_correction_decay)
         self.rule = rule
         self._check_supported()
+        self.check_clipping(max_grad_norm, name=self.schedule.name)
         (self.stage,) = self.stages.values()
         self.versions = WeightVersions(self.named_params)
         index = {id(p): k for k, (_, p) in enumerate(self.named_params)}
@@ -159,6 +164,21 @@ class AsyncProgram(ProgramSurface):
                             where=f"compile(schedule={name!r}), rank {self.info.rank}",
                             fix="; ".join(f for _, f in problems))
         self.check_tied(plan, stage_to_rank=self.schedule.stage_to_rank, name=name)
+
+    @staticmethod
+    def check_clipping(max_grad_norm: float | None, *, name: str) -> None:
+        """Clipping by the global norm is exact under 2BW only (docs/schedules.md, "Gradient clipping")."""
+        if max_grad_norm is None or name == "pipedream_2bw":
+            return
+        raise PlanError(
+            f"max_grad_norm cannot be applied exactly under {name!r}: its stages apply update k at different "
+            f"points of the stream (the last stage right after its own backward of microbatch k, stage 0 only "
+            f"after p - 1 more forwards), so the norm of update k over every stage would hold the last stage "
+            f"until stage 0 has finished that backward, across the step's loss exchange: the ranks would wait "
+            f"on each other for ever",
+            where=f"compile(schedule={name!r}, max_grad_norm={max_grad_norm})",
+            fix="use schedule='pipedream_2bw' (every stage applies a batch's update at the same point, and "
+                "clips it), a synchronous schedule, or max_grad_norm=None")
 
     @staticmethod
     def check_tied(plan, *, stage_to_rank, name: str) -> None:
@@ -324,6 +344,8 @@ class AsyncProgram(ProgramSurface):
             p.grad = g
         average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp, guard=self.comm_guard)
         sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"], guard=self.comm_guard)
+        if self.max_grad_norm is not None:  # 2BW: every rank applies update t at the start of batch t + 2
+            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
         batch = update * self.rule.updates_every // self.plan.pipeline.num_microbatches  # the batch it trains on
         scale = self.rule.lr_scale(self.stage.stage, update)
         settings = [{**g, "lr": g["lr"] * scale} if "lr" in g else g for g in self._settings[batch]]

@@ -184,7 +184,7 @@ def batch_lr_factor(batch: int) -> float:
 
 def async_loop(case: Case, mesh) -> dict:
     """An asynchronous schedule with ``LambdaLR(batch_lr_factor)`` stepped after every ``train_step``: what the
-    emulation (autopar.runtime.async_emulation.emulate, ``lr_lambda=``) needs to replay it."""
+    oracle (tests/async_oracle.py, ``lr_lambda=``) needs to replay it."""
     from schedule_runners import _compile as compile_async, layout_of, text_batches
     data = text_batches(case)
     program = compile_async(case, mesh, data)
