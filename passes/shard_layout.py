@@ -11,7 +11,9 @@ one, for an expert tensor's dim 0). The dim holds one or more blocks, each cut o
   ``[q | k | v]`` with fewer kv heads than query heads (Phi-3's ``qkv_proj`` with grouped-query attention);
 - ``inner``: a second dim, cut in the other ``size / parts`` ways (minor; rank r holds piece
   ``r % (size / parts)``): a kv head broadcast to its query heads (a tensor-parallel placement's, never a
-  parameter's).
+  parameter's);
+- ``pad``: the dim is zero-padded to a multiple of ``size`` first, so any extent cuts (rank r holds block r,
+  the last ones the padding): ZeRO-3's flat blocks of a flattened tensor (:data:`ZERO3`).
 
 Rank r's piece is the concatenation of its piece of every block (:meth:`ShardLayout.ranges` says which index
 ranges); ranks holding the same piece hold equal copies, so a layout has :meth:`ShardLayout.ways` distinct
@@ -42,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ShardLayout", "Block", "EXPERTS"]
+__all__ = ["ShardLayout", "Block", "EXPERTS", "ZERO3"]
 
 
 class Block(NamedTuple):
@@ -62,6 +64,7 @@ class ShardLayout:
     parts: int = 0
     inner: int | None = None
     blocks: tuple[tuple[int, int], ...] = ()
+    pad: bool = False
 
     def __post_init__(self) -> None:
         if self.dim < 0 or self.chunks < 1 or self.parts < 0:
@@ -75,6 +78,8 @@ class ShardLayout:
         if self.inner is not None and (self.parts < 1 or self.inner == self.dim):
             raise ValueError(f"{self!r}: an inner dim is cut size / parts ways; give parts > 0 and "
                              "an inner dim other than dim")
+        if self.pad and (self.chunks != 1 or self.parts or self.inner is not None or self.blocks):
+            raise ValueError(f"{self!r}: a padded dim is cut in one block over every rank; give pad alone")
 
     def fields(self) -> dict:
         """The fields that differ from their default (``dim`` always): the layout as keyword arguments."""
@@ -89,11 +94,13 @@ class ShardLayout:
         return "".join([str(self.dim), f",chunks={self.chunks}" if self.chunks != 1 else "",
                         f",parts={self.parts}" if self.parts else "",
                         f",inner={self.inner}" if self.inner is not None else "",
-                        f",blocks={list(self.blocks)}" if self.blocks else ""])
+                        f",blocks={list(self.blocks)}" if self.blocks else "", ",pad" if self.pad else ""])
 
     # -- which piece a rank holds ----------------------------------------------------------------
     def blocks_of(self, extent: int, size: int) -> tuple[Block, ...]:
         """The blocks of a dim of ``extent`` cut over ``size`` ranks."""
+        if self.pad:
+            return (Block(extent, -(-extent // size), size),)
         cuts = self.blocks or ((extent // self.chunks, self.parts),) * self.chunks
         return tuple(Block(n, n // (p or size), p or size) for n, p in cuts)
 
@@ -135,7 +142,7 @@ class ShardLayout:
         return tuple(out)
 
     def full_shape(self, shape, size: int) -> tuple[int, ...]:
-        """The full tensor's shape, of a rank's piece of ``shape``."""
+        """The full tensor's shape, of a rank's piece of ``shape`` (a padded layout: with the padding)."""
         out = list(shape)
         out[self.dim] = sum(n for n, _ in self.blocks) if self.blocks else out[self.dim] * (self.parts or size)
         if self.inner is not None:
@@ -149,7 +156,7 @@ class ShardLayout:
             bad = [n for n, p in self.blocks if n % (p or size)]
             return (f"a block of size {bad[0]} of dim {self.dim} of {what} {shape} is not divisible by tp={size}"
                     if bad else None)
-        if shape[self.dim] % (self.chunks * (self.parts or size)):
+        if shape[self.dim] % (self.chunks * (self.parts or size)) and not self.pad:
             return (f"dim {self.dim} of {what} {shape} has size {shape[self.dim]}, not divisible by tp={size}"
                     + (f" x {self.chunks} blocks" if self.chunks > 1 else "")
                     + (f" (cut {self.parts} ways)" if self.parts else ""))
@@ -179,7 +186,8 @@ class ShardLayout:
         runs, offset = [], 0
         for b in self.blocks_of(shape[self.dim], size):
             index = rank * b.ways // size
-            runs.append((offset + index * b.local, offset + (index + 1) * b.local))
+            start, stop = (offset + index * b.local, offset + (index + 1) * b.local)
+            runs.append((min(start, b.extent), min(stop, b.extent)) if self.pad else (start, stop))
             offset += b.extent
         out[self.dim] = runs
         if self.inner is not None:
@@ -194,11 +202,31 @@ class ShardLayout:
         for d, runs in enumerate(self.ranges(full.shape, rank=rank, size=size)):
             if runs != [(0, full.shape[d])]:
                 out = torch.cat([out.narrow(d, a, b - a) for a, b in runs], dim=d)
+        local = self.local_size(full.shape[self.dim], size)
+        if self.pad and out.shape[self.dim] < local:  # (a last block: its padding, zeros)
+            shape = list(out.shape)
+            shape[self.dim] = local - shape[self.dim]
+            out = torch.cat([out, out.new_zeros(shape)], dim=self.dim)
         return full.clone(memory_format=torch.contiguous_format) if out is full else out
 
-    def join(self, pieces: list[torch.Tensor], *, size: int) -> torch.Tensor:
+    def pieces(self, full: torch.Tensor, *, size: int) -> list[torch.Tensor]:
+        """Every distinct piece of ``full`` over ``size`` ranks, in order (:meth:`ways` of them); views of one
+        padded copy (a padded layout) or of ``full`` (a plain cut in one block per rank), else new tensors."""
+        local = self.local_size(full.shape[self.dim], size)
+        if self.pad:  # one padded copy, viewed as its blocks
+            shape = list(full.shape)
+            shape[self.dim] = local * size
+            padded = full.new_zeros(shape)
+            padded.narrow(self.dim, 0, full.shape[self.dim]).copy_(full)
+            return list(padded.unflatten(self.dim, (size, local)).unbind(self.dim))
+        if self.fields() == {"dim": self.dim}:  # one block per rank: views of ``full``
+            return list(full.unflatten(self.dim, (size, local)).unbind(self.dim))
+        return [self.cut(full, rank=self.first_rank(j, size), size=size) for j in range(self.ways(size))]
+
+    def join(self, pieces: list[torch.Tensor], *, size: int, extent: int | None = None) -> torch.Tensor:
         """The full tensor from its pieces over ``size`` ranks: one per piece (:meth:`ways` of them, in
-        order), or one per rank (``size`` of them, of which the first holder of each piece is read)."""
+        order), or one per rank (``size`` of them, of which the first holder of each piece is read).
+        ``extent``: the cut dim's full extent, without the padding of a padded layout."""
         ways = self.ways(size)
         if len(pieces) == size and ways != size:
             pieces = [pieces[self.first_rank(j, size)] for j in range(ways)]
@@ -216,19 +244,22 @@ class ShardLayout:
                 per_dim.append(placed)
             for combo in itertools.product(*per_dim):
                 out[tuple(dst for dst, _ in combo)] = piece[tuple(src for _, src in combo)]
-        return out
+        return out if extent is None else out.narrow(self.dim, 0, extent)
 
     # -- the Plan's JSON ---------------------------------------------------------------------------
     @classmethod
     def __get_pydantic_core_schema__(cls, source, handler):
-        """pydantic validates the fields (and ``__post_init__``); JSON leaves ``inner`` out when unset (a
-        parameter's layout never has one)."""
+        """pydantic validates the fields (and ``__post_init__``); JSON leaves ``inner`` and ``pad`` out when
+        unset (a tensor-parallel parameter's layout never has them)."""
         from pydantic_core import core_schema
 
         def serialize(value, nxt):
             out = nxt(value)
-            if isinstance(out, dict) and out.get("inner") is None:
-                out.pop("inner", None)
+            if isinstance(out, dict):
+                if out.get("inner") is None:
+                    out.pop("inner", None)
+                if not out.get("pad", True):
+                    out.pop("pad")
             return out
 
         schema = handler(source)
@@ -237,3 +268,4 @@ class ShardLayout:
 
 
 EXPERTS = ShardLayout(0)  # an expert tensor split over ep ranks: its experts (dim 0), rank j holding block j
+ZERO3 = ShardLayout(0, pad=True)  # ZeRO-3's flat blocks: a tensor flattened, zero-padded, rank r holding block r

@@ -7,7 +7,8 @@ A checkpoint stores every tensor as the *pieces* the ranks hold, each under its 
   chunks of a fused projection, kv heads cut in fewer parts, unequal blocks of a fused ``[q | k | v]``),
   exactly as the tensor-parallel pass cut it; its distinct pieces (``tp_ways``) are stored once each;
 - ``z3=size``: the tp-local tensor flattened, zero-padded to a multiple of ``size`` and cut into
-  ``size`` flat blocks, one per dp rank (ZeRO-3, :mod:`autopar.runtime.zero3_ops`);
+  ``size`` flat blocks, one per dp rank (ZeRO-3, :data:`~autopar.passes.shard_layout.ZERO3`;
+  :mod:`autopar.runtime.zero3_ops`);
 - ``ep=size``: a mixture-of-experts expert tensor split over ``size`` expert-parallel ranks on dim 0
   (the experts, :data:`~autopar.passes.shard_layout.EXPERTS`; :mod:`autopar.passes.moe_expert_parallel`),
   each ep rank's block then cut over tp.
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.shard_layout import EXPERTS, ShardLayout
+from autopar.passes.shard_layout import EXPERTS, ZERO3, ShardLayout
 
 __all__ = ["Layout", "split", "join", "piece_key"]
 
@@ -97,7 +98,7 @@ class Layout:
         local = self.tp_local_shape()
         if not self.z3:
             return local
-        return (math.ceil(math.prod(local) / self.z3),)
+        return (ZERO3.local_size(math.prod(local), self.z3),)
 
     def pieces(self, base: str):
         """(key, tp index, z3 index) of every piece (of every ep block: :meth:`expert_pieces` names the block)."""
@@ -142,10 +143,7 @@ def split(full: torch.Tensor, layout: Layout, *, tp_index: int, z_index: int, ep
     if layout.tp:
         local = layout.tp.cut(local, rank=layout.tp_rank(tp_index), size=layout.tp_size)
     if layout.z3:
-        block = layout.piece_shape()[0]
-        flat = torch.zeros(block * layout.z3, dtype=local.dtype, device=local.device)
-        flat[:local.numel()] = local.reshape(-1)
-        local = flat[z_index * block:(z_index + 1) * block]
+        local = ZERO3.cut(local.reshape(-1), rank=z_index, size=layout.z3)
     return local.clone()
 
 
@@ -162,7 +160,7 @@ def _join_block(pieces: dict[str, torch.Tensor], layout: Layout, base: str, ep_i
         blocks = [pieces[layout.key(base, ep_index=ep_index, tp_index=t, z_index=z)] for z in range(layout.z3_size)]
         if layout.z3:
             shape = layout.tp_local_shape()
-            tp_local.append(torch.cat(blocks)[:math.prod(shape)].view(shape))
+            tp_local.append(ZERO3.join(blocks, size=layout.z3, extent=math.prod(shape)).view(shape))
         else:
             tp_local.append(blocks[0])
     return layout.tp.join(tp_local, size=layout.tp_size) if layout.tp else tp_local[0]

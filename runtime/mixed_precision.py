@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from autopar.passes.graph_names import user_name
+from autopar.passes.shard_layout import EXPERTS, ZERO3
 
 __all__ = ["COMPUTE_DTYPES", "fp32_masters", "MasterWeights", "zero3_block",
            "masters_for_rank"]
@@ -63,11 +64,7 @@ def fp32_masters(model: nn.Module, targets: list[str], *, param_shards: dict, tp
 
 def zero3_block(tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
     """ZeRO-3's layout of ``tensor`` on dp rank ``rank``: flattened, zero-padded to a multiple of size, block rank."""
-    flat = tensor.reshape(-1)
-    per = -(-flat.numel() // size)
-    padded = torch.zeros(per * size, dtype=tensor.dtype, device=tensor.device)
-    padded[: flat.numel()] = flat
-    return padded[rank * per: (rank + 1) * per].clone()
+    return ZERO3.cut(tensor.reshape(-1), rank=rank, size=size)
 
 
 class MasterWeights:
@@ -163,7 +160,7 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
     ep = lowered.plan.expert_parallel
     if ep > 1:  # MoE experts split over ep ranks of dp: ep rank d % ep holds the d % ep-th block of dim 0
         experts = set(lowered.plan.expert_params)
-        masters = {n: t.chunk(ep, dim=0)[info.coords["dp"] % ep].clone() if n in experts else t
+        masters = {n: EXPERTS.cut(t, rank=info.coords["dp"] % ep, size=ep) if n in experts else t
                    for n, t in masters.items()}
     if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
         sharded = {user_name(t): z for t, z in zero3_shards([s.gm for s in mine]).items()}  # experts: over edp

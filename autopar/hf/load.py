@@ -25,7 +25,7 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
-from autopar.passes.shard_layout import EXPERTS
+from autopar.passes.shard_layout import EXPERTS, ZERO3
 from autopar.runtime.checkpoint import agree_on_error
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.rank_tensors import Held, held_tensors
@@ -80,7 +80,7 @@ def read_piece(folder: PretrainedFolder, name: str, layout: Layout, *, tp_index:
         return folder.read(name, runs, dtype=dtype)
     local = layout.tp_local_shape()
     numel, block = math.prod(local), layout.piece_shape()[0]
-    start, stop = z_index * block, min((z_index + 1) * block, numel)
+    (start, stop), = ZERO3.ranges((numel,), rank=z_index, size=layout.z3)[0]  # the flat range, padding left out
     out = torch.zeros(block, dtype=dtype)
     if start >= stop:  # a block of padding only
         return out

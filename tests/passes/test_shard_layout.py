@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from autopar.errors import PlanError
-from autopar.passes.shard_layout import EXPERTS, ShardLayout
+from autopar.passes.shard_layout import EXPERTS, ZERO3, ShardLayout
 from autopar.plan_model import Plan
 
 
@@ -33,6 +33,14 @@ def _oracle(full: torch.Tensor, layout: ShardLayout, *, rank: int, size: int) ->
     return out
 
 
+def _padded_oracle(full: torch.Tensor, layout: ShardLayout, *, rank: int, size: int) -> torch.Tensor:
+    """A padded dim: zeros appended up to a multiple of size, then block rank of size equal blocks."""
+    extent = full.shape[layout.dim]
+    more = list(full.shape)
+    more[layout.dim] = -extent % size
+    return torch.cat([full, full.new_zeros(more)], dim=layout.dim).chunk(size, dim=layout.dim)[rank]
+
+
 SIZES = (1, 2, 4, 6)
 
 
@@ -44,7 +52,11 @@ def layouts(draw):
     ndim = draw(st.integers(1, 3))
     dim = draw(st.integers(0, ndim - 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
-    kind = draw(st.sampled_from(["equal", "parts", "inner", "blocks"] if ndim > 1 else ["equal", "parts", "blocks"]))
+    kind = draw(st.sampled_from(["equal", "parts", "inner", "blocks", "pad"] if ndim > 1
+                                else ["equal", "parts", "blocks", "pad"]))
+    if kind == "pad":  # any extent, 0 included
+        shape[dim] = draw(st.integers(0, 3 * size + 1))
+        return ShardLayout(dim, pad=True), size, tuple(shape)
     if kind == "blocks":
         parts = [draw(st.sampled_from([0] + divisors)) for _ in range(draw(st.integers(1, 4)))]
         blocks = tuple(((p or size) * draw(st.integers(1, 3)), p) for p in parts)  # a multiple of its ways
@@ -68,14 +80,26 @@ def test_every_rank_cuts_its_piece_and_the_pieces_join(case):
     full = torch.arange(math.prod(shape)).reshape(shape)
     assert layout.misfit(shape, size) is None
     pieces = [layout.cut(full, rank=r, size=size) for r in range(size)]
+    oracle = _padded_oracle if layout.pad else _oracle
     for rank, piece in enumerate(pieces):
-        assert torch.equal(piece, _oracle(full, layout, rank=rank, size=size)), (layout, size, rank)
-        assert piece.is_contiguous() and piece.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        assert torch.equal(piece, oracle(full, layout, rank=rank, size=size)), (layout, size, rank)
+        assert piece.is_contiguous()
+        assert piece.numel() == 0 or piece.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
         assert tuple(piece.shape) == layout.local_shape(shape, size)
         assert layout.local_size(shape[layout.dim], size) == piece.shape[layout.dim]
-        assert layout.full_shape(piece.shape, size) == shape
         runs = layout.ranges(shape, rank=rank, size=size)
+        if layout.pad:  # the ranges leave the padding out
+            assert layout.full_shape(piece.shape, size)[layout.dim] == piece.shape[layout.dim] * size
+            assert sum(b - a for a, b in runs[layout.dim]) == min(piece.shape[layout.dim], max(
+                0, shape[layout.dim] - rank * piece.shape[layout.dim]))
+            continue
+        assert layout.full_shape(piece.shape, size) == shape
         assert [sum(b - a for a, b in r) for r in runs] == list(piece.shape)
+    extent = shape[layout.dim]
+    if layout.pad:
+        assert all(torch.equal(a, b) for a, b in zip(layout.pieces(full, size=size), pieces, strict=True))
+        assert torch.equal(layout.join(pieces, size=size, extent=extent), full)
+        return
     distinct = {tuple(p.reshape(-1).tolist()) for p in pieces}
     assert len(distinct) == layout.ways(size)
     for rank in range(size):  # ranks with one piece index hold one piece; the first holder is its first rank
@@ -85,6 +109,7 @@ def test_every_rank_cuts_its_piece_and_the_pieces_join(case):
     by_piece = [pieces[layout.first_rank(j, size)] for j in range(layout.ways(size))]
     assert torch.equal(layout.join(by_piece, size=size), full)
     assert torch.equal(layout.join(pieces, size=size), full)
+    assert all(torch.equal(a, b) for a, b in zip(layout.pieces(full, size=size), by_piece, strict=True))
 
 
 def test_phi3_fused_qkv_with_fewer_kv_heads():
@@ -102,6 +127,7 @@ def test_equal_chunks_cut_every_block():
     qkv = ShardLayout(0, chunks=3)
     assert qkv.cut(torch.arange(12), rank=1, size=2).tolist() == [2, 3, 6, 7, 10, 11]
     assert EXPERTS.cut(torch.arange(8).view(4, 2), rank=1, size=2).tolist() == [[4, 5], [6, 7]]
+    assert [ZERO3.cut(torch.arange(5), rank=r, size=3).tolist() for r in range(3)] == [[0, 1], [2, 3], [4, 0]]
 
 
 def test_a_layout_that_does_not_divide_says_so():
@@ -116,7 +142,8 @@ def test_a_layout_that_does_not_divide_says_so():
 
 
 @pytest.mark.parametrize("bad", [dict(dim=-1), dict(dim=0, chunks=0), dict(dim=0, blocks=((4, 0),), chunks=2),
-                                 dict(dim=0, inner=1), dict(dim=0, parts=1, inner=0), dict(dim=0, blocks=((0, 1),))])
+                                 dict(dim=0, inner=1), dict(dim=0, parts=1, inner=0), dict(dim=0, blocks=((0, 1),)),
+                                 dict(dim=0, chunks=2, pad=True)])
 def test_an_impossible_layout_is_refused(bad):
     with pytest.raises(ValueError):
         ShardLayout(**bad)
