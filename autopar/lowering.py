@@ -37,14 +37,15 @@ from autopar.passes.pipeline_split import StageGraph, split_pipeline
 from autopar.passes.recompute import recompute
 from autopar.passes.sequence_parallel import shard_sequence_parallel
 from autopar.passes.static_shapes import check_static_shapes
-from autopar.passes.tensor_parallel import ShardSpec, shard_tensor_parallel
+from autopar.passes.shard_layout import ShardLayout
+from autopar.passes.tensor_parallel import shard_tensor_parallel
 from autopar.passes.tp_expert import shard_expert_parallel
 from autopar.passes.tp_random import fork_sharded_random
 from autopar.passes.tp_select import select_expert_regions, select_tp_regions, select_vocab_parallel
 from autopar.passes.vocab_parallel import VocabParallel, shard_vocab_parallel
 from autopar.passes.weight_grad_split import expose_weight_uses
 from autopar.passes.zero3 import shard_parameters_zero3
-from autopar.plan_model import ParamShard, Plan
+from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import family
 from autopar.validation import check_captured, check_plan
@@ -174,7 +175,7 @@ class Lowered:
     plan: Plan
     captured: CapturedGraph
     stages: list[StageGraph]
-    param_shards: dict[str, ShardSpec]
+    param_shards: dict[str, ShardLayout]
     schedule: Schedule  # the Plan's schedule, validated (built once, by check_plan)
     tp_partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
 
@@ -287,8 +288,7 @@ def _lowered_plan(st: LoweringState) -> Plan:
         **dict(plan),
         "pipeline": plan.pipeline.model_copy(update={"stage_starts": tuple(user_name(u) for u in st.starts)}),
         "tp_regions": st.region_plans,
-        "param_shards": {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts, blocks=v.blocks)
-                         for k, v in st.specs.items()},
+        "param_shards": {user_name(k): v for k, v in st.specs.items()},
         "vocab_parallel": tuple(user_name(p) for p in st.vocab.paths()) if st.vocab else (),
         "shared_params": _shared_params(st),
         "recompute": plan.recompute if any(m != "none" for m in plan.recompute) else (),

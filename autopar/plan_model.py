@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from autopar.errors import PlanError
 from autopar.parallel_dims import MESH_AXES, ParallelDims
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.schedules.registry import schedule_names
 
-__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "Plan", "PlanChoices", "RunOptions",
+__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "Plan", "PlanChoices", "RunOptions",
            "AnalysisChoices",
            "MESH_AXES", "UserModel", "plan_error_from", "known_schedule"]
 
@@ -148,18 +149,6 @@ class TpRegionPlan(_Frozen):
     gathered: tuple[str, ...] = ()
 
 
-class ParamShard(_Frozen):
-    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded.
-
-    ``parts`` > 0: each block cut in that many pieces only, rank r holding piece ``r * parts // tp``.
-    """
-
-    dim: int = Field(ge=0)
-    chunks: int = Field(1, ge=1)
-    parts: int = Field(0, ge=0)
-    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
-
-
 class PlanChoices(_Frozen):
     """The options the Plan records as they are given: each a field here, once. :class:`Plan` and
     :class:`autopar.options.CompileOptions` both have them, and :func:`autopar.options.resolve_plan` takes a
@@ -228,7 +217,7 @@ class Plan(PlanChoices):
     global_batch_size: int = Field(ge=1)
     pipeline: PipelinePlan = PipelinePlan()
     tp_regions: tuple[TpRegionPlan, ...] = ()
-    param_shards: dict[str, ParamShard] = {}
+    param_shards: dict[str, ShardLayout] = {}  # parameters sharded over tp: how each is cut (passes/shard_layout.py)
     vocab_parallel: tuple[str, ...] = ()  # module paths of the embedding(s) and LM head sharded on the vocabulary
     sequence_parallel: bool = False
     shared_params: dict[str, tuple[int, ...]] = {}

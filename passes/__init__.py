@@ -32,6 +32,7 @@ Tensor parallelism (before the split, so a region's linears share a stage)::
     moe_detect.py         MoE layers found in the graph: router, top-k, experts, combine, aux loss
     moe_aux.py            the router's load-balancing statistics averaged over dp (aux loss as one device)
     moe_expert_parallel.py experts split over ep ranks, all-to-all dispatch and combine nodes
+    shard_layout.py       ShardLayout: how a tensor is cut over ranks (passes, Plan, runtime, checkpoints)
     tp_errors.py          NoRule: an op that cannot run on shards as placed
     tp_rules.py           placement rules per op family, as data
     tp_regions.py         regions found by propagating placements from candidate linears

@@ -8,7 +8,7 @@ shared between blocks); the model is then captured with only its first :data:`CA
 (:meth:`BlockTemplate.truncated`), analysed and sharded as usual, and :meth:`BlockTemplate.repeat`
 stamps the last captured block out for the remaining ones: the same nodes with the block index in
 their module paths and weight names changed, reading block ``j``'s own weights (sharded with the
-template's :class:`~autopar.passes.tensor_parallel.ShardSpec`; MoE expert tensors split over ep keep
+template's :class:`~autopar.passes.shard_layout.ShardLayout`; MoE expert tensors split over ep keep
 this ep rank's experts first, as :mod:`autopar.passes.moe_expert_parallel` cut the template's),
 their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last
 block. Node metadata (shapes, FLOPs, placements) is copied, so nothing is propagated again.
@@ -47,7 +47,7 @@ from autopar.errors import PassError
 from autopar.passes.capture import MODEL_PREFIX
 from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
-from autopar.passes.tensor_parallel import shard_tensor
+from autopar.passes.shard_layout import ShardLayout
 
 __all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks", "repeat_blocks"]
 
@@ -257,11 +257,10 @@ class BlockTemplate:
         if spec is not None or template_node.target in split:
             value = tensor.detach()
             if template_node.target in split:  # this ep rank's experts: block ep_rank of dim 0, a copy
-                local = value.shape[0] // ep
-                value = value[ep_rank * local:(ep_rank + 1) * local].clone()
+                value = ShardLayout(0).cut(value, rank=ep_rank, size=ep)
             if spec is not None:
                 specs[target] = spec
-                value = shard_tensor(value, spec, rank=tp_rank, size=tp_size)
+                value = spec.cut(value, rank=tp_rank, size=tp_size)
             tensor = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
                 else value
         _set_attr(gm, target, tensor, persistent=leaf not in owner._non_persistent_buffers_set)

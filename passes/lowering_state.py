@@ -67,7 +67,7 @@ class LoweringState:
     regions: tuple = ()  # TpRegion (passes/tp_regions.py), found on the graph shard_tensor_parallel rewrites
     expert_regions: tuple = ()  # ExpertRegion (passes/tp_expert.py): expert MLPs sharded over tp
     # -- what the transforms made (graph names)
-    specs: Mapping[str, Any] = field(default_factory=dict)  # tp-sharded parameters -> ShardSpec
+    specs: Mapping[str, Any] = field(default_factory=dict)  # tp-sharded parameters -> ShardLayout
     partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
     region_plans: tuple = ()  # TpRegionPlan of each tensor-parallel region (module paths)
     starts: tuple[str, ...] = ()  # the unit each stage after the first begins at

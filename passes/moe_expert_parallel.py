@@ -47,6 +47,7 @@ from autopar.errors import ShardingError
 from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
 from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
+from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import set_param
 from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
 
@@ -93,10 +94,8 @@ def _region_check(layer: MoeLayer, start: list[fx.Node], last: fx.Node, allowed:
 
 
 def _slice_experts(gm: fx.GraphModule, layer: MoeLayer, *, ep: int, ep_rank: int) -> None:
-    local = layer.num_experts // ep
-    for target in layer.expert_weights:
-        full = gm.get_parameter(target)
-        set_param(gm, target, full.detach()[ep_rank * local:(ep_rank + 1) * local].clone())
+    for target in layer.expert_weights:  # this ep rank's experts: block ep_rank of dim 0
+        set_param(gm, target, ShardLayout(0).cut(gm.get_parameter(target).detach(), rank=ep_rank, size=ep))
     for node in gm.graph.nodes:
         info = get_meta(node, PARAM) if node.op == "get_attr" and node.target in layer.expert_weights else None
         if info is not None:

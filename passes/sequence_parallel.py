@@ -125,7 +125,7 @@ def _seeds(gm: fx.GraphModule, tp_size: int) -> dict[fx.Node, Placement]:
                 f"sequence parallelism splits dim {dim} of {tuple(shape)} (size {shape[dim]}), "
                 f"not divisible by tp={tp_size}", where=node_where(node),
                 fix=f"use a sequence length that is a multiple of {tp_size}, or sequence_parallel=False")
-        seeds[node] = Placement("S", dim)
+        seeds[node] = Placement.shard(dim)
     return seeds
 
 
@@ -343,7 +343,7 @@ def shard_sequence_parallel(st: LoweringState) -> LoweringState:
         dim = sol.placements[reduce].dim
         new = _replace_module_node(gm, namer, reduce, "sp_reduce_scatter",
                                    SpReduceScatter(axis="tp", size=tp_size, dim=dim))
-        set_meta(new, TP_PLACEMENT, Placement("S", dim))
+        set_meta(new, TP_PLACEMENT, Placement.shard(dim))
     gm.graph.lint()
     gm.recompile()
     if regather:

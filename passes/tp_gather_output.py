@@ -40,7 +40,7 @@ Example::
     >>> gm = annotate(capture(Head(), (x,)).gm, example_inputs=(x,))
     >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
     >>> st.specs["model.dense.weight"], [n.target for n in st.gm.graph.nodes if n.op == "call_module"]
-    (ShardSpec(dim=0, chunks=1), ['tp_copy_0', 'tp_gather_output_0'])
+    (ShardLayout(dim=0), ['tp_copy_0', 'tp_gather_output_0'])
 """
 from __future__ import annotations
 
@@ -157,18 +157,18 @@ def gathered_placements(node: fx.Node, *, tp_size: int | None) -> dict[fx.Node, 
     if proj is None and conv is None:
         return None
     dim = len(shape_of(node)) - 1 if proj is not None else 1
-    out = Placement("S", dim)
+    out = Placement.shard(dim)
     if tp_size is None or shape_of(node)[dim] % tp_size or proj is not None and not closes_nowhere(node, out):
         return None
     if proj is not None:
-        placed = {node: out, proj.weight: Placement("S", proj.out_dim)}
+        placed = {node: out, proj.weight: Placement.shard(proj.out_dim)}
         if proj.via is not None:
-            placed[proj.via] = Placement("S", 1 - proj.out_dim)
+            placed[proj.via] = Placement.shard(1 - proj.out_dim)
     else:
-        placed = {node: out, conv.weight: Placement("S", 0)}
+        placed = {node: out, conv.weight: Placement.shard(0)}
     bias = proj.bias if proj is not None else conv.bias
     if bias is not None:
-        placed[bias] = Placement("S", 0)
+        placed[bias] = Placement.shard(0)
     return placed
 
 

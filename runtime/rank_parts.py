@@ -24,7 +24,7 @@ from autopar.passes.capture import CapturedGraph
 from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import PARAM, get_meta
 from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.tensor_parallel import ShardSpec
+from autopar.passes.shard_layout import ShardLayout
 from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
@@ -45,7 +45,7 @@ class LoweredStages(Protocol):
     plan: Plan
     captured: CapturedGraph
     stages: list[StageGraph]
-    param_shards: dict[str, ShardSpec]
+    param_shards: dict[str, ShardLayout]
     tp_partial_grads: tuple[str, ...]
 
 

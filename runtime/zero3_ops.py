@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.parallel_dims import ParallelDims
+from autopar.passes.shard_layout import ZERO3
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 
@@ -39,8 +40,8 @@ __all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "Zero3Shard", "shard_zero3_
 
 
 def padded_numel(numel: int, size: int) -> int:
-    """``numel`` rounded up to a multiple of ``size``."""
-    return math.ceil(numel / size) * size
+    """``numel`` rounded up to a multiple of ``size``: the flat blocks of :data:`ZERO3` over ``size`` ranks."""
+    return ZERO3.local_size(numel, size) * size
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _copy_out(gather: "ZeroGather", buffer: torch.Tensor, into: list | None = No
     """Full parameters from a gathered [N, S] buffer (into fresh tensors, or into ``into``'s storage)."""
     fulls, offset = [], 0
     for i, (shape, numel) in enumerate(zip(gather.shapes, gather.numels)):
-        block = padded_numel(numel, gather.size) // gather.size
+        block = ZERO3.local_size(numel, gather.size)
         data = buffer[:, offset: offset + block].reshape(-1)
         offset += block
         if into is None:
@@ -129,15 +130,13 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, *grads):
         module = ctx.module
         n = module.size
-        blocks = [padded_numel(k, n) // n for k in module.numels]
+        blocks = [ZERO3.local_size(k, n) for k in module.numels]
         device = module.runtime.gm.get_parameter(module.targets[0]).device
         inp = torch.zeros(n, sum(blocks), dtype=module.dtype, device=device)
         offset = 0
         for g, numel, block in zip(grads, module.numels, blocks):
-            if g is not None:
-                padded = torch.zeros(n * block, dtype=g.dtype, device=device)
-                padded[:numel] = g.reshape(-1)
-                inp[:, offset: offset + block] = padded.view(n, block)
+            if g is not None:  # rank r's row: block r of the flat gradient (reduce-scattered to rank r)
+                inp[:, offset: offset + block] = torch.stack(ZERO3.pieces(g.reshape(-1), size=n))
             offset += block
         out = torch.empty(sum(blocks), dtype=module.dtype, device=device)
         comm.reduce_scatter_into(out, inp.view(-1), group=module.group, size=n,
@@ -249,10 +248,7 @@ def shard_zero3_parameters(gms: list, *, dims: ParallelDims, coords: dict[str, i
             for target in gather.targets:
                 full = gm.get_parameter(target)
                 if id(full) not in shards:
-                    block = padded_numel(full.numel(), size) // size
-                    flat = torch.zeros(block * size, dtype=full.dtype, device=full.device)
-                    flat[:full.numel()] = full.detach().reshape(-1)
-                    shards[id(full)] = torch.nn.Parameter(flat[rank * block:(rank + 1) * block].clone(),
+                    shards[id(full)] = torch.nn.Parameter(ZERO3.cut(full.detach().reshape(-1), rank=rank, size=size),
                                                           requires_grad=full.requires_grad)
                 owner, _, leaf = target.rpartition(".")
                 setattr(gm.get_submodule(owner) if owner else gm, leaf, shards[id(full)])

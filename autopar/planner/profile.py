@@ -41,7 +41,7 @@ from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.partition import _allowed_starts, cut_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_graph
 from autopar.passes.recompute import recompute_stage
-from autopar.plan_model import MeshShape, ParamShard
+from autopar.plan_model import MeshShape
 
 __all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
 
@@ -120,7 +120,7 @@ class ModelProfile:
     template: str | None = None  # the list of identical blocks captured once, if any
     regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
     vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
-    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ParamShard} (tp_expert.py)
+    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ShardLayout} (tp_expert.py)
 
     @property
     def num_chunks(self) -> int:
@@ -268,8 +268,7 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
         profile.regions[tp] = cap.template.extend_regions(regions) if cap.template else regions
         profile.vocab[tp] = tuple(user_name(p) for p in vocab.paths())
         experts = {name for ch in profile.chunks[tp] for m in ch.moe for name in m.expert_params}
-        profile.expert_shards[tp] = {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts,
-                                                              blocks=v.blocks)
+        profile.expert_shards[tp] = {user_name(k): v
                                      for k, v in specs.items() if user_name(k) in experts}
         log.info("profiled tp=%d: %d chunks", tp, len(profile.chunks[tp]))
     if not profile.chunks:
