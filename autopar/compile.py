@@ -11,11 +11,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import InputError, PlanError
-from autopar.lowering import _is_meta, batch_inputs
-from autopar.shape_builder import lower_program, make_builder
-from autopar.mesh import mesh_info
-from autopar.options import resolve_plan
+from autopar.lowering import _is_meta, resolve
+from autopar.mesh import mesh_info, mesh_shape_of
 from autopar.plan_model import Plan
+from autopar.shape_builder import lower_program, make_builder
 from autopar.runtime.init_replay import init_filler
 from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.unused_state import keep_unused
@@ -71,13 +70,6 @@ def _materializer(fill, lowered, *, info, mesh: DeviceMesh, masters):
                    masters=masters)
 
 
-def _data_parallel(model: nn.Module, opts, plan, info, example_inputs) -> str:
-    """The program kind, a Plan decision: a given Plan's, else the options' (resolved in autopar/options.py)."""
-    batch = batch_inputs(example_inputs)[1][0].shape[0]
-    return resolve_plan(opts, given=plan, mesh=info.shape, batch=batch, model_name=type(model).__name__,
-                        num_parameters=0).data_parallel
-
-
 def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_fn=None, example_target=None,
             optimizer=None, plan: Plan | str | None = None, cluster=None, weights=None,
             **options) -> RankProgram:
@@ -108,15 +100,19 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if not isinstance(mesh, DeviceMesh):
         raise PlanError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}", where="compile(mesh=...)",
                         fix="build one with autopar.init_mesh(dp=..., pp=..., tp=...)")
-    info = mesh_info(mesh)
-    opts = checked_options(options, mesh=info.shape, plan=plan, where="compile")
+    shape = mesh_shape_of(mesh)
+    opts = checked_options(options, mesh=shape, plan=plan, where="compile")
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
+    # the Plan, resolved once (the planner's comes resolved): everything below reads it, not the options
+    resolved = report.plan if report is not None else resolve(model, mesh=shape, example_inputs=example_inputs,
+                                                               options=opts, plan=plan)
+    info = mesh_info(mesh, dims=resolved.dims)  # every group, ep and edp too, from the one DeviceMesh
     factory = optimizer or default_optimizer
     # the factory's parameter groups over the whole model, by name: every rank's shards follow them
-    groups = group_template(factory, model.named_parameters(), named=opts.optimizer_params == "named")
-    if _data_parallel(model, opts, plan, info, example_inputs) == "dataparallel":  # the rank-0 baseline
+    groups = group_template(factory, model.named_parameters(), named=resolved.run.optimizer_params == "named")
+    if resolved.data_parallel == "dataparallel":  # the rank-0 baseline
         if _is_meta(model):
             raise PlanError("the DataParallel baseline cannot compile a meta-built model",
                             where="compile(data_parallel='dataparallel')",
@@ -124,30 +120,29 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         from autopar.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
-                                     optimizer_factory=factory, plan=plan, param_groups=groups)
-    cap, lowered = lower_program(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                                 example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
-                                 dp_rank=info.coords["dp"])
+                                     optimizer_factory=factory, plan=resolved, pinned=plan is not None,
+                                     param_groups=groups)
+    cap, lowered = lower_program(model, plan=resolved, pinned=plan is not None, tp_rank=info.coords["tp"],
+                                 example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
+                                 options=opts, dp_rank=info.coords["dp"])
     schedule = lowered.schedule
     mine = [s for s, r in enumerate(schedule.stage_to_rank) if r == info.coords["pp"]]
-    builder = make_builder(cap, lowered, tp_rank=info.coords["tp"], dp_rank=info.coords["dp"], stages=mine)
+    builder = make_builder(cap, lowered, model=model, tp_rank=info.coords["tp"], dp_rank=info.coords["dp"],
+                           stages=mine)
     state_keys = tuple(model.state_dict().keys())
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
     if lowered.plan.precision == "bf16":
         masters = {} if _is_meta(model) else masters_for_rank(model, lowered, schedule=schedule, info=info)
     fill = _filler(model, weights)
-    program_class, extra = RankProgram, {}
+    program_class = RankProgram
     if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
         from autopar.runtime.async_pipeline import AsyncProgram
-        program_class, extra = AsyncProgram, {"options": opts}
-    program = program_class(lowered=lowered, info=info, schedule=schedule,
-                            optimizer_factory=factory, param_groups=groups, state_keys=state_keys,
-                            p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
-                            flight_record=opts.flight_record, run_dir=opts.run_dir,
+        program_class = AsyncProgram
+    program = program_class(lowered=lowered, info=info, schedule=schedule,  # (how it runs: lowered.plan.run)
+                            optimizer_factory=factory, param_groups=groups, state_keys=state_keys, masters=masters,
                             materialize=_materializer(fill, lowered, info=info, mesh=mesh, masters=masters),
                             unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)),
-                            builder=builder if schedule.staleness is None else None,  # (async: compiled shapes)
-                            shape_cache_size=opts.shape_cache_size, **extra)
+                            builder=builder if schedule.staleness is None else None)  # (async: compiled shapes)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])
     program.planner = report  # the planner's table and reasons when plan="auto"
     program.compile_args = dict(model=model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn,

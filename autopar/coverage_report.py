@@ -48,7 +48,7 @@ class WeightCoverage:
     """One parameter: how it is sharded over tp, or the op reading it and why it stays replicated.
 
     ``how``: ``column``, ``gathered column`` (its output all-gathered), ``row``, ``vocab``, ``expert column``,
-    ``expert row``, ``sharded`` (another sharding pass) or ``replicated``; ``dim``/``chunks``: its ShardSpec when sharded.
+    ``expert row``, ``sharded`` (another sharding pass) or ``replicated``; ``dim``/``chunks``: its ShardLayout when sharded.
     """
 
     name: str

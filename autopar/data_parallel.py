@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from autopar.errors import PlanError
-from autopar.lowering import lower
+from autopar.lowering import lower, resolve
 from autopar.runtime.data_parallel import DataParallelProgram
 from autopar.runtime.schedules.registry import build_schedule
 
@@ -40,14 +40,17 @@ def _check(info, opts, loss_fn, example_inputs) -> None:
 
 
 def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
-                          plan=None, param_groups=None) -> "DataParallelProgram":
-    """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
+                          plan=None, pinned: bool = False, param_groups=None) -> "DataParallelProgram":
+    """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program.
+
+    ``plan``: the resolved Plan (its one stage, one pass and no ZeRO are the baseline's:
+    :func:`autopar.options.resolve_plan`); resolved here when this is called on its own."""
     _check(info, opts, loss_fn, example_inputs)
-    opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
-    lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
-                    loss_fn=None, options=opts, plan=plan)
+    if plan is None:
+        plan = resolve(model, mesh=info.shape, example_inputs=example_inputs, options=opts)
+    lowered = lower(model, plan=plan, pinned=pinned, tp_rank=info.coords["tp"], example_inputs=example_inputs,
+                    loss_fn=None, options=opts)
     schedule = build_schedule("gpipe", num_ranks=1, num_microbatches=1, num_virtual=1)
     return DataParallelProgram(lowered=lowered, info=info, schedule=schedule, optimizer_factory=optimizer_factory,
-                               state_keys=tuple(model.state_dict().keys()), p2p_timeout_s=opts.p2p_timeout_s,
-                               loss_fn=loss_fn, flight_record=opts.flight_record, run_dir=opts.run_dir,
+                               state_keys=tuple(model.state_dict().keys()), loss_fn=loss_fn,
                                param_groups=param_groups)

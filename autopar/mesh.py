@@ -16,11 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.elastic import restart_safe_rendezvous
 from autopar.errors import PlanError
-from autopar.plan_model import MESH_AXES, MeshShape
+from autopar.parallel_dims import MESH_AXES, ParallelDims, mesh_groups
+from autopar.plan_model import MeshShape
 from autopar.runtime.rank_context import MeshInfo
 from autopar.validation import check_mesh_degrees, parse_mesh_shape
 
-__all__ = ["init_mesh", "MeshInfo", "mesh_info", "parse_mesh_shape"]
+__all__ = ["init_mesh", "MeshInfo", "mesh_info", "mesh_shape_of", "parse_mesh_shape"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
     return mesh
 
 
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
-    """Read degrees, coordinates, groups and peers off ``mesh``; checks names and world size."""
+def mesh_shape_of(mesh: DeviceMesh) -> MeshShape:
+    """The degrees of ``mesh``'s dims; checks their names and that the mesh covers the world."""
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in MESH_AXES]
     if not names or unknown:
@@ -67,19 +68,30 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
         raise PlanError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}",
                         where="the DeviceMesh passed to compile",
                         fix="use a mesh over every rank of the job (its degrees multiply to the world size)")
-    degrees = {axis: mesh.size(names.index(axis)) if axis in names else 1 for axis in MESH_AXES}
+    return MeshShape(**{axis: mesh.size(names.index(axis)) if axis in names else 1 for axis in MESH_AXES})
+
+
+def mesh_info(mesh: DeviceMesh, *, dims: ParallelDims | None = None) -> MeshInfo:
+    """Read degrees, coordinates, groups and peers off ``mesh``; checks names and world size.
+
+    ``dims`` (the Plan's, :attr:`autopar.plan_model.Plan.dims`): with expert parallelism, the ep and edp
+    groups too, as dims of the same mesh (:func:`autopar.parallel_dims.mesh_groups`; collective: every
+    rank calls it)."""
+    shape = mesh_shape_of(mesh)
+    names = tuple(mesh.mesh_dim_names)
     coordinate = mesh.get_coordinate()
     coords = {axis: coordinate[names.index(axis)] if axis in names else 0 for axis in MESH_AXES}
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" \
         else torch.device(mesh.device_type)
-    info = MeshInfo(MeshShape(**degrees), dist.get_rank(), coords, device=device)
-    grid = mesh.mesh
+    info = MeshInfo(shape, dist.get_rank(), coords, device=device, dims=dims or shape.dims)
     for axis in MESH_AXES:
         if axis not in names:
             info.axis_ranks[axis] = [info.rank]
             info.groups[axis] = None
             continue
-        index = [coordinate[i] if n != axis else slice(None) for i, n in enumerate(names)]
-        info.axis_ranks[axis] = [int(r) for r in grid[tuple(index)].tolist()]
+        info.axis_ranks[axis] = [int(r) for r in mesh[axis].mesh.tolist()]
         info.groups[axis] = mesh.get_group(axis)
+    if dims is not None:
+        for axis, (group, ranks, _index) in mesh_groups(dims, mesh).items():
+            info.groups[axis], info.axis_ranks[axis] = group, ranks
     return info

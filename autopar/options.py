@@ -1,10 +1,20 @@
 """The user's choices for :func:`autopar.compile` and :func:`autopar.plan`, and how they become a Plan.
 
-:func:`resolve_plan` is the one place options turn into decisions: the lowering reads the Plan it
-returns and no option the Plan holds. A new option the Plan records is a field here, a field of
-the Plan, one line of :func:`resolve_plan` and a test (tests/api/test_plan_resolution.py); an
-option that only steers an analysis (``tensor_parallel``, ``vocab_parallel``, ``block_capture``)
-or the runtime (``p2p_timeout_s``, ``max_grad_norm``, ``pipemare_*``) is a field here alone.
+:func:`resolve_plan` is the one place options turn into decisions, called once for a model on its way
+through ``compile`` or ``plan`` (:func:`autopar.lowering.resolve`; the planner resolves the Plan it
+chooses): the passes and the runtime read the Plan it returns, never the options. Every option is
+declared once:
+
+- :class:`~autopar.plan_model.PlanChoices`: recorded by the Plan as given (a new one is its field there,
+  its validation, and the one pass or runtime part that reads ``plan.<field>``);
+- :class:`~autopar.plan_model.RunOptions`: how the run behaves, carried by the Plan as ``plan.run``
+  (a new one is its field there and the runtime part that reads it);
+- :class:`~autopar.plan_model.AnalysisChoices`: what the analyses look for (the Plan records what they
+  found);
+- :class:`CompileOptions`' own fields: resolved into other decisions here, one line each (the
+  schedule's stages per rank, microbatches, buckets, recompute per stage, sequence parallelism).
+
+tests/api/test_plan_resolution.py holds every option to one of these.
 
     >>> plan = resolve_plan(CompileOptions(schedule="zb_v", zero_stage=0), given=None,
     ...                     mesh=MeshShape(pp=2), batch=8, model_name="m", num_parameters=10)
@@ -18,23 +28,27 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from autopar.errors import PlanError
-from autopar.plan_model import MeshShape, PipelinePlan, Plan, UserModel, known_schedule
+from autopar.plan_model import (AnalysisChoices, MeshShape, PipelinePlan, Plan, PlanChoices, RunOptions,
+                                known_schedule)
 from autopar.runtime.schedules.registry import default_stages_per_rank
 
 __all__ = ["CompileOptions", "resolve_plan", "choose_microbatches", "choose_bucket_mb", "ANALYSIS_OPTIONS",
            "RUNTIME_OPTIONS"]
 
-# the options the Plan does not record (every other one resolves into it: resolve_plan)
-ANALYSIS_OPTIONS = ("tensor_parallel", "vocab_parallel", "block_capture")  # steer what the analyses look for
-RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay",
-                   "flight_record", "run_dir", "optimizer_params", "shape_cache_size")
+# the options the Plan records as given (PlanChoices), those that steer the analyses (the Plan records what they
+# chose), and those of the run (the Plan carries them: Plan.run); every other one resolve_plan turns into decisions
+PLAN_OPTIONS = tuple(PlanChoices.model_fields)
+ANALYSIS_OPTIONS = tuple(AnalysisChoices.model_fields)
+RUNTIME_OPTIONS = tuple(RunOptions.model_fields)
 
 
-class CompileOptions(UserModel):
+class CompileOptions(PlanChoices, AnalysisChoices, RunOptions):
     """Knobs a user may set; everything left ``None`` is decided by autopar.
 
     They arrive as keyword options of :func:`autopar.compile` / :func:`autopar.plan`; a bad or
-    unknown one raises :class:`autopar.PlanError` naming the option.
+    unknown one raises :class:`autopar.PlanError` naming the option. Most are declared once where the Plan
+    holds them (:class:`~autopar.plan_model.PlanChoices`, :class:`~autopar.plan_model.RunOptions`) or next to
+    them (:class:`~autopar.plan_model.AnalysisChoices`); these are the ones resolved into other decisions.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,58 +56,9 @@ class CompileOptions(UserModel):
     schedule: str = "1f1b"
     num_microbatches: int | None = Field(None, ge=1)
     num_virtual: int | None = Field(None, ge=1)  # stages per pp rank; None: the schedule's own
-    zero_stage: int = Field(1, ge=0, le=3)
-    data_parallel: Literal["ddp", "dataparallel"] = "ddp"  # dataparallel: the rank-0 baseline (pp=1)
     bucket_mb: float | None = Field(None, gt=0)  # DDP/ZeRO-1/2 gradient bucket size; None: choose_bucket_mb
-    capture: Literal["export", "symbolic_trace"] = "export"
-    tensor_parallel: bool = True
-    # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary. None: where the vocabulary
-    # divides by tp (else replicated, with a warning); True: required (ShardingError if it does not divide)
-    vocab_parallel: bool | None = None
     sequence_parallel: bool = False  # with tensor_parallel: norms/dropout/residuals sharded on the sequence
-    p2p_timeout_s: float = Field(300.0, gt=0)
-    flight_record: int = Field(4096, ge=0, description=(
-        "entries of each rank's flight record (its last actions, collectives and transfers), read by the "
-        "job-wide diagnosis when a collective or a transfer fails; `0` turns the record, the heartbeats, the "
-        "diagnosis and the straggler warnings off ([errors.md](errors.md#when-a-job-hangs-or-a-rank-dies))"))
-    run_dir: str | None = Field(None, description=(
-        "a folder for the run's files: each rank's flight record (kept when a rank is killed) and the job-wide "
-        "diagnosis (`diagnosis.txt`, read again by `autopar diagnose RUN_DIR`); `None`: the diagnosis goes to "
-        "the log only"))
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation on every stage
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
-    # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
-    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
-    block_capture: Literal["auto", "once", "every"] = "auto"
-    expert_parallel: int = Field(1, ge=1, description=(
-        "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
-        "by all-to-all ([moe.md](moe.md))"))
-    moe_capacity_factor: float | None = Field(None, gt=0, description=(
-        "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
-        "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
-    max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
-    optimizer_params: Literal["params", "named"] = Field("params", description=(
-        "what the `optimizer` factory receives: `params`, a list of parameters, or `named`, the "
-        "`(name, parameter)` pairs `model.named_parameters()` gives, to build parameter groups by name; either "
-        "way once, as stand-ins of the whole model, and each group holds for every shard of its parameters "
-        "([training_loop.md](training_loop.md))"))
-    pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
-        "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
-        "(0: no rescheduling) ([schedules.md](schedules.md))"))
-    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1, description=(
-        "`pipemare` only: decay of the average weight change per update that corrects the backward's "
-        "weights toward the forward's ([schedules.md](schedules.md))"))
-
-    dynamic_shapes: Literal["auto", "seq", "static"] = Field("auto", description=(
-        "batches of other shapes than the example's: `auto` recaptures once, at the first other sequence length "
-        "or row count, with the dims that changed symbolic; `seq` captures the sequence dim symbolic from the "
-        "start; `static` compiles each new shape on its own ([batches.md](batches.md))"))
-    max_seq_len: int | None = Field(None, ge=1, description=(
-        "the longest sequence a batch may hold; `None`: the model's own maximum (its config's "
-        "max_position_embeddings, its position table) ([batches.md](batches.md))"))
-    shape_cache_size: int = Field(8, ge=1, description=(
-        "how many batch shapes compiled on their own (dims that cannot stay symbolic) are kept, least recently "
-        "used dropped first ([batches.md](batches.md))"))
 
     _known = field_validator("schedule")(known_schedule)
 
@@ -140,36 +105,35 @@ def resolve_plan(options: CompileOptions, *, given: Plan | None, mesh: MeshShape
                  num_parameters: int) -> Plan:
     """Every decision for this model: the ``given`` Plan's as written, else the options' (autopar's defaults).
 
-    The passes then fill in what only the graph shows (stage starts when none are given, regions,
-    shards, shared weights): :func:`autopar.lowering.lower_captured`.
+    The :class:`~autopar.plan_model.PlanChoices` fields are taken as they are; the rest are decided here, one
+    line each; ``run`` is always the options' (it belongs to the run). The passes then fill in what only the
+    graph shows (stage starts when none are given, regions, shards, shared weights):
+    :func:`autopar.lowering.lower_captured`.
     """
     g = given
+    choices = {f: getattr(g if g else options, f) for f in PLAN_OPTIONS}
     schedule = g.pipeline.schedule if g else options.schedule
     num_virtual = g.pipeline.num_virtual if g else default_stages_per_rank(schedule, options.num_virtual)
     requested = g.pipeline.num_microbatches if g else options.num_microbatches
+    if choices["data_parallel"] == "dataparallel":  # the rank-0 baseline: one stage, one pass, rank 0 steps
+        schedule, num_virtual, requested, choices["zero_stage"] = "gpipe", 1, 1, 0  # (autopar/data_parallel.py)
     uniform = (options.recompute,) * (mesh.pp * num_virtual) if options.recompute != "none" else ()
     return Plan(
-        model_name=model_name, mesh=mesh, global_batch_size=batch, num_parameters=num_parameters,
+        **choices, model_name=model_name, mesh=mesh, global_batch_size=batch, num_parameters=num_parameters,
         pipeline=PipelinePlan(schedule=schedule, num_virtual=num_virtual,
                               num_microbatches=choose_microbatches(batch=batch, dp=mesh.dp, pp=mesh.pp,
                                                                    requested=requested),
                               stage_starts=g.pipeline.stage_starts if g else ()),
         tp_regions=g.tp_regions if g else (),
-        param_shards=g.param_shards if g else {},  # (a given Plan's expert shards: lowering._select_experts)
+        param_shards=g.param_shards if g else {},  # (a given Plan's expert shards: passes/tp_select.py)
         vocab_parallel=g.vocab_parallel if g else (),
         sequence_parallel=(g.sequence_parallel if g else options.sequence_parallel) and mesh.tp > 1
         and options.tensor_parallel,
-        zero_stage=g.zero_stage if g else options.zero_stage,
-        data_parallel=g.data_parallel if g else options.data_parallel,
         bucket_mb=g.bucket_mb if g else choose_bucket_mb(num_parameters=num_parameters, mesh=mesh,
                                                          requested=options.bucket_mb),
-        capture=g.capture if g else options.capture,
         recompute=(g.recompute if g else ()) or uniform,  # a Plan without modes takes the option's on every stage
-        precision=g.precision if g else options.precision,
-        expert_parallel=g.expert_parallel if g else options.expert_parallel,
-        moe_capacity_factor=g.moe_capacity_factor if g else options.moe_capacity_factor,
-        dynamic_shapes=g.dynamic_shapes if g else options.dynamic_shapes,
-        max_seq_len=g.max_seq_len if g else options.max_seq_len,
+        # the bound's source (the lowering writes the bound it finds, and from where, over the option's)
         max_seq_len_source=g.max_seq_len_source if g else ("max_seq_len" if options.max_seq_len else ""),
-        dynamic_dims=g.dynamic_dims if g else (),  # (what the capture keeps symbolic: lowering fills it in)
+        dynamic_dims=g.dynamic_dims if g else (),  # (what the capture keeps symbolic: the lowering fills it in)
+        run=RunOptions(**{f: getattr(options, f) for f in RUNTIME_OPTIONS}),
     )

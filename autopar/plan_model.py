@@ -7,21 +7,18 @@ tensor-parallel regions are taken from it as written.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autopar.errors import PlanError
+from autopar.parallel_dims import MESH_AXES, ParallelDims
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.schedules.registry import schedule_names
 
-__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "ParamShard", "DynamicDimPlan", "Plan", "MESH_AXES",
-           "UserModel", "plan_error_from", "known_schedule", "DYNAMIC_SHAPES"]
-
-MESH_AXES = ("dp", "pp", "tp")
-#: how a program takes batches of other shapes than the example's (docs/batches.md):
-#: "auto": compiled for the example's shapes, the first other shape recaptures once with the dims that
-#: changed symbolic; "seq": the sequence dim symbolic from the start; "static": every new shape compiled alone
-DYNAMIC_SHAPES = ("auto", "seq", "static")
+__all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "DynamicDimPlan", "Plan", "PlanChoices", "RunOptions",
+           "AnalysisChoices", "MESH_AXES", "UserModel", "plan_error_from", "known_schedule"]
 
 
 def known_schedule(value: str) -> str:
@@ -38,7 +35,8 @@ def _what_and_fix(error: dict, field: str, known: list[str]) -> tuple[str, str]:
         problem, _, fix = msg.removeprefix("Value error, ").partition("; ")
         return problem, fix or f"change {field!r}"
     if error["type"] == "extra_forbidden":
-        known_text = f" (known: {', '.join(known)})" if known else ""
+        close = difflib.get_close_matches(field, known, n=3)  # the likeliest spellings first, then the rest
+        known_text = f" (known: {', '.join(dict.fromkeys(close + known))})" if known else ""
         return f"unknown field {field!r}", f"remove {field!r} or fix its spelling{known_text}"
     if error["type"] == "json_invalid":
         return msg, "pass the JSON text written by plan.model_dump_json(), edited by hand"
@@ -117,7 +115,12 @@ class MeshShape(_Frozen):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dims.world_size
+
+    @property
+    def dims(self) -> ParallelDims:
+        """These degrees as :class:`~autopar.parallel_dims.ParallelDims` (no expert parallelism)."""
+        return ParallelDims.of(self)
 
     def __str__(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
@@ -145,16 +148,29 @@ class TpRegionPlan(_Frozen):
     gathered: tuple[str, ...] = ()
 
 
-class ParamShard(_Frozen):
-    """A parameter sharded over tp: on ``dim``, in ``chunks`` equal blocks each sharded.
+class PlanChoices(_Frozen):
+    """The options the Plan records as they are given: each a field here, once. :class:`Plan` and
+    :class:`autopar.options.CompileOptions` both have them, and :func:`autopar.options.resolve_plan` takes a
+    given Plan's, else the options'. A new such option is a field here (its constraints its validation;
+    what it needs of the mesh in autopar/validation.py) and the one pass or runtime part that reads it."""
 
-    ``parts`` > 0: each block cut in that many pieces only, rank r holding piece ``r * parts // tp``.
-    """
-
-    dim: int = Field(ge=0)
-    chunks: int = Field(1, ge=1)
-    parts: int = Field(0, ge=0)
-    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused projection
+    zero_stage: int = Field(1, ge=0, le=3)
+    data_parallel: Literal["ddp", "dataparallel"] = "ddp"  # dataparallel: the rank-0 baseline (pp=1)
+    capture: Literal["export", "symbolic_trace"] = "export"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
+    expert_parallel: int = Field(1, ge=1, description=(
+        "split each mixture-of-experts layer's experts over this many ranks carved out of dp; tokens move "
+        "by all-to-all ([moe.md](moe.md))"))
+    moe_capacity_factor: float | None = Field(None, gt=0, description=(
+        "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
+        "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
+    dynamic_shapes: Literal["auto", "seq", "static"] = Field("auto", description=(
+        "batches of other shapes than the example's: `auto` recaptures once, at the first other sequence length "
+        "or row count, with the dims that changed symbolic; `seq` captures the sequence dim symbolic from the "
+        "start; `static` compiles each new shape on its own ([batches.md](batches.md))"))
+    max_seq_len: int | None = Field(None, ge=1, description=(
+        "the longest sequence a batch may hold; `None`: the model's own maximum (its config's "
+        "max_position_embeddings, its position table) ([batches.md](batches.md))"))
 
 
 class DynamicDimPlan(_Frozen):
@@ -175,35 +191,80 @@ class DynamicDimPlan(_Frozen):
         return f"{self.label} (dim {self.inputs[0][1]} of {where}) {self.low}..{high}{source}{extra}"
 
 
-class Plan(_Frozen):
-    """Everything decided for one model on one mesh."""
+class AnalysisChoices(_Frozen):
+    """The options that steer what the lowering's analyses look for; the Plan records what they chose (the
+    regions, the vocabulary shards, the captured blocks), not the options."""
+
+    tensor_parallel: bool = True
+    # with tensor_parallel: embedding, LM head and loss sharded on the vocabulary. None: where the vocabulary
+    # divides by tp (else replicated, with a warning); True: required (ShardingError if it does not divide)
+    vocab_parallel: bool | None = None
+    # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
+    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
+    block_capture: Literal["auto", "once", "every"] = "auto"
+
+
+class RunOptions(_Frozen):
+    """How this run behaves, carried by the Plan (``Plan.run``) to the runtime, which reads it there: always
+    the call's options (a given Plan's are replaced: they belong to the run, not to the decisions). A new
+    run option is a field here and the runtime part that reads ``plan.run``."""
+
+    p2p_timeout_s: float = Field(300.0, gt=0)
+    flight_record: int = Field(4096, ge=0, description=(
+        "entries of each rank's flight record (its last actions, collectives and transfers), read by the "
+        "job-wide diagnosis when a collective or a transfer fails; `0` turns the record, the heartbeats, the "
+        "diagnosis and the straggler warnings off ([errors.md](errors.md#when-a-job-hangs-or-a-rank-dies))"))
+    run_dir: str | None = Field(None, description=(
+        "a folder for the run's files: each rank's flight record (kept when a rank is killed) and the job-wide "
+        "diagnosis (`diagnosis.txt`, read again by `autopar diagnose RUN_DIR`); `None`: the diagnosis goes to "
+        "the log only"))
+    max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
+    optimizer_params: Literal["params", "named"] = Field("params", description=(
+        "what the `optimizer` factory receives: `params`, a list of parameters, or `named`, the "
+        "`(name, parameter)` pairs `model.named_parameters()` gives, to build parameter groups by name; either "
+        "way once, as stand-ins of the whole model, and each group holds for every shard of its parameters "
+        "([training_loop.md](training_loop.md))"))
+    pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
+        "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
+        "(0: no rescheduling) ([schedules.md](schedules.md))"))
+    pipemare_correction_decay: float = Field(0.5, ge=0, lt=1, description=(
+        "`pipemare` only: decay of the average weight change per update that corrects the backward's "
+        "weights toward the forward's ([schedules.md](schedules.md))"))
+    shape_cache_size: int = Field(8, ge=1, description=(
+        "how many batch shapes compiled on their own (dims that cannot stay symbolic) are kept, least recently "
+        "used dropped first ([batches.md](batches.md))"))
+
+
+class Plan(PlanChoices):
+    """Everything decided for one model on one mesh (the :class:`PlanChoices` fields among them), and how
+    this run behaves (``run``)."""
 
     model_name: str = "model"
     mesh: MeshShape = MeshShape()
     global_batch_size: int = Field(ge=1)
     pipeline: PipelinePlan = PipelinePlan()
     tp_regions: tuple[TpRegionPlan, ...] = ()
-    param_shards: dict[str, ParamShard] = {}
+    param_shards: dict[str, ShardLayout] = {}  # parameters sharded over tp: how each is cut (passes/shard_layout.py)
     vocab_parallel: tuple[str, ...] = ()  # module paths of the embedding(s) and LM head sharded on the vocabulary
     sequence_parallel: bool = False
     shared_params: dict[str, tuple[int, ...]] = {}
-    zero_stage: int = Field(1, ge=0, le=3)
-    data_parallel: Literal["ddp", "dataparallel"] = "ddp"
     bucket_mb: float = Field(25.0, gt=0)
-    capture: Literal["export", "symbolic_trace"] = "export"
     num_parameters: int = Field(0, ge=0)
     recompute: tuple[Literal["none", "selective", "full"], ...] = ()  # per stage; () = "none" everywhere
-    precision: Literal["fp32", "bf16"] = "fp32"
-    expert_parallel: int = Field(1, ge=1)  # MoE experts split over ep ranks of dp (docs/moe.md)
     expert_params: tuple[str, ...] = ()  # the expert tensors each rank holds 1/ep of (dim 0)
-    moe_capacity_factor: float | None = Field(None, gt=0)  # None: dropless
-    dynamic_shapes: Literal["auto", "seq", "static"] = "auto"  # batches of other shapes (docs/batches.md)
-    max_seq_len: int | None = Field(None, ge=1)  # the longest sequence a batch may hold (None: none known)
-    max_seq_len_source: str = ""  # where it comes from: "max_seq_len" (the user's option), the model's config, ...
+    # the lowering fills these in (autopar/lowering.py): max_seq_len becomes the bound, from where it says
+    max_seq_len_source: str = ""  # the bound's source: "max_seq_len" (the user's option), the model's config, ...
     dynamic_dims: tuple[DynamicDimPlan, ...] = ()  # the dims the graphs keep symbolic (filled by the capture)
+    run: RunOptions = RunOptions()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """Every degree of the Plan, expert parallelism's included: what the passes and the runtime ask."""
+        return ParallelDims.of(self.mesh, ep=self.expert_parallel)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        self.dims  # the degrees together (expert_parallel divides dp): autopar/parallel_dims.py
         pp, m = self.mesh.pp, self.pipeline.num_microbatches
         starts = self.pipeline.stage_starts
         stages = pp * self.pipeline.num_virtual

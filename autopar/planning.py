@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.lowering import Captured, Lowered, capture_and_annotate, lower_captured
+from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.errors import PlanError
 from autopar.mesh import parse_mesh_shape
 from autopar.passes.pipeline_split import StageGraph
@@ -25,8 +25,8 @@ __all__ = ["plan", "PlanResult", "PlanSource", "RankGraphs", "rank_of", "coords_
 
 
 def rank_of(*, dp: int, pp: int, tp: int, shape) -> int:
-    """Global rank of mesh coordinates (dp, pp, tp), row-major as init_mesh lays them out."""
-    return (dp * shape.pp + pp) * shape.tp + tp
+    """Global rank of mesh coordinates (dp, pp, tp) of a mesh ``shape`` (:meth:`ParallelDims.rank`)."""
+    return shape.dims.rank(dp=dp, pp=pp, tp=tp)
 
 
 @dataclass
@@ -109,8 +109,8 @@ class PlanResult:
 
 
 def coords_of(rank: int, shape) -> dict[str, int]:
-    """Mesh coordinates of global ``rank`` (the inverse of :func:`rank_of`)."""
-    return {"dp": rank // (shape.pp * shape.tp), "pp": rank // shape.tp % shape.pp, "tp": rank % shape.tp}
+    """Mesh coordinates of global ``rank`` of a mesh ``shape`` (:meth:`ParallelDims.coords`)."""
+    return shape.dims.coords(rank)
 
 
 def _optimizer_kind(optimizer: str) -> str:
@@ -146,8 +146,11 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
         plan = report.plan
     shape = parse_mesh_shape(mesh_shape if plan is None else plan.mesh)
     opts = checked_options(options, mesh=shape, plan=plan, where="plan")
-    cap = capture_and_annotate(model, mesh=shape, example_inputs=example_inputs, example_target=example_target,
-                               loss_fn=loss_fn, options=opts, plan=plan)
+    # the Plan, resolved once (the planner's comes resolved): everything below reads it, not the options
+    resolved = report.plan if report is not None else resolve(model, mesh=shape, example_inputs=example_inputs,
+                                                               options=opts, plan=plan)
+    cap = capture_planned(model, plan=resolved, pinned=plan is not None, example_inputs=example_inputs,
+                          example_target=example_target, loss_fn=loss_fn, options=opts)
     schedule = cap.schedule
     wanted = range(shape.world_size) if ranks is None else sorted(set(ranks))
     for rank in wanted:

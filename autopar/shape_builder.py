@@ -9,29 +9,29 @@ when (``runtime/shape_cache.py``): once with the dims that changed symbolic, els
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch.nn as nn
 
 from autopar.errors import PassError, ShardingError
-from autopar.lowering import Captured, Lowered, capture_and_annotate, capture_at, lower_captured
+from autopar.lowering import Captured, Lowered, capture_planned, capture_source, lower_captured
 from autopar.options import CompileOptions
-from autopar.plan_model import MeshShape, Plan
+from autopar.plan_model import Plan
 
 __all__ = ["lower_program", "recapture", "make_builder"]
 
 log = logging.getLogger(__name__)
 
 
-def lower_program(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_inputs: tuple, example_target=None,
-                  loss_fn=None, options: CompileOptions, plan: Plan | None = None, dp_rank: int = 0,
-                  stages=None) -> tuple[Captured, Lowered]:
-    """(the capture, its lowering for tp rank ``tp_rank``): :func:`lower`, keeping the capture for
-    :func:`recapture`. A graph whose symbolic dims a pass cannot carry is captured again with fixed
-    shapes (logged): other shapes are then compiled on their own (runtime/shape_cache.py)."""
-    common = dict(mesh=mesh, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
-                  options=options, plan=plan)
-    cap = capture_and_annotate(model, **common)
+def lower_program(model: nn.Module, *, plan: Plan, pinned: bool, tp_rank: int, example_inputs, example_target=None,
+                  loss_fn=None, options: CompileOptions, dp_rank: int = 0, stages=None) -> tuple[Captured, Lowered]:
+    """(the capture, its lowering for tp rank ``tp_rank``) under the resolved ``plan``: :func:`autopar.lowering.lower`,
+    keeping the capture for :func:`recapture`. A graph whose symbolic dims a pass cannot carry is captured
+    again with fixed shapes (logged): other shapes are then compiled on their own (runtime/shape_cache.py)."""
+    common = dict(plan=plan, pinned=pinned, example_inputs=example_inputs, example_target=example_target,
+                  loss_fn=loss_fn, options=options)
+    cap = capture_planned(model, **common)
     if not cap.captured.dynamic:
         return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
     try:
@@ -40,37 +40,37 @@ def lower_program(model: nn.Module, *, mesh: MeshShape, tp_rank: int, example_in
         log.warning("the symbolic %s could not be carried through the passes (%s): compiled for the example's "
                     "shapes; each other shape is compiled on its own", ", ".join(d.label for d in cap.captured.dynamic),
                     exc.what)
-        cap = capture_and_annotate(model, dynamic={}, **common)
+        cap = capture_planned(model, dynamic={}, **common)
         return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
 
 
-def recapture(cap: Captured, lowered_plan: Plan, *, batch: dict | None, dynamic: dict) -> Captured:
-    """``cap``'s model captured again under its lowered (pinned) Plan, for another batch shape.
+def recapture(cap: Captured, lowered_plan: Plan, *, model: nn.Module, batch: dict | None, dynamic: dict) -> Captured:
+    """``model`` captured again under ``cap``'s lowered (pinned) Plan, for another batch shape: the model
+    phase of the lowering's passes (:func:`autopar.lowering.capture_source`) on the new microbatch.
 
     ``batch``: {graph input: microbatch tensor} to capture at (None: the example's microbatch);
     ``dynamic``: {graph input: dims} to keep symbolic. The stage cuts, regions and shards are the
     Plan's, so the new graphs hold the same tensors under the same names (runtime/graft.py).
     """
-    r = cap.rebuild
     names = cap.captured.input_names
     example = dict(zip(names, cap.example_args))
     values = {**example, **(batch or {})}
     count = cap.captured.item_count.input if cap.captured.item_count is not None else None
-    inputs = [n for n in names if n != count and not (cap.captured.has_target and n == names[-1])]
-    args = tuple(values[n] for n in inputs)
-    target = values[names[-1]] if cap.captured.has_target else None
-    order = inputs + ([names[-1]] if cap.captured.has_target else [])
-    marks = {order.index(n): tuple(dims) for n, dims in dynamic.items() if n in order}
-    return capture_at(r["model"], plan=lowered_plan, given=lowered_plan, options=cap.options, args=args,
-                       target=target, loss_fn=r["loss_fn"], keywords=r["keywords"], own_loss=r["own_loss"],
-                       schedule=cap.schedule, dynamic=marks, checked=args + ((target,) if target is not None else ()))
+    has_target = cap.captured.has_target
+    inputs = [n for n in names if n != count and not (has_target and n == names[-1])]
+    order = inputs + ([names[-1]] if has_target else [])
+    source = dataclasses.replace(cap.source, model=model, inputs=tuple(values[n] for n in inputs),
+                                 target=values[names[-1]] if has_target else None,
+                                 dynamic={order.index(n): tuple(dims) for n, dims in dynamic.items() if n in order})
+    return capture_source(source, plan=lowered_plan, pinned=True, options=cap.options)
 
 
-def make_builder(cap: Captured, lowered: Lowered, *, tp_rank: int, dp_rank: int, stages: list[int]):
+def make_builder(cap: Captured, lowered: Lowered, *, model: nn.Module, tp_rank: int, dp_rank: int,
+                 stages: list[int]):
     """``build(batch or None, marks) -> Lowered``: this rank's ``stages`` lowered again (:func:`recapture`)."""
 
     def build(batch, marks):
-        new = recapture(cap, lowered.plan, batch=batch, dynamic=marks)
+        new = recapture(cap, lowered.plan, model=model, batch=batch, dynamic=marks)
         return lower_captured(new, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
 
     return build

@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -29,11 +30,17 @@ import torch.nn as nn
 
 from autopar.errors import InputError, PlanError
 from autopar.options import CompileOptions
+from autopar.parallel_dims import ParallelDims
 from autopar.passes.index_bounds import annotate_index_bounds, constant_index_problems, index_problem
+from autopar.passes.lowering_state import LoweringState
+from autopar.passes.weight_grad_split import check_split_backward_recompute
+from autopar.passes.zero3 import check_zero3
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.runtime.checkpoint_files import check_checkpoint_path, check_state_dict
+from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.validator import validate
 
-__all__ = ["check_arguments", "checked_options", "check_captured", "check_mesh_degrees",
+__all__ = ["check_arguments", "checked_options", "check_plan", "check_captured", "check_mesh_degrees",
            "check_checkpoint_path", "check_state_dict", "example_tensors", "parse_mesh_shape"]
 
 _SCALARS = (bool, int, float, str, type(None))  # plain Python values a forward may take beside tensors
@@ -206,8 +213,9 @@ def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str
             return ("moe_capacity_factor has no effect with expert_parallel=1: no tokens are dispatched",
                     "drop moe_capacity_factor, or set expert_parallel")
         return None
-    if mesh.dp % ep:
-        return f"expert_parallel={ep} does not divide dp={mesh.dp}", f"use an expert_parallel that divides {mesh.dp}"
+    problem = ParallelDims.problem(**mesh.model_dump(), ep=ep)  # ep divides dp (autopar/parallel_dims.py)
+    if problem:
+        return problem
     if opts.data_parallel != "ddp":
         return f"expert_parallel={ep} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
     if mesh.tp > 1 and opts.tensor_parallel and opts.sequence_parallel:
@@ -272,9 +280,31 @@ def _check_input_values(captured, inputs: tuple) -> None:
                                  "or grow the table")
 
 
-def check_captured(captured, *, inputs: tuple) -> None:
-    """What the captured graph shows: a scalar loss, example indices inside their tables, a long enough
-    position table. ``inputs``: the full example inputs (and target), in the graph's input order."""
+def check_plan(st: LoweringState) -> LoweringState:
+    """A check pass, before the (slow) capture: what the Plan alone decides. ``schedule``: its schedule, built
+    and validated once for every rank; a schedule that cannot run these sizes, recompute modes a split backward
+    cannot run and a ZeRO-3 the pipeline cannot are refused."""
+    plan, p = st.plan, st.plan.pipeline
+    schedule = build_schedule(p.schedule, num_ranks=plan.mesh.pp, num_microbatches=p.num_microbatches,
+                              num_virtual=p.num_virtual)
+    validate(schedule)
+    if (st.source.loss_fn is not None or st.source.own_loss) and schedule.split_backward:
+        check_split_backward_recompute(plan.recompute or ("none",), schedule=p.schedule)
+    if plan.zero_stage == 3 and plan.data_parallel == "ddp":
+        check_zero3(p)
+    return dataclasses.replace(st, schedule=schedule)
+
+
+def check_captured(st: LoweringState) -> LoweringState:
+    """A check pass: what the captured graph shows: a scalar loss, example indices inside their tables, a long
+    enough position table (the full example inputs and target, in the graph's input order)."""
+    captured, src = st.captured, st.source
+    _check_captured(captured, inputs=src.inputs + captured.extra_args + ((src.target,) if src.loss_fn is not None
+                                                                          else ()))
+    return st
+
+
+def _check_captured(captured, *, inputs: tuple) -> None:
     if captured.has_loss:
         _check_scalar_loss(captured)
     _check_input_values(captured, inputs)

@@ -1,12 +1,15 @@
 """autopar's compiler passes, in the order a model flows through them (installed as ``autopar.passes``).
 
-A pass takes a torch.fx GraphModule and gives one back, with keyword-only options and no state kept
-between calls; analyses write ``node.meta`` (keys declared once in ``meta_keys.py``), transforms change
-the graph. ``autopar/lowering.py`` writes the pipeline out once and runs it under ``pass_manager.py``.
+A pass of the lowering takes a ``LoweringState`` and gives one back (``lowering_state.py``), with no
+options of its own and no state kept between calls; analyses write ``node.meta`` (keys declared once in
+``meta_keys.py``) or state fields, transforms change the graph. ``autopar/lowering.py`` lists the
+pipeline once (``passes()``) and runs it under ``pass_manager.py``; a module may also keep the
+graph-level function its pass wraps, for the planner and the tests.
 
 Capture::
 
     capture.py            nn.Module (+ loss) -> one flat ATen graph (torch.export, or symbolic_trace)
+    capture_model.py      the capture pass: the model (bf16 copy, block template) captured into the state
     dynamic_capture.py    the sequence dim captured symbolic (torch.export's Dim.AUTO), the dims it found
     devices.py            devices baked into the graph retargeted (meta constants -> CPU)
     low_precision.py      precision="bf16": the bf16 copy of the model that capture traces
@@ -28,9 +31,11 @@ Analyses and checks (node.meta, nothing rewritten)::
 
 Tensor parallelism (before the split, so a region's linears share a stage)::
 
+    tp_select.py          analyses right before their rewrite: the vocabulary choice, tp and expert regions
     moe_detect.py         MoE layers found in the graph: router, top-k, experts, combine, aux loss
     moe_aux.py            the router's load-balancing statistics averaged over dp (aux loss as one device)
     moe_expert_parallel.py experts split over ep ranks, all-to-all dispatch and combine nodes
+    shard_layout.py       ShardLayout: how a tensor is cut over ranks (passes, Plan, runtime, checkpoints)
     tp_errors.py          NoRule: an op that cannot run on shards as placed
     tp_rules.py           placement rules per op family, as data
     tp_regions.py         regions found by propagating placements from candidate linears
@@ -62,6 +67,7 @@ Context parallelism (``context_parallel/``, its own package; analyses only, not 
 
 Running and reading passes::
 
+    lowering_state.py     the one state every pass takes and returns
     pass_manager.py       runs the written-out pipeline, checks the graph after every pass
     collective_audit.py   every collective a rewritten graph does, with its bytes
 """

@@ -21,12 +21,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.passes.capture import MODEL_PREFIX
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import (
     COST, MODULE, PARAM, TENSOR, ModuleInfo, NodeCost, ParamInfo, TensorInfo, set_meta,
 )
 from autopar.passes.shape_prop import run_on_meta
 
-__all__ = ["annotate", "annotate_tensors", "annotate_modules", "annotate_params", "module_path_of"]
+__all__ = ["annotate", "annotate_graph", "annotate_tensors", "annotate_modules", "annotate_params", "module_path_of"]
 
 _INDEX = re.compile(r"^\d+$")
 
@@ -167,6 +168,13 @@ def _fetch(gm: fx.GraphModule, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def annotate_graph(st: LoweringState) -> LoweringState:
+    """The analysis pass after capture: :func:`annotate` of ``st.gm`` on the inputs it runs on, with the
+    model it was captured from (its tied weights)."""
+    annotate(st.gm, example_inputs=st.example_args, model=st.source.model if st.source is not None else None)
+    return st
 
 
 def annotate(gm: fx.GraphModule, *, example_inputs: tuple, model: nn.Module | None = None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.passes.lowering_state import LoweringState
 
 __all__ = ["batch_statistics_nodes", "check_batch_statistics"]
 
@@ -58,11 +59,12 @@ def _module_path(node: fx.Node) -> str:
     return path.removeprefix("L['self'].").removeprefix("model.")
 
 
-def check_batch_statistics(gm: fx.GraphModule, *, dp: int, num_microbatches: int) -> None:
-    """Raise PlanError when a batch-statistics op would see less than the whole global batch."""
-    nodes = batch_statistics_nodes(gm)
+def check_batch_statistics(st: LoweringState) -> LoweringState:
+    """A check pass: PlanError when a batch-statistics op of ``st.gm`` would see less than the whole global batch."""
+    dp, num_microbatches = st.plan.mesh.dp, st.plan.pipeline.num_microbatches
+    nodes = batch_statistics_nodes(st.gm)
     if not nodes or dp * num_microbatches == 1:
-        return
+        return st
     node = nodes[0]
     others = f" (and {len(nodes) - 1} more)" if len(nodes) > 1 else ""
     raise PlanError(

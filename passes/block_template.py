@@ -8,7 +8,7 @@ shared between blocks); the model is then captured with only its first :data:`CA
 (:meth:`BlockTemplate.truncated`), analysed and sharded as usual, and :meth:`BlockTemplate.repeat`
 stamps the last captured block out for the remaining ones: the same nodes with the block index in
 their module paths and weight names changed, reading block ``j``'s own weights (sharded with the
-template's :class:`~autopar.passes.tensor_parallel.ShardSpec`; MoE expert tensors split over ep keep
+template's :class:`~autopar.passes.shard_layout.ShardLayout`; MoE expert tensors split over ep keep
 this ep rank's experts first, as :mod:`autopar.passes.moe_expert_parallel` cut the template's),
 their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last
 block. Node metadata (shapes, FLOPs, placements) is copied, so nothing is propagated again.
@@ -45,10 +45,11 @@ import torch.nn as nn
 
 from autopar.errors import PassError
 from autopar.passes.capture import MODEL_PREFIX
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
-from autopar.passes.tensor_parallel import shard_tensor
+from autopar.passes.shard_layout import ShardLayout
 
-__all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks"]
+__all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks", "repeat_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +257,10 @@ class BlockTemplate:
         if spec is not None or template_node.target in split:
             value = tensor.detach()
             if template_node.target in split:  # this ep rank's experts: block ep_rank of dim 0, a copy
-                local = value.shape[0] // ep
-                value = value[ep_rank * local:(ep_rank + 1) * local].clone()
+                value = ShardLayout(0).cut(value, rank=ep_rank, size=ep)
             if spec is not None:
                 specs[target] = spec
-                value = shard_tensor(value, spec, rank=tp_rank, size=tp_size)
+                value = spec.cut(value, rank=tp_rank, size=tp_size)
             tensor = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
                 else value
         _set_attr(gm, target, tensor, persistent=leaf not in owner._non_persistent_buffers_set)
@@ -436,6 +436,17 @@ def _plan_uniform(plan, path: str, num_blocks: int) -> bool:
             norm = lambda p: pattern.sub(f"{path}.#\\2", p, count=1)  # noqa: E731
             per_block[index].add((tuple(map(norm, region.columns)), tuple(map(norm, region.rows))))
     return len({frozenset(v) for v in per_block.values()}) <= 1
+
+
+def repeat_blocks(st: LoweringState) -> LoweringState:
+    """The lowering's pass: the template block stamped out for every block not captured, with the later
+    blocks' shards (``specs``), expert tensors, partial-gradient parameters and region plans."""
+    t, specs = st.template, dict(st.specs)  # (repeat adds the later blocks' shards)
+    gm = t.repeat(st.gm, tp_rank=st.tp_rank, tp_size=st.plan.mesh.tp, specs=specs,
+                  experts=(st.plan.dims.ep, st.ep_rank, frozenset(st.experts)))
+    return replace(st, gm=gm, specs=specs, experts=st.experts + tuple(t.repeated_names(st.experts)),
+                   partial_grads=st.partial_grads + tuple(t.repeated_names(st.partial_grads)),
+                   region_plans=t.extend_regions(st.region_plans))
 
 
 def capture_blocks(template: BlockTemplate | None, capture_fn):

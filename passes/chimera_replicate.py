@@ -2,7 +2,7 @@
 
 The schedule (:mod:`autopar.runtime.schedules.chimera`) numbers the down replica's stages
 ``0 .. P-1`` and the up replica's ``P .. 2P-1`` (stage ``P + k`` runs part ``k``).
-:func:`replicate_stages` builds the up replica's graphs from the down replica's: the same graph
+:func:`replicate_stages` (the lowering's pass, the schedule family's replicas) builds the up replica's graphs from the down replica's: the same graph
 code and the same weight objects (so a rank that holds both replicas of a part keeps one copy
 and accumulates both gradients in it), with each send/recv re-addressed to the replica's stages.
 It runs after the pipeline split. Lowering then lists every weight as held by two stages, and the
@@ -11,7 +11,7 @@ two ranks holding them, :func:`autopar.runtime.grad_sync.sum_shared_gradients`),
 stay equal.
 ::
 
-    stages = replicate_stages(split_pipeline(gm, num_stages=P), num_replicas=2)   # 2P stage graphs
+    stages = replicas(split_graph(gm, num_stages=P), num_replicas=2)   # 2P stage graphs
 """
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ import dataclasses
 
 import torch.fx as fx
 
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.pipeline_split import StageGraph
 from autopar.runtime.p2p import RecvActivation, SendActivation
+from autopar.runtime.schedules.registry import family
 
-__all__ = ["replicate_stages", "loss_stages"]
+__all__ = ["replicate_stages", "replicas", "loss_stages"]
 
 
 def _shifted_graph(stage: StageGraph, offset: int) -> fx.GraphModule:
@@ -52,7 +54,13 @@ def _fetch(gm, target: str):
     return obj
 
 
-def replicate_stages(stages: list[StageGraph], *, num_replicas: int) -> list[StageGraph]:
+def replicate_stages(st: LoweringState) -> LoweringState:
+    """``stages`` followed by the stage graphs of every other model replica the Plan's schedule family runs."""
+    num_replicas = family(st.plan.pipeline.schedule).replicas
+    return dataclasses.replace(st, stages=tuple(replicas(list(st.stages), num_replicas=num_replicas)))
+
+
+def replicas(stages: list[StageGraph], *, num_replicas: int) -> list[StageGraph]:
     """``stages`` (one replica, parts ``0 .. P-1``) followed by ``num_replicas - 1`` re-addressed copies."""
     parts = len(stages)
     result = list(stages)

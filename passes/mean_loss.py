@@ -6,7 +6,7 @@ equals one device's loss over the whole batch only when every microbatch holds a
 entries. Padded targets (-100) break that: a microbatch of mostly padding weighs its few tokens
 as much as a full one's many.
 
-:func:`find_token_mean_loss` recognises such a loss where the graph's loss *is* the op (its output,
+:func:`token_mean_loss` recognises such a loss where the graph's loss *is* the op (its output,
 nothing after it), its class weights are None and its target comes from the ``target`` input
 through layout ops only (reshape, view, contiguous: no slice, so each target entry is one counted
 entry). The graph is left as it is (it computes the call's mean); the runtime weighs each
@@ -19,20 +19,23 @@ microbatch, as written.
     >>> from autopar.passes.capture import capture
     >>> gm = capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),), loss_fn=torch.nn.functional.cross_entropy,
     ...              example_target=torch.tensor([0, 2])).gm
-    >>> find_token_mean_loss(gm)
+    >>> token_mean_loss(gm)
     ItemCount(labels='target', shift=0, ignore_index=-100, input='autopar_loss_weight')
-    >>> find_token_mean_loss(capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),), loss_fn=torch.nn.functional.mse_loss,
+    >>> token_mean_loss(capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),), loss_fn=torch.nn.functional.mse_loss,
     ...                              example_target=torch.randn(2, 3)).gm) is None
     True
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from autopar.passes.item_count import ItemCount
+from autopar.passes.lowering_state import LoweringState
 
-__all__ = ["LOSS_WEIGHT", "find_token_mean_loss"]
+__all__ = ["LOSS_WEIGHT", "token_mean_loss", "find_token_mean_loss"]
 
 aten = torch.ops.aten
 LOSS_WEIGHT = "autopar_loss_weight"  # the microbatch's key for its loss weight (runtime/item_count.py)
@@ -62,7 +65,15 @@ def _from_target(node, target: fx.Node) -> bool:
     return node is target
 
 
-def find_token_mean_loss(gm: fx.GraphModule, target_name: str = "target") -> ItemCount | None:
+def find_token_mean_loss(st: LoweringState) -> LoweringState:
+    """An analysis pass: the captured graph's loss weight when its loss is a token mean of the ``loss_fn``'s
+    target (``CapturedGraph.loss_weight``, read by the runtime; the graph is left as it is)."""
+    if not st.captured.has_target:
+        return st
+    return dataclasses.replace(st, captured=dataclasses.replace(st.captured, loss_weight=token_mean_loss(st.gm)))
+
+
+def token_mean_loss(gm: fx.GraphModule, target_name: str = "target") -> ItemCount | None:
     """How to count the tokens of ``gm``'s loss when it is a token mean of its target (else None)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = [a for a in torch.utils._pytree.tree_flatten(output.args[0])[0] if isinstance(a, fx.Node)]

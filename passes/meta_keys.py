@@ -19,11 +19,13 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
 import torch.fx as fx
+
+from autopar.passes.shard_layout import ShardLayout
 
 __all__ = [
     "TENSOR",
@@ -118,33 +120,53 @@ class StageInfo:
 
 @dataclass(frozen=True)
 class Placement:
-    """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded on dim, 'P' partial sum.
+    """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded as ``layout`` says, 'P' partial sum.
 
-    ``chunks`` > 1 means the sharded dim holds that many equal blocks, each sharded on its own
-    (a fused qkv projection's output). ``parts`` > 0 means each block is cut in only that many
-    pieces (a divisor of tp), rank r holding piece ``r * parts // tp``: fewer kv heads than tp,
-    each replicated over ``tp / parts`` ranks. ``inner`` names a second dim cut in the other
-    ``tp / parts`` ways (minor): a kv head broadcast to its query heads (GQA's ``expand``).
-    ``blocks``: the dim holds unequal blocks ``(size, parts)``, each cut on its own (a fused
-    ``[q | k | v]`` whose q and kv blocks differ in size).
+    A sharded output's :class:`~autopar.passes.shard_layout.ShardLayout` says how it is cut over tp: its dim,
+    equal ``chunks`` (a fused qkv projection's output), ``parts`` (fewer kv heads than tp), ``inner`` (GQA's
+    broadcast of a kv head to its query heads) or unequal ``blocks`` (a fused ``[q | k | v]`` whose q and kv
+    blocks differ in size). ``dim``, ``chunks``, ``parts``, ``inner`` and ``blocks`` read the layout's (None,
+    1, 0, None, () when not sharded).
     """
 
     kind: str
-    dim: int | None = None
-    chunks: int = 1
-    parts: int = 0
-    inner: int | None = None
-    # unequal blocks of the sharded dim, each (size, parts): a fused [q | k | v] with fewer kv heads
-    blocks: tuple[tuple[int, int], ...] = ()
+    layout: ShardLayout | None = None
+
+    @classmethod
+    def shard(cls, dim: int, chunks: int = 1, parts: int = 0, inner: int | None = None,
+              blocks: tuple[tuple[int, int], ...] = ()) -> "Placement":
+        """'S': sharded on ``dim`` as a :class:`ShardLayout` of these fields."""
+        return cls("S", ShardLayout(dim, chunks, parts, inner, blocks))
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("R", "S", "P") and (self.layout is not None) == (self.kind == "S"), self
+
+    def replace(self, **changes) -> "Placement":
+        """This sharded placement with its layout's fields ``changes`` replaced."""
+        return Placement("S", replace(self.layout, **changes))
+
+    @property
+    def dim(self) -> int | None:
+        return self.layout.dim if self.layout else None
+
+    @property
+    def chunks(self) -> int:
+        return self.layout.chunks if self.layout else 1
+
+    @property
+    def parts(self) -> int:
+        return self.layout.parts if self.layout else 0
+
+    @property
+    def inner(self) -> int | None:
+        return self.layout.inner if self.layout else None
+
+    @property
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        return self.layout.blocks if self.layout else ()
 
     def __str__(self) -> str:
-        if self.kind == "S":
-            extra = "".join([f",chunks={self.chunks}" if self.chunks != 1 else "",
-                             f",parts={self.parts}" if self.parts else "",
-                             f",inner={self.inner}" if self.inner is not None else "",
-                             f",blocks={list(self.blocks)}" if self.blocks else ""])
-            return f"S({self.dim}{extra})"
-        return self.kind
+        return f"S({self.layout})" if self.kind == "S" else self.kind
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,19 @@ Example::
     >>> from autopar.passes.capture import capture
     >>> idx = torch.randint(0, 64, (2, 8))
     >>> gm = capture(build_moe("switch"), (idx,), loss_fn=moe_loss, example_target=idx).gm
-    >>> gm, synced = sync_router_statistics(gm, dp=2)
-    >>> synced   # f and P of each of the two layers
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.plan_model import MeshShape
+    >>> st = sync_router_statistics(LoweringState.of_graph(gm, mesh=MeshShape(dp=2)))
+    >>> sum(isinstance(m, DpMean) for m in st.gm.modules())   # f and P of each of the two layers
     4
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE
 from autopar.passes.moe_detect import annotate_moe, descendants, op_name, strip, value_shape
 from autopar.runtime.moe_ops import DpMean
@@ -49,8 +54,14 @@ def _reduces_rows(node: fx.Node, rows: set[int]) -> bool:
     return any(d % len(shape) == 0 for d in dims)
 
 
-def sync_router_statistics(gm: fx.GraphModule, *, dp: int) -> tuple[fx.GraphModule, int]:
-    """Average every token-dim statistic of the auxiliary losses over dp; returns the graph and how many."""
+def sync_router_statistics(st: LoweringState) -> LoweringState:
+    """Average every token-dim statistic of the MoE layers' auxiliary losses over dp (the state as it was
+    when the graph has none)."""
+    return dataclasses.replace(st, gm=st.gm) if _average_statistics(st.gm, dp=st.plan.mesh.dp) else st
+
+
+def _average_statistics(gm: fx.GraphModule, *, dp: int) -> int:
+    """Put a DpMean after every token-dim statistic of the auxiliary losses; how many."""
     report = annotate_moe(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {name: i for i, name in enumerate(nodes)}
@@ -73,4 +84,4 @@ def sync_router_statistics(gm: fx.GraphModule, *, dp: int) -> tuple[fx.GraphModu
             synced |= descendants([mean])
             count += 1
     gm.recompile()
-    return gm, count
+    return count

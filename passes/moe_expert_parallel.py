@@ -1,4 +1,5 @@
-"""Transform: expert parallelism. Each MoE layer's experts are split over ``ep`` ranks carved out of dp.
+"""Transform: expert parallelism. Each MoE layer's experts are split over ``ep`` ranks carved out of dp
+(the Plan's ``expert_parallel``; this rank's ep index from its dp index, :class:`~autopar.parallel_dims.ParallelDims`).
 
 For every layer :mod:`autopar.passes.moe_detect` recognised in the ``grouped`` or ``gathered`` form:
 
@@ -26,10 +27,12 @@ Example::
     >>> from autopar.passes.capture import capture
     >>> idx = torch.randint(0, 64, (2, 8))
     >>> gm = capture(build_moe("switch"), (idx,), loss_fn=moe_loss, example_target=idx).gm
-    >>> gm, experts = shard_experts(gm, ep=2, ep_rank=1)
-    >>> [type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"]
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_experts(LoweringState.of_graph(gm, mesh=MeshShape(dp=2), dp_rank=1, expert_parallel=2))
+    >>> [type(st.gm.get_submodule(n.target)).__name__ for n in st.gm.graph.nodes if n.op == "call_module"]
     ['MoeDispatch', 'MoeCombine', 'MoeDispatch', 'MoeCombine']
-    >>> tuple(gm.get_parameter(experts[0]).shape)
+    >>> tuple(st.gm.get_parameter(st.experts[0]).shape)
     (2, 32, 64)
 """
 from __future__ import annotations
@@ -41,8 +44,10 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
 from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
+from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import set_param
 from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
 
@@ -89,10 +94,8 @@ def _region_check(layer: MoeLayer, start: list[fx.Node], last: fx.Node, allowed:
 
 
 def _slice_experts(gm: fx.GraphModule, layer: MoeLayer, *, ep: int, ep_rank: int) -> None:
-    local = layer.num_experts // ep
-    for target in layer.expert_weights:
-        full = gm.get_parameter(target)
-        set_param(gm, target, full.detach()[ep_rank * local:(ep_rank + 1) * local].clone())
+    for target in layer.expert_weights:  # this ep rank's experts: block ep_rank of dim 0
+        set_param(gm, target, ShardLayout(0).cut(gm.get_parameter(target).detach(), rank=ep_rank, size=ep))
     for node in gm.graph.nodes:
         info = get_meta(node, PARAM) if node.op == "get_attr" and node.target in layer.expert_weights else None
         if info is not None:
@@ -147,11 +150,12 @@ def _rewrite_layer(gm: fx.GraphModule, layer: MoeLayer, index: int, *, ep: int, 
     _region_check(layer, [rows, ids, offsets], last, {dispatch, rows, ids, offsets, routing} | weights)
 
 
-def shard_experts(gm: fx.GraphModule, *, ep: int, ep_rank: int,
-                  capacity_factor: float | None = None) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """Split every MoE layer's experts over ``ep`` ranks; returns the graph and the expert tensors' targets.
+def shard_experts(st: LoweringState) -> LoweringState:
+    """Split every MoE layer's experts over the Plan's ep ranks; ``experts``: the expert tensors' targets.
 
-    ``capacity_factor``: None (dropless), or each expert takes ``ceil(factor * rows / E)`` rows per rank."""
+    The Plan's ``moe_capacity_factor`` (read here only): None (dropless), or each expert takes
+    ``ceil(factor * rows / E)`` rows per rank."""
+    gm, ep, ep_rank, capacity_factor = st.gm, st.plan.dims.ep, st.ep_rank, st.plan.moe_capacity_factor
     report = annotate_moe(gm)
     check_expert_parallel(report, ep=ep)
     experts: list[str] = []
@@ -161,4 +165,4 @@ def shard_experts(gm: fx.GraphModule, *, ep: int, ep_rank: int,
         experts.extend(layer.expert_weights)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return gm, tuple(experts)
+    return dataclasses.replace(st, gm=gm, experts=st.experts + tuple(experts))

@@ -14,12 +14,16 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> gm, starts = assign_stages(gm, num_stages=2)
+    >>> gm, starts = cut_stages(gm, num_stages=2)
     >>> starts            # the unit each stage after the first begins with
     ['model.blocks.1']
+
+The lowering's analysis pass :func:`assign_stages` cuts the graph into the Plan's stages (at the Plan's
+stage starts when it names them); the planner's profiler cuts it at every place a stage may begin.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -27,9 +31,10 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.passes.capture import MODEL_PREFIX
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import COST, MODULE, STAGE, StageInfo, get_meta, set_meta
 
-__all__ = ["Segment", "pipeline_segments", "balanced_cuts", "assign_stages"]
+__all__ = ["Segment", "pipeline_segments", "balanced_cuts", "cut_stages", "assign_stages"]
 
 _BLOCK = re.compile(r"\.\d+$")
 _NODE_COST = 1.0  # per-node term so FLOP-free segments still weigh something
@@ -122,7 +127,16 @@ def balanced_cuts(costs: list[float], num_stages: int, allowed: list[int]) -> li
     return best[(num_stages, n)][1]
 
 
-def assign_stages(gm: fx.GraphModule, *, num_stages: int, stage_starts: list[str] | None = None):
+def assign_stages(st: LoweringState) -> LoweringState:
+    """An analysis pass: ``autopar.stage`` on every call node of ``st.gm`` for the Plan's stages (cut where the
+    Plan's stage starts say, else balanced); ``starts``: the unit each stage after the first begins at."""
+    starts = st.plan.pipeline.stage_starts
+    gm, cuts = cut_stages(st.gm, num_stages=st.num_stages,
+                          stage_starts=[MODEL_PREFIX + "." + s for s in starts] if starts else None)
+    return dataclasses.replace(st, gm=gm, starts=tuple(cuts))
+
+
+def cut_stages(gm: fx.GraphModule, *, num_stages: int, stage_starts: list[str] | None = None):
     """Write ``autopar.stage`` on every call node; returns (gm, the unit each later stage starts at)."""
     segments = pipeline_segments(gm)
     allowed = _allowed_starts(segments)

@@ -1,18 +1,24 @@
 """The pass manager: runs passes in their written-out order and checks every graph after each.
 
-A pass step maps a state to a state of the same type: a GraphModule (the passes before the
-pipeline split), or any object with a ``graphs()`` method listing its GraphModules (the lowering's
-state, whose graphs become one per stage at the split). After every pass, each graph is checked:
+A pass step maps a state to a state of the same type: the lowering's
+:class:`~autopar.passes.lowering_state.LoweringState` (or any object with a ``graphs()`` method listing
+its GraphModules, which become one per stage at the pipeline split), or a plain GraphModule. A step
+says what kind of pass it is, and the check after it follows:
 
-- ``graph.lint()`` and recompile;
-- shapes re-propagated on fake tensors (skipped after an analysis step, ``rewrites=False``: one
-  that only writes meta; its graphs must print the same after it as before, else a PassError).
+- ``transform``: each graph is linted and recompiled, and its shapes re-propagated on fake tensors.
   The whole graph runs on the example inputs, which also refreshes ``autopar.tensor`` and
-  ``autopar.cost`` for the passes after it. A stage graph runs on
-  inputs made from its placeholders' ``autopar.tensor``, and every node's value must have the
-  shape and dtype its ``autopar.tensor`` says (the meta is checked, not rewritten).
+  ``autopar.cost`` for the passes after it. A stage graph runs on inputs made from its placeholders'
+  ``autopar.tensor``, and every node's value must have the shape and dtype its ``autopar.tensor``
+  says (the meta is checked, not rewritten). A transform that hands back the very state it was given
+  (nothing to do for this graph: a LoweringState is frozen, so a pass that changes anything returns a
+  new one) changed nothing: the previous check still holds.
+- ``analysis`` and ``check``: they write node meta or state fields, or raise; each graph must print
+  as it did before the step (else a PassError), and the previous check still holds.
+- ``capture``: it makes the graph; lint and recompile only, its shapes are propagated by the
+  analysis that annotates it (after the checks that refuse what propagation could not run).
 
-A failure raises :class:`PassError` naming the pass, the graph and the passes that ran before it.
+A step may run only for some Plans (``runs``: state -> bool, read when its turn comes). A failure
+raises :class:`PassError` naming the pass, the graph and the passes that ran before it.
 
     >>> import torch, torch.fx as fx
     >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
@@ -36,7 +42,7 @@ from autopar.passes.annotate import annotate_tensors
 from autopar.passes.meta_keys import TENSOR, get_meta
 from autopar.passes.shape_prop import MetaRun, to_fake
 
-__all__ = ["PassStep", "run_passes", "HasGraphs", "check_stage_graph", "placeholder_inputs"]
+__all__ = ["PassStep", "run_passes", "HasGraphs", "check_stage_graph", "placeholder_inputs", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +55,28 @@ class HasGraphs(Protocol):
     def graphs(self) -> Iterable[tuple[str, fx.GraphModule, tuple | None]]: ...
 
 
+KINDS = ("transform", "analysis", "check", "capture")
+
+
 @dataclass(frozen=True)
 class PassStep:
-    """One line of a pass pipeline: a name, a state -> state function, and why it runs there."""
+    """One line of a pass pipeline: a name, a state -> state function, why it runs there, what kind of
+    pass it is (:data:`KINDS`), when it runs (None: always) and which phase of the lowering holds it."""
 
     name: str
     fn: Callable
     why: str
-    rewrites: bool = True  # False: the step only writes node meta; the graphs' code must come out unchanged
+    kind: str = "transform"
+    runs: Callable | None = None
+    phase: str = ""
+
+    def __post_init__(self):
+        assert self.kind in KINDS, self.kind
+
+    @property
+    def rewrites(self) -> bool:
+        """Does the step change graphs (a transform, or the capture that makes one)?"""
+        return self.kind in ("transform", "capture")
 
 
 def placeholder_inputs(gm: fx.GraphModule) -> tuple:
@@ -136,8 +156,18 @@ def _check_unchanged(before: dict[str, str], state, example_inputs) -> None:
     after = _printed(state, example_inputs)
     for label in sorted(set(before) | set(after)):
         if before.get(label) != after.get(label):
-            raise _Invalid(label, ValueError("the step is declared an analysis (rewrites=False) but changed "
-                                             "the graph; declare it a rewrite to have its graphs re-checked"))
+            raise _Invalid(label, ValueError("the step is declared an analysis (it may not rewrite) but changed "
+                                             "the graph; declare it a transform to have its graphs re-checked"))
+
+
+def _lint(state, example_inputs) -> None:
+    """Lint and recompile every graph (what a new graph gets before its shapes are propagated)."""
+    for label, gm, _ in _graphs(state, example_inputs):
+        try:
+            gm.graph.lint()
+            gm.recompile()
+        except Exception as exc:  # noqa: BLE001 - reported with the graph's name below
+            raise _Invalid(label, exc) from exc
 
 
 def _check(state, example_inputs) -> None:
@@ -159,13 +189,25 @@ class _Invalid(Exception):
         self.label = label
 
 
+def _after(step: PassStep, before, state, result, example_inputs) -> None:
+    """The check that follows ``step`` (module docstring); ``before``: the graphs' printed form for an analysis."""
+    if step.kind == "capture":
+        _lint(result, example_inputs)
+    elif step.rewrites and (result is not state or isinstance(state, fx.GraphModule)):  # (a graph: in place)
+        _check(result, example_inputs)
+    elif not step.rewrites:  # an analysis: the previous step's check still holds for the unchanged graphs
+        _check_unchanged(before, result, example_inputs)
+
+
 def run_passes(state: State, steps: Iterable[PassStep], *, example_inputs: tuple | None = None) -> State:
     """Run ``steps`` in order on ``state``, checking every graph after each (see the module docstring)."""
     done: list[str] = []
     for step in steps:
+        if step.runs is not None and not step.runs(state):
+            continue
         before = None if step.rewrites else _printed(state, example_inputs)
         try:
-            state = step.fn(state)
+            result = step.fn(state)
         except AutoparError:
             raise
         except Exception as exc:  # noqa: BLE001 - a pass bug is reported with its context
@@ -174,14 +216,12 @@ def run_passes(state: State, steps: Iterable[PassStep], *, example_inputs: tuple
                             fix="report this graph to the autopar developers; "
                                 "set tensor_parallel=False or pp=1 to avoid the pass") from exc
         try:
-            if before is None:
-                _check(state, example_inputs)
-            else:  # an analysis: the previous step's check still holds for the unchanged graphs
-                _check_unchanged(before, state, example_inputs)
+            _after(step, before, state, result, example_inputs)
         except _Invalid as exc:
             raise PassError(f"the graph is invalid after pass {step.name!r}: {exc}",
                             where=f"{exc.label}; passes run: {done + [step.name]}",
                             fix="report this graph to the autopar developers") from exc
         log.debug("pass %s ok (%s)", step.name, step.why)
         done.append(step.name)
+        state = result
     return state

@@ -15,17 +15,21 @@ dim carries it as :class:`~autopar.runtime.dynamic_shapes.SizeExpr` (``dims``, f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import dataclasses
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from autopar.passes.graph_names import user_name
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import PARAM, STAGE, TENSOR, get_meta
+from autopar.passes.symbolic_sizes import symbolic_shapes
 from autopar.runtime.p2p import RecvActivation, SendActivation
 
-__all__ = ["StageGraph", "Edge", "split_pipeline", "needs_grad", "size_nodes", "edge_values"]
+__all__ = ["StageGraph", "Edge", "split_pipeline", "split_graph", "needs_grad", "param_stages", "size_nodes",
+           "edge_values"]
 
 #: what computes a size from sizes: torch's symbolic-size ops and Python's integer arithmetic
 _SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv,
@@ -185,11 +189,37 @@ def _is_param(gm, target: str) -> bool:
 
 
 def edge_values(gm: fx.GraphModule, num_stages: int) -> list[str]:
-    """The names of the values that cross stages (what :func:`split_pipeline` sends)."""
+    """The names of the values that cross stages (what :func:`split_graph` sends)."""
     return sorted({e.value for e in _edges(gm, num_stages, size_nodes(gm))})
 
 
-def split_pipeline(gm: fx.GraphModule, *, num_stages: int, only=None, dims=None, dynamic=()) -> list[StageGraph]:
+def split_pipeline(st: LoweringState) -> LoweringState:
+    """``stages``: one graph per stage of the Plan (only ``st.only`` when given: then ``shared``, which stages
+    read each parameter, is read off the whole graph first, as the stages built cannot tell). A graph with
+    symbolic input dims (``st.captured.dynamic``) sends edges whose shapes follow them as SizeExprs
+    (:func:`autopar.passes.symbolic_sizes.symbolic_shapes`), received per microbatch at its own sizes."""
+    shared = param_stages(st.gm) if st.only is not None else None
+    dynamic = tuple(st.captured.dynamic) if st.captured is not None else ()
+    dims = None
+    if dynamic and st.num_stages > 1:
+        dims = symbolic_shapes(st.gm, st.example_args, dynamic, nodes=edge_values(st.gm, st.num_stages))
+    stages = split_graph(st.gm, num_stages=st.num_stages, only=st.only, dims=dims, dynamic=dynamic)
+    return dataclasses.replace(st, stages=tuple(stages), shared=shared)
+
+
+def param_stages(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """{user name: stages reading it} of every parameter, read off the stage-assigned graph."""
+    out = {}
+    for node in gm.graph.nodes:
+        info = get_meta(node, PARAM) if node.op == "get_attr" else None
+        if info is None or not info.is_parameter:
+            continue
+        used = sorted({s.stage for u in node.users if (s := get_meta(u, STAGE)) is not None})
+        out[user_name(node.target)] = tuple(used)
+    return dict(sorted(out.items()))
+
+
+def split_graph(gm: fx.GraphModule, *, num_stages: int, only=None, dims=None, dynamic=()) -> list[StageGraph]:
     """Split ``gm`` (every call node carrying ``autopar.stage``) into ``num_stages`` stage graphs.
 
     ``only``: build just these stages (one rank's program of a large plan); all when None.

@@ -39,6 +39,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 
@@ -48,12 +49,13 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.errors import PassError, PlanError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, get_meta
 from autopar.runtime.collectives import GraphCollective, TpCopy, TpScatter
 from autopar.runtime.p2p import P2PNode
 
 __all__ = ["RECOMPUTE_MODES", "SAVED_OPS", "Recompute", "apply_recompute", "recompute_regions",
-           "recompute_modules", "check_mode", "recompute_modes", "recompute_stage"]
+           "recompute_modules", "check_mode", "recompute_modes", "recompute_stage", "recompute"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 _BLOCK = re.compile(r"\.\d+$")
@@ -247,6 +249,12 @@ def recompute_modes(planned: tuple[str, ...], requested: str, num_stages: int) -
     for i, mode in enumerate(modes):
         check_mode(mode, where=f"recompute mode of stage {i}")
     return modes
+
+
+def recompute(st: LoweringState) -> LoweringState:
+    """Every stage graph with its Plan mode's recompute regions (a stage's mode: the Plan's per stage)."""
+    modes, n = st.plan.recompute, st.num_stages
+    return dataclasses.replace(st, stages=tuple(recompute_stage(g, mode=modes[g.stage % n]) for g in st.stages))
 
 
 def recompute_stage(stage, *, mode: str):

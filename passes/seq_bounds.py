@@ -35,9 +35,11 @@ import torch.nn as nn
 from autopar.errors import PlanError
 from autopar.passes.dynamic_capture import sequence_dims
 from autopar.passes.index_bounds import position_limit
+from autopar.passes.lowering_state import LoweringState
+from autopar.plan_model import DynamicDimPlan
 from autopar.runtime.dynamic_shapes import DynamicDim
 
-__all__ = ["model_max_length", "bound_dims", "padded_to"]
+__all__ = ["model_max_length", "bound_dims", "bound_dynamic_dims", "padded_to"]
 
 
 #: config fields that name a model's longest sequence (transformers maps n_positions, n_ctx onto the first)
@@ -97,6 +99,28 @@ def bound_dims(dims: tuple[DynamicDim, ...], *, model: nn.Module, gm: fx.GraphMo
         out.append(dataclasses.replace(dim, high=high, bound_source=source if high is not None else "",
                                        multiple_of=seq_multiple))
     return tuple(out)
+
+
+def bound_dynamic_dims(st: LoweringState) -> LoweringState:
+    """The analysis pass after the capture's checks: ``captured.dynamic`` with their bounds (:func:`bound_dims`),
+    and the Plan's ``dynamic_dims``, ``max_seq_len`` and ``max_seq_len_source``: the bound of the symbolic
+    sequence, else the user's ``max_seq_len``, else the model's own maximum (what the runtime checks a batch
+    built on its own against)."""
+    plan, captured, model = st.plan, st.captured, st.source.model
+    user = plan.max_seq_len if plan.max_seq_len_source == "max_seq_len" else None
+    dims = captured.dynamic
+    if dims:
+        names = captured.input_names
+        sizes = {d.symbol: int(st.example_args[names.index(d.inputs[0][0])].shape[d.inputs[0][1]]) for d in dims}
+        dims = bound_dims(dims, model=model, gm=st.gm, max_seq_len=user, rows=plan.microbatch_size,
+                          seq_multiple=plan.mesh.tp if plan.sequence_parallel else 1, example_sizes=sizes)
+    seq = [(d.high, d.bound_source) for d in dims if d.label == "seq" and d.high is not None]
+    known = (user, "max_seq_len") if user else model_max_length(model)
+    bound, source = seq[0] if seq else known or (None, "")
+    recorded = tuple(DynamicDimPlan(label=d.label, inputs=d.inputs, low=d.low, high=d.high, multiple_of=d.multiple_of,
+                                    bound_source=d.bound_source) for d in dims)
+    plan = plan.model_copy(update={"dynamic_dims": recorded, "max_seq_len": bound, "max_seq_len_source": source})
+    return dataclasses.replace(st, plan=plan, captured=dataclasses.replace(captured, dynamic=dims))
 
 
 def padded_to(inputs, target, length: int):

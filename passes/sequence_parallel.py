@@ -30,14 +30,18 @@ Example::
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> from autopar.passes.tensor_parallel import shard_tensor_parallel
-    >>> gm, _ = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
-    >>> gm = annotate(gm, example_inputs=(x, y))      # shapes of the new nodes (the pass manager does this)
-    >>> gm, partial = shard_sequence_parallel(gm, tp_size=2)
-    >>> partial[:2]
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> gm = annotate(st.gm, example_inputs=(x, y))      # shapes of the new nodes (the pass manager does this)
+    >>> st = shard_sequence_parallel(st)
+    >>> st.partial_grads[:2]
     ('model.blocks.0.ln_1.weight', 'model.blocks.0.ln_1.bias')
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -46,11 +50,13 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.pipeline_split import needs_grad
 from autopar.passes.tensor_parallel import localize_sizes, node_where
 from autopar.passes.tp_rules import RULES, REPLICATE, NoRule, op_name, shape_of
 from autopar.runtime.collectives import SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter
+from autopar.runtime.schedules.registry import splits_backward
 from autopar.runtime.tp_ops import SpGatherLinear
 
 __all__ = ["SpSolution", "solve_sequence_parallel", "shard_sequence_parallel", "fuse_gather_linears", "SP_OPS"]
@@ -119,7 +125,7 @@ def _seeds(gm: fx.GraphModule, tp_size: int) -> dict[fx.Node, Placement]:
                 f"sequence parallelism splits dim {dim} of {tuple(shape)} (size {shape[dim]}), "
                 f"not divisible by tp={tp_size}", where=node_where(node),
                 fix=f"use a sequence length that is a multiple of {tp_size}, or sequence_parallel=False")
-        seeds[node] = Placement("S", dim)
+        seeds[node] = Placement.shard(dim)
     return seeds
 
 
@@ -304,12 +310,15 @@ def fuse_gather_linears(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def shard_sequence_parallel(gm: fx.GraphModule, *, tp_size: int, regather: bool = True):
-    """Shard the stretches between tp regions on the sequence; returns (gm, partial-gradient params).
+def shard_sequence_parallel(st: LoweringState) -> LoweringState:
+    """Shard the stretches between tp regions on the sequence; ``partial_grads``: the replicated parameters
+    read on sequence shards, whose gradients the runtime sums over tp.
 
-    ``regather`` fuses each all-gather with its column linears (:func:`fuse_gather_linears`);
-    the split backward of the zero-bubble schedules needs them apart.
+    Each all-gather is fused with its column linears (:func:`fuse_gather_linears`) unless the Plan's
+    schedule splits backward (the zero-bubble schedules need them apart).
     """
+    gm, tp_size = st.gm, st.plan.mesh.tp
+    regather = not splits_backward(st.plan.pipeline.schedule)
     sol = solve_sequence_parallel(gm, tp_size=tp_size)
     grad = needs_grad(gm)
     namer = _Namer(gm)
@@ -334,7 +343,7 @@ def shard_sequence_parallel(gm: fx.GraphModule, *, tp_size: int, regather: bool 
         dim = sol.placements[reduce].dim
         new = _replace_module_node(gm, namer, reduce, "sp_reduce_scatter",
                                    SpReduceScatter(axis="tp", size=tp_size, dim=dim))
-        set_meta(new, TP_PLACEMENT, Placement("S", dim))
+        set_meta(new, TP_PLACEMENT, Placement.shard(dim))
     gm.graph.lint()
     gm.recompile()
     if regather:
@@ -342,4 +351,4 @@ def shard_sequence_parallel(gm: fx.GraphModule, *, tp_size: int, regather: bool 
     log.info("sequence parallel: %d reduce-scatters, %d all-gathers, %d scatters, %d gathers, "
              "%d partial-gradient parameters", len(sol.reduces), len(sol.copies), len(sol.scatters),
              len(sol.gathers), len(partial))
-    return gm, tuple(partial)
+    return dataclasses.replace(st, gm=gm, partial_grads=tuple(partial))

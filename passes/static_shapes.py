@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import CaptureError
+from autopar.passes.lowering_state import LoweringState
 
 __all__ = ["dynamic_shape_nodes", "check_static_shapes"]
 
@@ -61,11 +62,11 @@ def _source_line(node: fx.Node) -> str | None:
     return f"{path}:{line} in {func}: {code.strip()}"
 
 
-def check_static_shapes(gm: fx.GraphModule) -> None:
-    """Raise CaptureError at the first op whose output shape depends on the data."""
-    nodes = dynamic_shape_nodes(gm)
+def check_static_shapes(st: LoweringState) -> LoweringState:
+    """A check pass: CaptureError at the first op of ``st.gm`` whose output shape depends on the data."""
+    nodes = dynamic_shape_nodes(st.gm)
     if not nodes:
-        return
+        return st
     node = nodes[0]
     op = str(node.target).removeprefix("aten.")
     source = _source_line(node)

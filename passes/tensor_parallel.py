@@ -1,6 +1,7 @@
 """Tensor-parallel transform: shard the regions' weights and insert Megatron's f and g.
 
-For each region found by :func:`autopar.passes.tp_regions.find_tp_regions`:
+For each region found by :func:`autopar.passes.tp_regions.find_tp_regions` (chosen by
+:func:`autopar.passes.tp_select.select_tp_regions`, the analysis pass before this one):
 column linears read their input through a :class:`TpCopy` (f: identity forward, all-reduce
 backward) and hold the output-dim shard of weight and bias; row linears hold the input-dim
 shard of the weight, their output goes through a :class:`TpReduce` (g: all-reduce forward) and
@@ -15,64 +16,41 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
-    >>> specs["model.blocks.0.mlp.fc.weight"]
-    ShardSpec(dim=0, chunks=1)
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> st.specs["model.blocks.0.mlp.fc.weight"]
+    ShardLayout(dim=0)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
 from autopar.passes.tp_reduce_rules import insert_partial_sums
-from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
-from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
+from autopar.passes.tp_regions import TpRegion, fits, projection_of
+from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, op_name, refines, shape_of, slice_bounds
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
-__all__ = ["ShardSpec", "shard_tensor", "shard_tensor_parallel", "set_param", "localize_sizes", "node_where",
-           "insert_local_slices"]
+__all__ = ["shard_tensor_parallel", "set_param", "localize_sizes", "node_where", "insert_local_slices",
+           "cut_kwargs"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A parameter sharded over tp on ``dim``; ``chunks`` equal blocks each sharded on their own.
-
-    ``parts`` > 0: each block cut in only that many pieces, rank r holding piece ``r * parts // tp``
-    (a kv head replicated over tp / parts ranks).
-    """
-
-    dim: int
-    chunks: int = 1
-    parts: int = 0
-    blocks: tuple[tuple[int, int], ...] = ()  # unequal (size, parts) blocks of a fused [q | k | v]
-
-    def __repr__(self) -> str:
-        extra = (f", parts={self.parts}" if self.parts else "") + (f", blocks={self.blocks}" if self.blocks else "")
-        return f"ShardSpec(dim={self.dim}, chunks={self.chunks}{extra})"
-
-
-def shard_tensor(tensor: torch.Tensor, spec: ShardSpec, *, rank: int, size: int) -> torch.Tensor:
-    """This rank's shard of ``tensor`` (contiguous, a copy)."""
-    if spec.blocks:
-        pieces = tensor.split([b for b, _ in spec.blocks], dim=spec.dim)
-        return torch.cat([local_shard(piece, dim=spec.dim, chunks=1, rank=rank * (parts or size) // size,
-                                      size=parts or size) for piece, (_, parts) in zip(pieces, spec.blocks)],
-                         dim=spec.dim).contiguous()
-    ways = spec.parts or size
-    return local_shard(tensor, dim=spec.dim, chunks=spec.chunks, rank=rank * ways // size, size=ways).contiguous()
 
 
 def set_param(gm: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -109,13 +87,13 @@ def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     name = op_name(node)
     if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
         sizes = list(node.args[1])
-        if isinstance(sizes[p.dim], fx.Node):  # a symbolic size (a sequence of any length): divided at run time
+        symbolic = sizes[p.dim] if isinstance(sizes[p.dim], fx.Node) else None
+        if symbolic is not None:  # a symbolic size (a sequence of any length): divided at run time
+            sizes[p.dim] = -1
+        sizes = list(p.layout.local_shape(sizes, tp_size))
+        if symbolic is not None:
             with node.graph.inserting_before(node):
-                sizes[p.dim] = node.graph.call_function(operator.floordiv, (sizes[p.dim], p.parts or tp_size))
-        elif sizes[p.dim] != -1:
-            sizes[p.dim] = local_size(p, sizes[p.dim], tp_size)
-        if p.inner is not None and sizes[p.inner] != -1:
-            sizes[p.inner] = sizes[p.inner] // (tp_size // p.parts)
+                sizes[p.dim] = node.graph.call_function(operator.floordiv, (symbolic, p.parts or tp_size))
         node.args = (node.args[0], sizes, *node.args[2:])
 
 
@@ -126,10 +104,10 @@ def _rewrite_slice(node: fx.Node, src_p: Placement, tp_size: int) -> None:
         return
     offset = local = 0
     bounds = {}
-    for size, parts in src_p.blocks:
+    for block in src_p.layout.blocks_of(shape_of(node.args[0])[dim], tp_size):
         bounds.setdefault(offset, local)
-        offset += size
-        local += size // (parts or tp_size)
+        offset += block.extent
+        local += block.local
         bounds[offset] = local
     node.args = (node.args[0], dim, bounds[start], bounds[stop], *node.args[4:])
 
@@ -144,8 +122,9 @@ def _rewrite_split(node: fx.Node, src_p: Placement, tp_size: int) -> None:
     if src_p.blocks:  # unequal blocks: each piece's local size
         node.args = (node.args[0], local_split_sizes(src_p, arg, tp_size=tp_size), *node.args[2:])
         return
-    ways = src_p.parts or tp_size
-    new = [a // ways for a in arg] if isinstance(arg, (list, tuple)) else arg // ways
+    piece = replace(src_p.layout, chunks=1, inner=None)  # each piece: one block of the dim, or the whole dim
+    new = [piece.local_size(a, tp_size) for a in arg] if isinstance(arg, (list, tuple)) \
+        else piece.local_size(arg, tp_size)
     node.args = (node.args[0], new, *node.args[2:])
 
 
@@ -186,8 +165,8 @@ def _insert_refinements(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_s
             continue
         ways = tp_size // have.parts
         with gm.graph.inserting_before(node):
-            cut = gm.graph.call_function(local_shard, (src,), dict(dim=have.dim + 1, chunks=1, rank=tp_rank % ways,
-                                                                   size=ways))
+            cut = gm.graph.call_function(local_shard, (src,), cut_kwargs(ShardLayout(have.dim + 1),
+                                                                         rank=tp_rank % ways, size=ways))
         cut.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
         node.replace_input_with(src, cut)
 
@@ -199,8 +178,7 @@ def insert_local_slices(gm: fx.GraphModule, slices: dict, inside, *, tp_rank: in
         users = [u for u in src.users if u in inside]
         first = min(users, key=_order(gm))
         with gm.graph.inserting_before(first):
-            cut = gm.graph.call_function(local_shard, (src,), dict(dim=p.dim, chunks=p.chunks, rank=tp_rank,
-                                                                   size=tp_size))
+            cut = gm.graph.call_function(local_shard, (src,), cut_kwargs(p.layout, rank=tp_rank, size=tp_size))
         cut.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", MODULE)})
         set_meta(cut, TP_PLACEMENT, p)
         for user in users:
@@ -245,24 +223,33 @@ def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) 
     gm.graph.erase_node(row)
 
 
-def _param_specs(region: TpRegion) -> dict[str, ShardSpec]:
+def cut_kwargs(layout: ShardLayout, *, rank: int, size: int) -> dict:
+    """The keyword arguments of a :func:`~autopar.runtime.tp_ops.local_shard` graph node cutting ``layout``."""
+    return {"chunks": layout.chunks, **layout.fields(), "rank": rank, "size": size}
+
+
+def _param_specs(region: TpRegion) -> dict[str, ShardLayout]:
     """Every parameter the region holds a shard of (weights, biases, per-head parameters).
 
     A parameter cut in one part (a single kv head every rank needs) is held whole: no spec.
     """
-    return {node.target: ShardSpec(p.dim, p.chunks, p.parts, p.blocks) for node, p in region.placements.items()
+    return {node.target: p.layout for node, p in region.placements.items()
             if node.op == "get_attr" and p.kind == "S" and (p.parts != 1 or p.blocks)}
 
 
 def _insert_group_sums(gm: fx.GraphModule, region: TpRegion, tp_rank: int, tp_size: int, counter: list) -> None:
     """A parameter piece held by several ranks (a replicated kv head) sums its gradient over them."""
     for node, p in list(region.placements.items()):
-        blocks = p.blocks or ((shape_of(node)[p.dim] if p.kind == "S" else 0, p.parts),)
-        if node.op != "get_attr" or p.kind != "S" or all(parts in (0, tp_size) for _, parts in blocks):
+        if node.op != "get_attr" or p.kind != "S":
+            continue
+        extent = shape_of(node)[p.dim]
+        blocks = p.layout.blocks_of(extent, tp_size) if p.blocks else (
+            (extent, p.layout.local_size(extent, tp_size), p.layout.ways(tp_size)),)  # equal chunks: one piece
+        if all(ways == tp_size for _, _, ways in blocks):
             continue
         name = f"tp_group_grad_sum_{counter[0]}"
         counter[0] += 1
-        local = [(size // (parts or tp_size), parts if parts != tp_size else 0) for size, parts in blocks]
+        local = [(n, ways if ways != tp_size else 0) for _, n, ways in blocks]
         gm.add_submodule(name, TpGroupGradSum(axis="tp", size=tp_size, dim=p.dim, blocks=local, rank=tp_rank))
         first = min(node.users, key=_order(gm))  # where the weight is read: the sum sits in its module
         users = list(node.users)
@@ -281,11 +268,10 @@ def _drop_assertions(gm: fx.GraphModule, region: TpRegion) -> None:
             gm.graph.erase_node(node)
 
 
-def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
-                          regions: list[TpRegion] | None = None):
-    """Shard every region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    regions = find_tp_regions(gm, tp_size=tp_size) if regions is None else regions
-    specs: dict[str, ShardSpec] = {}
+def shard_tensor_parallel(st: LoweringState) -> LoweringState:
+    """Shard every region of ``st.regions`` over the Plan's tp ranks; ``specs`` gains {param: ShardLayout}."""
+    gm, regions, tp_size, tp_rank = st.gm, st.regions, st.plan.mesh.tp, st.tp_rank
+    specs: dict[str, ShardLayout] = {}
     counter = [0, 0]
     for region in regions:
         _check_divisible(region, tp_size)
@@ -311,8 +297,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, *, tp_size: int, tp_rank: int,
         counter = [copies[0], reduces[0]]
     for target, spec in specs.items():
         full = gm.get_parameter(target) if "." in target or hasattr(gm, target) else None
-        set_param(gm, target, shard_tensor(full.detach(), spec, rank=tp_rank, size=tp_size))
+        set_param(gm, target, spec.cut(full.detach(), rank=tp_rank, size=tp_size))
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: %d regions, %d sharded parameters", len(regions), len(specs))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

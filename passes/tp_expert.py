@@ -3,7 +3,7 @@
 For 3-D fused expert weights (transformers 5.x: ``gate_up_proj`` [E, 2I, H] and ``down_proj``
 [E, H, I], multiplied per expert group by ``grouped_mm``), rank ``r`` of ``tp`` holds, of every
 expert, rows ``r`` of each block of ``gate_up_proj``'s output dim (gate and up sharded alike:
-``ShardSpec(1, chunks=2)``) and the matching columns of ``down_proj`` (``ShardSpec(2)``), as
+``ShardLayout(1, chunks=2)``) and the matching columns of ``down_proj`` (``ShardLayout(2)``), as
 Megatron shards one MLP. The up product reads its input through :class:`TpCopy` (f) and the
 down product's partial sums go through :class:`TpReduce` (g): one all-reduce forward and one
 backward per expert layer, whatever the number of experts. The placements between come from the
@@ -29,13 +29,17 @@ Example::
     >>> (x,), loss_fn, y = hf_raw_example("mixtral")
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> regions = find_expert_regions(gm)
-    >>> gm, specs = shard_expert_parallel(gm, regions, tp_size=2, tp_rank=0)
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_expert_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = shard_expert_parallel(select_expert_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> specs = st.specs
     >>> specs["model.model.layers.0.mlp.experts.gate_up_proj"], specs["model.model.layers.0.mlp.experts.down_proj"]
-    (ShardSpec(dim=1, chunks=2), ShardSpec(dim=2, chunks=1))
+    (ShardLayout(dim=1, chunks=2), ShardLayout(dim=2))
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -43,8 +47,10 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.tensor_parallel import ShardSpec, localize_sizes, node_where, set_param, shard_tensor
+from autopar.passes.shard_layout import ShardLayout
+from autopar.passes.tensor_parallel import localize_sizes, node_where, set_param
 from autopar.passes.tp_expert_rules import EXPERT_PRODUCTS, GATHERED_PRODUCTS, expert_product
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
 from autopar.runtime.collectives import TpCopy, TpReduce
@@ -63,7 +69,7 @@ class ExpertRegion:
     columns: list[fx.Node] = field(default_factory=list)
     rows: list[fx.Node] = field(default_factory=list)
     placements: dict[fx.Node, Placement] = field(default_factory=dict)
-    specs: dict[str, ShardSpec] = field(default_factory=dict)  # parameter target -> its shard
+    specs: dict[str, ShardLayout] = field(default_factory=dict)  # parameter target -> its shard
     kinds: dict[str, str] = field(default_factory=dict)  # parameter target -> "expert column" / "expert row"
 
     def column_params(self) -> list[str]:
@@ -102,7 +108,7 @@ def _weight_chain(operand) -> list[fx.Node] | None:
 def _place_weight(chain: list[fx.Node], want: Placement, placed: dict) -> int:
     """Place the parameter on the dim that becomes ``want`` at the operand; returns that dim."""
     for dim in range(3):
-        trial = {chain[0]: Placement("S", dim, want.chunks)}
+        trial = {chain[0]: Placement.shard(dim, want.chunks)}
         try:
             for node in chain[1:]:
                 trial[node], _ = rule_for(node)(node, trial)
@@ -142,11 +148,11 @@ def _grow(region: ExpertRegion, column: fx.Node) -> None:
                 chain = _weight_chain(user.args[1])
                 if chain is None or user.args[0] is not src:
                     raise NoRule(f"{user.name} reads {src.name} but its weight is not a 3-D expert parameter")
-                dim = _place_weight(chain, Placement("S", 1), region.placements)
+                dim = _place_weight(chain, Placement.shard(1), region.placements)
                 out, _ = expert_product(user, region.placements)
                 region.rows.append(user)
                 region.placements[user] = out
-                region.specs[chain[0].target] = ShardSpec(dim)
+                region.specs[chain[0].target] = ShardLayout(dim)
                 region.kinds[chain[0].target] = "expert row"
                 continue
             out, need = rule_for(user)(user, region.placements)
@@ -162,9 +168,9 @@ def _region_from(column: fx.Node) -> ExpertRegion:
         raise NoRule(f"{column.name}: its weight is not a 3-D parameter read only by it")
     region = ExpertRegion(columns=[column])
     chunks = _chunks(column)
-    dim = _place_weight(chain, Placement("S", 2, chunks), region.placements)
+    dim = _place_weight(chain, Placement.shard(2, chunks), region.placements)
     region.placements[column], _ = expert_product(column, region.placements)
-    region.specs[chain[0].target] = ShardSpec(dim, chunks)
+    region.specs[chain[0].target] = ShardLayout(dim, chunks)
     region.kinds[chain[0].target] = "expert column"
     _grow(region, column)
     if not region.rows:
@@ -197,11 +203,10 @@ def find_expert_regions(gm: fx.GraphModule, *, rejected: dict | None = None) -> 
 
 def _check(region: ExpertRegion, tp_size: int) -> None:
     for node, p in region.placements.items():
-        if p.kind == "S" and shape_of(node)[p.dim] % (p.chunks * tp_size):
-            raise ShardingError(
-                f"dim {p.dim} of {op_name(node) if node.op == 'call_function' else node.target} "
-                f"{tuple(shape_of(node))} is not divisible by tp={tp_size}"
-                + (f" x {p.chunks} blocks" if p.chunks > 1 else ""), where=node_where(node),
+        what = op_name(node) if node.op == "call_function" else node.target
+        why = p.layout.misfit(shape_of(node), tp_size, what=what) if p.kind == "S" else None
+        if why is not None:
+            raise ShardingError(why, where=node_where(node),
                 fix="choose a tp degree that divides the experts' intermediate size (mesh dim 'tp'), or set tp=1")
 
 
@@ -231,16 +236,20 @@ def _rewrite(gm: fx.GraphModule, region: ExpertRegion, tp_size: int, index: int)
             localize_sizes(node, p, tp_size)
 
 
-def shard_expert_parallel(gm: fx.GraphModule, regions: list[ExpertRegion], *, tp_size: int, tp_rank: int):
-    """Shard every expert region of ``gm`` over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    specs: dict[str, ShardSpec] = {}
+def shard_expert_parallel(st: LoweringState) -> LoweringState:
+    """Shard every expert region of ``st.expert_regions`` over the Plan's tp ranks (``specs`` gains their
+    weights); the state as it was without any."""
+    gm, regions, tp_size, tp_rank = st.gm, st.expert_regions, st.plan.mesh.tp, st.tp_rank
+    if not regions:
+        return st
+    specs: dict[str, ShardLayout] = {}
     for index, region in enumerate(regions):
         _check(region, tp_size)
         specs.update(region.specs)
         _rewrite(gm, region, tp_size, index)
     for target, spec in specs.items():
-        set_param(gm, target, shard_tensor(gm.get_parameter(target).detach(), spec, rank=tp_rank, size=tp_size))
+        set_param(gm, target, spec.cut(gm.get_parameter(target).detach(), rank=tp_rank, size=tp_size))
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: %d expert regions, %d sharded expert weights", len(regions), len(specs))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

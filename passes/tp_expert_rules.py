@@ -49,9 +49,9 @@ def expert_product(node: fx.Node, placed: dict):
     px, pw = placed.get(x), placed.get(w)
     rx, rw, out = _rank(x), _rank(w), _rank(node)
     if pw is not None and pw.kind == "S" and pw.dim == rw - 1 and px is None:
-        return Placement("S", out - 1, pw.chunks), {x: Placement("R"), w: pw}
-    if px is not None and px == Placement("S", rx - 1) and (pw is None or pw == Placement("S", rw - 2)):
-        return Placement("P"), {x: px, w: Placement("S", rw - 2)}
+        return Placement.shard(out - 1, pw.chunks), {x: Placement("R"), w: pw}
+    if px is not None and px == Placement.shard(rx - 1) and (pw is None or pw == Placement.shard(rw - 2)):
+        return Placement("P"), {x: px, w: Placement.shard(rw - 2)}
     raise _no_rule(f"{node.name}: expert product of x {px} and weight {pw} is neither an expert column "
                    "(weight sharded on its output dim) nor an expert row (both sharded on the contracted dim)")
 

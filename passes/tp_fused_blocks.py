@@ -16,14 +16,13 @@ The rules of :mod:`autopar.passes.tp_rules` and the seeds of :mod:`autopar.passe
 nothing here knows a model. Example::
 
     >>> from autopar.passes.meta_keys import Placement
-    >>> p = Placement("S", 3, blocks=((32, 0), (8, 1), (8, 1)))
+    >>> p = Placement.shard(3, blocks=((32, 0), (8, 1), (8, 1)))
     >>> local_split_sizes(p, [32, 8, 8], tp_size=4)  # the q heads cut 4 ways, k and v whole
     [8, 8, 8]
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
 
 import torch.fx as fx
 
@@ -48,23 +47,13 @@ def _shape(node) -> tuple[int, ...] | None:
     return None if info is None else info.shape
 
 
-def _edges(p: Placement) -> list[tuple[int, int, int, int]]:
-    edges, offset = [], 0
-    for size, parts in p.blocks:
-        edges.append((offset, offset + size, size, parts))
-        offset += size
-    return edges
-
-
 def blocks_between(p: Placement, start: int, stop: int, *, where: str) -> Placement:
     """The placement of ``[start, stop)`` of a dim holding ``p.blocks``: the whole blocks inside it,
-    a single block as a plain shard cut ``parts`` ways."""
-    inside = [(size, parts) for lo, hi, size, parts in _edges(p) if start <= lo and hi <= stop]
-    if not inside or sum(size for size, _ in inside) != stop - start:
-        raise NoRule(f"{where} cuts across the blocks of a fused projection")
-    if len(inside) == 1:
-        return replace(p, blocks=(), parts=inside[0][1], chunks=1)
-    return replace(p, blocks=tuple(inside))
+    a single block as a plain shard cut ``parts`` ways (:meth:`ShardLayout.between`)."""
+    try:
+        return Placement("S", p.layout.between(start, stop))
+    except ValueError:
+        raise NoRule(f"{where} cuts across the blocks of a fused projection") from None
 
 
 def _bounds(sizes) -> list[tuple[int, int]]:
@@ -112,12 +101,8 @@ def split_piece(split: fx.Node, p: Placement, index: int) -> Placement | None:
 
 def local_split_sizes(p: Placement, sizes, *, tp_size: int) -> list[int]:
     """The sizes one rank splits its shard of a dim holding ``p.blocks`` into."""
-    out = []
-    for start, stop in _bounds(sizes):
-        piece = blocks_between(p, start, stop, where="split")
-        blocks = piece.blocks or ((stop - start, piece.parts),)
-        out.append(sum(size // (parts or tp_size) for size, parts in blocks))
-    return out
+    return [blocks_between(p, start, stop, where="split").layout.local_size(stop - start, tp_size)
+            for start, stop in _bounds(sizes)]
 
 
 def split_pieces(node: fx.Node, dim: int) -> list[tuple[int, int, fx.Node]]:
@@ -171,4 +156,4 @@ def whole_broadcast(in_shape, out_shape, p: Placement) -> Placement | None:
     b = _broadcast_dim(in_shape, out_shape)
     if b is None or b == 0 or in_shape[b - 1] != 1:
         return None
-    return replace(p, dim=b - 1, chunks=1, inner=b)
+    return p.replace(dim=b - 1, chunks=1, inner=b)

@@ -27,6 +27,9 @@ Example::
     >>> from autopar.passes.capture import capture
     >>> from autopar.passes.annotate import annotate
     >>> from autopar.passes.tensor_parallel import shard_tensor_parallel
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
     >>> class Head(nn.Module):
     ...     def __init__(self):
     ...         super().__init__()
@@ -35,9 +38,9 @@ Example::
     ...         return self.norm(torch.relu(self.dense(x)))
     >>> x = torch.randn(2, 8)
     >>> gm = annotate(capture(Head(), (x,)).gm, example_inputs=(x,))
-    >>> gm, specs = shard_tensor_parallel(gm, tp_size=2, tp_rank=0)
-    >>> specs["model.dense.weight"], [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    (ShardSpec(dim=0, chunks=1), ['tp_copy_0', 'tp_gather_output_0'])
+    >>> st = shard_tensor_parallel(select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2))))
+    >>> st.specs["model.dense.weight"], [n.target for n in st.gm.graph.nodes if n.op == "call_module"]
+    (ShardLayout(dim=0), ['tp_copy_0', 'tp_gather_output_0'])
 """
 from __future__ import annotations
 
@@ -154,18 +157,18 @@ def gathered_placements(node: fx.Node, *, tp_size: int | None) -> dict[fx.Node, 
     if proj is None and conv is None:
         return None
     dim = len(shape_of(node)) - 1 if proj is not None else 1
-    out = Placement("S", dim)
+    out = Placement.shard(dim)
     if tp_size is None or shape_of(node)[dim] % tp_size or proj is not None and not closes_nowhere(node, out):
         return None
     if proj is not None:
-        placed = {node: out, proj.weight: Placement("S", proj.out_dim)}
+        placed = {node: out, proj.weight: Placement.shard(proj.out_dim)}
         if proj.via is not None:
-            placed[proj.via] = Placement("S", 1 - proj.out_dim)
+            placed[proj.via] = Placement.shard(1 - proj.out_dim)
     else:
-        placed = {node: out, conv.weight: Placement("S", 0)}
+        placed = {node: out, conv.weight: Placement.shard(0)}
     bias = proj.bias if proj is not None else conv.bias
     if bias is not None:
-        placed[bias] = Placement("S", 0)
+        placed[bias] = Placement.shard(0)
     return placed
 
 

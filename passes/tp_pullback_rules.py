@@ -49,7 +49,7 @@ def embedding_back(node: fx.Node, p: Placement) -> dict:
     table, ids = node.args[:2]
     if p.dim != len(shape_of(node)) - 1:
         raise NoRule(f"{node.name} would be sharded on a dim of its ids, not on the table's columns")
-    return {table: Placement("S", 1, p.chunks, p.parts), ids: REPLICATE}
+    return {table: Placement.shard(1, p.chunks, p.parts), ids: REPLICATE}
 
 
 def index_back(node: fx.Node, p: Placement) -> dict:
@@ -64,7 +64,7 @@ def index_back(node: fx.Node, p: Placement) -> dict:
     if at <= p.dim < at + width:
         raise NoRule(f"{node.name} would be sharded on a dim its index tensor makes")
     dim = p.dim if p.dim < at else p.dim - width + 1
-    return {table: Placement("S", dim, p.chunks, p.parts), idx: REPLICATE}
+    return {table: Placement.shard(dim, p.chunks, p.parts), idx: REPLICATE}
 
 
 PULL_BACK_RULES: "MappingProxyType[str, Callable]" = MappingProxyType({

@@ -18,17 +18,23 @@ Example::
     >>> x = y = torch.zeros(8, 16, dtype=torch.long)
     >>> gm = capture(model, (x,), loss_fn=lm_loss, example_target=y).gm
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> gm, _ = shard_tensor_parallel(gm, tp_size=2, tp_rank=1)
-    >>> gm = fork_sharded_random(gm, seed=torch.initial_seed(), tp_rank=1)
-    >>> [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("tp_random")][:1]
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.passes.tp_select import select_tp_regions
+    >>> from autopar.plan_model import MeshShape
+    >>> st = select_tp_regions(LoweringState.of_graph(gm, mesh=MeshShape(tp=2), tp_rank=1))
+    >>> st = fork_sharded_random(shard_tensor_parallel(st))
+    >>> [n.target for n in st.gm.graph.nodes if n.op == "call_module" and n.target.startswith("tp_random")][:1]
     ['tp_random_0']
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import torch
 import torch.fx as fx
 
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, TP_PLACEMENT, get_meta
 from autopar.passes.tp_rules import op_name
 from autopar.runtime.tp_rng import ShardedRandom, TpRngTracker, tp_rng_seed
@@ -57,9 +63,13 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
-def fork_sharded_random(gm: fx.GraphModule, *, seed: int, tp_rank: int) -> fx.GraphModule:
-    """Run every random op whose output is sharded on this rank's own stream."""
-    tracker = TpRngTracker(seed=tp_rng_seed(seed, tp_rank))
+def fork_sharded_random(st: LoweringState) -> LoweringState:
+    """Run every random op whose output is sharded on this rank's own stream (seeded from
+    ``torch.initial_seed()``); the state as it was when the graph draws no random numbers."""
+    gm = st.gm
+    if not any(is_random(n) for n in gm.graph.nodes):
+        return st
+    tracker = TpRngTracker(seed=tp_rng_seed(torch.initial_seed(), st.tp_rank))
     count = 0
     for node in list(gm.graph.nodes):
         placement = get_meta(node, TP_PLACEMENT)
@@ -76,4 +86,4 @@ def fork_sharded_random(gm: fx.GraphModule, *, seed: int, tp_rank: int) -> fx.Gr
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: %d random ops on the per-rank stream (seed %d)", count, tracker.seed)
-    return gm
+    return dataclasses.replace(st, gm=gm)

@@ -104,7 +104,7 @@ def _scale(node: fx.Node, p: Placement, tp_size: int) -> float:
     """What the all-reduce of the local results is multiplied by to give the whole dim's."""
     if _name(node) == "mean":
         return 1.0 / tp_size  # each local mean divides by the local size, (parts or tp) times too small
-    return (p.parts or tp_size) / tp_size  # each piece held by tp / parts ranks is summed that often
+    return p.layout.ways(tp_size) / tp_size  # each piece held by tp / ways ranks is summed that often
 
 
 def _fresh(gm: fx.GraphModule, prefix: str) -> str:

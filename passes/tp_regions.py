@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -101,19 +101,8 @@ def fits(node: fx.Node, p: Placement, tp_size: int | None) -> str | None:
     """Why ``p`` does not cut ``node`` evenly over ``tp_size`` ranks, or None when it does."""
     if tp_size is None or p.kind != "S" or node.op == "call_function" and op_name(node) in ASSERTIONS:
         return None
-    shape = shape_of(node)
-    ways = p.parts or tp_size
-    bad = [size for size, parts in p.blocks if size % (parts or tp_size)]
-    if bad:
-        return (f"a block of size {bad[0]} of dim {p.dim} of {node.name} {tuple(shape)} is not divisible "
-                f"by tp={tp_size}")
-    if not p.blocks and shape[p.dim] % (p.chunks * ways):
-        return (f"dim {p.dim} of {op_name(node) if node.op == 'call_function' else node.op} output {tuple(shape)} "
-                f"has size {shape[p.dim]}, not divisible by tp={tp_size}"
-                + (f" x {p.chunks} blocks" if p.chunks > 1 else "") + (f" (cut {ways} ways)" if p.parts else ""))
-    if p.inner is not None and shape[p.inner] % (tp_size // p.parts):
-        return f"dim {p.inner} of {node.name} has size {shape[p.inner]}, not divisible by {tp_size // p.parts}"
-    return None
+    return p.layout.misfit(shape_of(node), tp_size,
+                           what=f"{op_name(node) if node.op == 'call_function' else node.op} output")
 
 
 def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
@@ -190,20 +179,20 @@ class _Solver:
         self.check(linear, placement)
         self.region.columns.append(linear)
         self.region.placements[linear] = placement
-        self._place_weight(proj, replace(placement, dim=proj.out_dim))
+        self._place_weight(proj, placement.replace(dim=proj.out_dim))
         if proj.bias is not None:
-            self.region.placements[proj.bias] = replace(placement, dim=0)
+            self.region.placements[proj.bias] = placement.replace(dim=0)
         self.queue.append(linear)
 
     def _place_weight(self, proj: Projection, weight: Placement) -> None:
         self.region.placements[proj.weight] = weight
         if proj.via is not None:
-            self.region.placements[proj.via] = replace(weight, dim=1 - weight.dim)
+            self.region.placements[proj.via] = weight.replace(dim=1 - weight.dim)
 
     def add_row(self, user: fx.Node, proj: Projection) -> None:
         self.region.rows.append(user)
         self.region.placements[user] = Placement("P")
-        self._place_weight(proj, Placement("S", 1 - proj.out_dim, 1))
+        self._place_weight(proj, Placement.shard(1 - proj.out_dim, 1))
 
     def require(self, node: fx.Node, placement: Placement) -> None:
         have = self.region.placements.get(node, self.region.local_slices.get(node))
@@ -269,8 +258,8 @@ class _Solver:
             return []
         rank = len(shape_of(src)) if not isinstance(get_meta(src, "autopar.tensor"), type(None)) else 0
         ways = [0] + (_divisors(self.tp_size) if self.tp_size else [])
-        plain = [Placement("S", d, c, w) for w in ways for d in range(rank) for c in (1, 2, 3, 4)]
-        return plain + [Placement("S", d, 1, w, d + 1) for w in ways[1:] for d in range(rank - 1)]
+        plain = [Placement.shard(d, c, w) for w in ways for d in range(rank) for c in (1, 2, 3, 4)]
+        return plain + [Placement.shard(d, 1, w, d + 1) for w in ways[1:] for d in range(rank - 1)]
 
     def visit_user(self, user: fx.Node, src: fx.Node) -> None:
         if user.op == "output":
@@ -382,9 +371,9 @@ def seed_placement(seed: fx.Node, tp_size: int | None) -> Placement:
     dim = len(shape_of(seed)) - 1
     blocks = _seed_blocks(seed, tp_size)
     if blocks:
-        return Placement("S", dim, blocks=blocks)
+        return Placement.shard(dim, blocks=blocks)
     chunks = seed_chunks(seed)
-    return Placement("S", dim, chunks, seed_ways(seed, chunks, tp_size))
+    return Placement.shard(dim, chunks, seed_ways(seed, chunks, tp_size))
 
 
 def _solve_from(seeds: list[fx.Node], taken: set, carriers: set, tp_size: int | None) -> TpRegion:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Callable
 
@@ -21,10 +20,10 @@ import torch.fx as fx
 from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
-from autopar.passes.tp_fused_blocks import split_blocks, split_piece, whole_broadcast
+from autopar.passes.tp_fused_blocks import blocks_between, split_blocks, split_piece, whole_broadcast
 from autopar.passes.tp_reduce_rules import partial_sum_rule, read_replicated
 
-__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "local_size", "refines",
+__all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "refines",
            "rule_for", "shape_of", "slice_bounds", "view_dim_map"]
 
 REPLICATE = Placement("R")
@@ -59,7 +58,7 @@ def _anchor(node: fx.Node, placed: dict) -> tuple[fx.Node, Placement]:
 
 def _S(p: Placement, dim: int, chunks: int | None = None) -> Placement:
     """``p`` moved to ``dim`` (its ways over tp kept; ``chunks`` changed when given)."""
-    return replace(p, kind="S", dim=dim, chunks=p.chunks if chunks is None else chunks, inner=None)
+    return p.replace(dim=dim, chunks=p.chunks if chunks is None else chunks, inner=None)
 
 
 def _broadcast(node: fx.Node, placed: dict, out_dim: int, like: Placement, inputs: list[fx.Node]):
@@ -77,13 +76,6 @@ def _broadcast(node: fx.Node, placed: dict, out_dim: int, like: Placement, input
             raise NoRule(f"{node.name}: input {a.name} is {have}, needs {want}")
         need[a] = want
     return _S(like, out_dim), need
-
-
-def local_size(p: Placement, size: int, tp_size: int) -> int:
-    """The size a rank holds of a dim of ``size`` placed ``p``."""
-    if p.blocks:
-        return sum(b // (parts or tp_size) for b, parts in p.blocks)
-    return size // (p.parts or tp_size)
 
 
 def elementwise(node: fx.Node, placed: dict):
@@ -137,7 +129,7 @@ def view(node: fx.Node, placed: dict):
     if p.inner is not None:
         return _merge_inner(node, src, p), {src: p}
     if refines(src, node, p):
-        return replace(p, parts=0), {src: p}
+        return p.replace(parts=0), {src: p}
     in_shape, out_shape = shape_of(src), shape_of(node)
     if p.parts == 1 and in_shape[p.dim] == 1:  # one kv head every rank holds whole: follow its size-1 dim
         lead = math.prod(in_shape[:p.dim])
@@ -149,7 +141,7 @@ def view(node: fx.Node, placed: dict):
     if p.blocks:
         if in_shape[p.dim] % out_shape[out_dim] or math.prod(in_shape[:p.dim]) != math.prod(out_shape[:out_dim]):
             raise NoRule(f"{node.name} merges the blocks of a fused projection")
-        return replace(p, dim=out_dim, blocks=_split_blocks(p, in_shape[p.dim] // out_shape[out_dim])), {src: p}
+        return p.replace(dim=out_dim, blocks=_split_blocks(p, in_shape[p.dim] // out_shape[out_dim])), {src: p}
     while p.parts == 1 and out_dim > 0 and out_shape[out_dim - 1] == 1 and \
             math.prod(in_shape[:p.dim]) == math.prod(out_shape[:out_dim - 1]):
         out_dim -= 1  # one kv head every rank holds whole: the heads dim of size 1 carries it
@@ -180,7 +172,7 @@ def _merge_inner(node: fx.Node, src: fx.Node, p: Placement) -> Placement:
     if tuple(out_shape[:p.dim]) != tuple(lead) or len(out_shape) <= p.dim or out_shape[p.dim] != merged \
             or tuple(out_shape[p.dim + 1:]) != tuple(in_shape[p.inner + 1:]):
         raise NoRule(f"{node.name} does not merge the kv heads with their query heads")
-    return replace(p, dim=p.dim, parts=0, inner=None)
+    return p.replace(dim=p.dim, parts=0, inner=None)
 
 
 def expand(node: fx.Node, placed: dict):
@@ -195,7 +187,7 @@ def expand(node: fx.Node, placed: dict):
     nxt = p.dim + 1
     if p.parts and p.inner is None and nxt < len(shape_of(src)) and shape_of(src)[nxt] == 1 \
             and shape_of(node)[nxt + offset] > 1:
-        return replace(_S(p, out_dim), inner=nxt + offset), {src: p}
+        return _S(p, out_dim).replace(inner=nxt + offset), {src: p}
     return _S(p, out_dim), {src: p}
 
 
@@ -236,7 +228,7 @@ def _index_block(node: fx.Node, p: Placement, value) -> Placement:
         if offset <= at < offset + size:
             if parts != 1 or any(w != 1 for _, w in p.blocks[i:]):
                 raise NoRule(f"{node.name} indexes a block cut over the ranks")
-            return replace(p, blocks=(), parts=1, chunks=1)
+            return p.replace(blocks=(), parts=1, chunks=1)
         offset += size
     raise NoRule(f"{node.name} indexes outside the blocks")
 
@@ -298,7 +290,7 @@ def getitem(node: fx.Node, placed: dict):
 def sdpa(node: fx.Node, placed: dict):
     q, k, v = node.args[:3]
     q_placed = placed.get(q)
-    heads = q_placed if q_placed is not None and q_placed.kind == "S" else Placement("S", 1, 1)
+    heads = q_placed if q_placed is not None and q_placed.kind == "S" else Placement.shard(1, 1)
     need = {}
     for a in (q, k, v):
         if a is not q and a in placed and placed[a].parts == 1 and shape_of(a)[1] == 1 and not heads.parts:
@@ -411,16 +403,7 @@ def slice_(node: fx.Node, placed: dict):
         return p, {src: p}
     if not p.blocks or (len(node.args) > 4 and node.args[4] != 1):
         raise NoRule(f"{node.name} slices the sharded dim")
-    edges, offset = [], 0
-    for size, parts in p.blocks:
-        edges.append((offset, offset + size, size, parts))
-        offset += size
-    inside = [(size, parts) for lo, hi, size, parts in edges if start <= lo and hi <= stop]
-    if sum(size for size, _ in inside) != stop - start or not inside:
-        raise NoRule(f"{node.name} slices across the blocks of a fused projection")
-    if len(inside) == 1:
-        return replace(p, blocks=(), parts=inside[0][1], chunks=1), {src: p}
-    return replace(p, blocks=tuple(inside)), {src: p}
+    return blocks_between(p, start, stop, where=node.name), {src: p}
 
 
 def _split_blocks(p: Placement, factor: int) -> tuple[tuple[int, int], ...]:

@@ -1,7 +1,7 @@
 """Vocabulary parallelism: the token embedding and the LM head sharded on the vocabulary dim.
 
 Tensor-parallel rank ``r`` of ``tp`` holds rows ``[r·V/tp, (r+1)·V/tp)`` of each vocabulary
-matrix (``ShardSpec(dim=0)``):
+matrix (``ShardLayout(dim=0)``):
 
 - **Embedding:** a masked lookup of the local rows (token ids outside the range read row 0 and
   are zeroed), then :class:`TpReduce` sums the ranks' partial embeddings (a visible all-reduce).
@@ -39,13 +39,16 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> vp = find_vocab_parallel(gm)
-    >>> gm, specs = shard_vocab_parallel(gm, vp, tp_size=2, tp_rank=0)
-    >>> specs["model.lm_head.weight"]
-    ShardSpec(dim=0, chunks=1)
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.plan_model import MeshShape
+    >>> st = LoweringState.of_graph(gm, mesh=MeshShape(tp=2), tp_rank=0)
+    >>> st = shard_vocab_parallel(dataclasses.replace(st, vocab=find_vocab_parallel(gm)))
+    >>> st.specs["model.lm_head.weight"]
+    ShardLayout(dim=0)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -53,9 +56,10 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.tensor_parallel import (ShardSpec, insert_local_slices, localize_sizes, node_where, set_param,
-                                            shard_tensor)
+from autopar.passes.shard_layout import ShardLayout
+from autopar.passes.tensor_parallel import insert_local_slices, localize_sizes, node_where, set_param
 from autopar.passes.tp_regions import grad_carriers
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
 from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
@@ -196,7 +200,7 @@ def _trace_head(linear: fx.Node) -> VocabParallel:
     """Follow a vocab-sharded head output through rule-covered ops to losses and the output."""
     vp = VocabParallel(head=linear)
     carriers = grad_carriers(linear.graph.owning_module)
-    vp.chain[linear] = Placement("S", len(shape_of(linear)) - 1)
+    vp.chain[linear] = Placement.shard(len(shape_of(linear)) - 1)
     queue = [linear]
     while queue:
         src = queue.pop(0)
@@ -207,7 +211,7 @@ def _trace_head(linear: fx.Node) -> VocabParallel:
                 vp.outputs.append(src)
             elif user.op == "call_function" and op_name(user) == "cross_entropy_loss":
                 reason = _loss_reason(user)
-                if user.args[0] is not src or vp.chain[src] != Placement("S", 1) or reason:
+                if user.args[0] is not src or vp.chain[src] != Placement.shard(1) or reason:
                     raise _Reject(reason or f"{user.name} does not take the logits on their class dim")
                 vp.losses.append(user)
             else:
@@ -315,15 +319,20 @@ def _copy_meta(new: fx.Node, like: fx.Node) -> None:
     new.meta.update({k: v for k, v in like.meta.items() if k in ("nn_module_stack", MODULE)})
 
 
-def _check_vocab(weight: fx.Node, user: fx.Node, tp_size: int) -> int:
+_ROWS = ShardLayout(0)  # the vocabulary: rows of an embedding or head weight (and the head's bias)
+
+
+def _vocab_range(weight: fx.Node, user: fx.Node, *, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` of the vocabulary that ``tp_rank`` holds."""
     vocab = shape_of(weight)[0]
-    if vocab % tp_size:
+    if _ROWS.misfit(shape_of(weight), tp_size):
         raise ShardingError(
             f"vocabulary size {vocab} of {weight.target} is not divisible by tp={tp_size}",
             where=node_where(user),
             fix=f"pad the vocabulary to a multiple of {tp_size} (e.g. {-(-vocab // tp_size) * tp_size}), "
                 f"set vocab_parallel=False, or change the mesh dim 'tp'")
-    return vocab // tp_size
+    (start, end), = _ROWS.ranges(shape_of(weight), rank=tp_rank, size=tp_size)[0]
+    return start, end
 
 
 def _shard_embedding(gm: fx.GraphModule, emb: fx.Node, *, start: int, end: int, tp_size: int, name: str):
@@ -355,7 +364,7 @@ def _shard_embedding(gm: fx.GraphModule, emb: fx.Node, *, start: int, end: int, 
     g.erase_node(emb)
 
 
-def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, tp_size: int) -> None:
+def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, tp_size: int, tp_rank: int) -> None:
     g, head = gm.graph, vp.head
     gm.add_submodule("vocab_copy", TpCopy(axis="tp", size=tp_size))
     with g.inserting_before(head):
@@ -366,7 +375,7 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         set_meta(node, TP_PLACEMENT, p)
         if node is not head:
             localize_sizes(node, p, tp_size)
-    insert_local_slices(gm, vp.local_slices, vp.chain, tp_rank=start // (end - start), tp_size=tp_size)
+    insert_local_slices(gm, vp.local_slices, vp.chain, tp_rank=tp_rank, tp_size=tp_size)
     for i, loss in enumerate(vp.losses):
         name = f"vocab_cross_entropy_{i}" if i else "vocab_cross_entropy"
         ignore = _arg(loss, 4, "ignore_index", -100)
@@ -388,24 +397,28 @@ def _shard_head(gm: fx.GraphModule, vp: VocabParallel, *, start: int, end: int, 
         output.replace_input_with(value, gathered)
 
 
-def shard_vocab_parallel(gm: fx.GraphModule, vp: VocabParallel, *, tp_size: int, tp_rank: int):
-    """Shard ``vp``'s embeddings and head over ``tp_size`` ranks; returns (gm, {param: ShardSpec})."""
-    specs: dict[str, ShardSpec] = {}
+def shard_vocab_parallel(st: LoweringState) -> LoweringState:
+    """Shard ``st.vocab``'s embeddings and head over the Plan's tp ranks (``specs`` gains them); the state as
+    it was when nothing is sharded on the vocabulary."""
+    gm, vp, tp_size, tp_rank = st.gm, st.vocab, st.plan.mesh.tp, st.tp_rank
+    if not vp:
+        return st
+    specs: dict[str, ShardLayout] = {}
     for i, emb in enumerate(vp.embeddings):
-        local = _check_vocab(emb.args[0], emb, tp_size)
-        specs[emb.args[0].target] = ShardSpec(0)
-        _shard_embedding(gm, emb, start=tp_rank * local, end=(tp_rank + 1) * local, tp_size=tp_size,
+        start, end = _vocab_range(emb.args[0], emb, tp_size=tp_size, tp_rank=tp_rank)
+        specs[emb.args[0].target] = _ROWS
+        _shard_embedding(gm, emb, start=start, end=end, tp_size=tp_size,
                          name=f"vocab_reduce_{i}" if i else "vocab_reduce")
     if vp.head is not None:
-        local = _check_vocab(vp.head.args[1], vp.head, tp_size)
-        specs[vp.head.args[1].target] = ShardSpec(0)
+        start, end = _vocab_range(vp.head.args[1], vp.head, tp_size=tp_size, tp_rank=tp_rank)
+        specs[vp.head.args[1].target] = _ROWS
         bias = _arg(vp.head, 2, "bias", None)
         if isinstance(bias, fx.Node):
-            specs[bias.target] = ShardSpec(0)
-        _shard_head(gm, vp, start=tp_rank * local, end=(tp_rank + 1) * local, tp_size=tp_size)
+            specs[bias.target] = _ROWS
+        _shard_head(gm, vp, start=start, end=end, tp_size=tp_size, tp_rank=tp_rank)
     for target, spec in specs.items():
-        set_param(gm, target, shard_tensor(gm.get_parameter(target).detach(), spec, rank=tp_rank, size=tp_size))
+        set_param(gm, target, spec.cut(gm.get_parameter(target).detach(), rank=tp_rank, size=tp_size))
     gm.graph.lint()
     gm.recompile()
     log.info("tensor parallel: vocabulary-parallel %s", list(vp.paths()))
-    return gm, specs
+    return dataclasses.replace(st, gm=gm, specs={**st.specs, **specs})

@@ -22,16 +22,19 @@ projections that read one input share a level.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.pipeline_split import StageGraph
 from autopar.runtime.p2p import RecvActivation
 
-__all__ = ["WeightUses", "expose_weight_uses", "use_groups", "check_split_backward_recompute"]
+__all__ = ["WeightUses", "expose_weight_uses", "expose_stage_weight_uses", "use_groups",
+           "check_split_backward_recompute"]
 
 
 def check_split_backward_recompute(modes: tuple[str, ...], *, schedule: str) -> None:
@@ -83,7 +86,12 @@ def _primary_outputs(graph: fx.Graph) -> tuple[fx.Node, list]:
     return out, list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-def expose_weight_uses(stage: StageGraph) -> StageGraph:
+def expose_weight_uses(st: LoweringState) -> LoweringState:
+    """Every stage graph rewritten for split backward (:func:`expose_stage_weight_uses`)."""
+    return dataclasses.replace(st, stages=tuple(expose_stage_weight_uses(g) for g in st.stages))
+
+
+def expose_stage_weight_uses(stage: StageGraph) -> StageGraph:
     """Rewrite ``stage.gm`` in place for split backward; records the layout on ``stage.weight_uses``."""
     gm, graph = stage.gm, stage.gm.graph
     received = []

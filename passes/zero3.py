@@ -35,25 +35,29 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.passes.lowering_state import LoweringState
+from autopar.parallel_dims import ParallelDims
 from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
 from autopar.passes.pipeline_split import StageGraph
 from autopar.runtime.schedules.registry import splits_backward
 from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
 
-__all__ = ["shard_parameters_zero3", "zero3_groups", "check_zero3"]
+__all__ = ["shard_parameters_zero3", "shard_stage_zero3", "zero3_groups", "check_zero3"]
 
 
-def check_zero3(options) -> None:
-    """Refuse option combinations ZeRO-3 cannot run: split backward computes weight gradients apart."""
-    if splits_backward(options.schedule):
-        raise PlanError(f"zero_stage=3 does not combine with the split-backward schedule {options.schedule!r}: "
+def check_zero3(pipeline) -> None:
+    """Refuse pipelines (the Plan's ``PipelinePlan``) ZeRO-3 cannot run: split backward computes weight
+    gradients apart."""
+    if splits_backward(pipeline.schedule):
+        raise PlanError(f"zero_stage=3 does not combine with the split-backward schedule {pipeline.schedule!r}: "
                         f"its W action computes full weight gradients outside the graph's reduce-scatter",
                         where="compile(zero_stage=3, schedule=...)",
                         fix="use schedule='1f1b' (or gpipe, interleaved_1f1b), or zero_stage<=2")
@@ -152,14 +156,21 @@ def _insert_group(gm: fx.GraphModule, k: int, nodes: list[fx.Node], *, dp: int, 
     token.replace_all_uses_with(free, delete_user_cb=lambda user: user is not free)
 
 
-def shard_parameters_zero3(stage: StageGraph, *, dp: int, experts: frozenset[str] = frozenset(),
-                           ep: int = 1) -> StageGraph:
-    """Rewrite ``stage.gm`` in place for ZeRO-3 over ``dp`` ranks (a no-op for dp=1); ``experts`` (user
-    names of the expert tensors split over ``ep``) over the dp/ep ranks holding the same experts."""
+def shard_parameters_zero3(st: LoweringState) -> LoweringState:
+    """Every stage graph gathering its parameters over dp (:func:`shard_stage_zero3`); the MoE experts split
+    over ep (``st.experts``) over edp, the ranks holding the same experts."""
+    experts = frozenset(user_name(t) for t in st.experts)
+    return dataclasses.replace(st, stages=tuple(shard_stage_zero3(g, dims=st.plan.dims, experts=experts)
+                                                for g in st.stages))
+
+
+def shard_stage_zero3(stage: StageGraph, *, dims: ParallelDims, experts: frozenset[str] = frozenset()) -> StageGraph:
+    """Rewrite ``stage.gm`` in place for ZeRO-3 over the ``dims.dp`` ranks (a no-op for dp=1); ``experts`` (user
+    names of the expert tensors split over ep) over the edp ranks holding the same experts."""
+    dp, edp = dims.dp, dims.edp
     if dp == 1:
         return stage
     gm = stage.gm
-    edp = dp // ep
     groups = [g for g in zero3_groups(gm, experts=experts)
               if edp > 1 or user_name(g[0].target) not in experts]  # edp = 1: each rank holds its experts alone
     for k, nodes in enumerate(groups):

@@ -138,16 +138,17 @@ def _roots(stage, out, scale: int):
 class AsyncProgram(ProgramSurface):
     """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
-    def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
-        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm``: 2BW's update of each batch
-        clipped by the global norm of its gradient, refused by the others (docs/schedules.md); ``parts``: as
-        :class:`ProgramSurface` builds them."""
+    def __init__(self, **parts):
+        """``parts``: as :class:`ProgramSurface` builds them. The Plan's ``run`` carries PipeMare's warm-up and
+        correction decay, and ``max_grad_norm``: 2BW's update of each batch clipped by the global norm of its
+        gradient, refused by the others (docs/schedules.md)."""
         super().__init__(**parts)
+        rule, run = self.schedule.staleness, self.plan.run
+        max_grad_norm = run.max_grad_norm
         self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
-        rule = self.schedule.staleness
-        if options is not None and rule.kind == "pipemare":
-            rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
-                                       correction_decay=options.pipemare_correction_decay)
+        if rule.kind == "pipemare":
+            rule = dataclasses.replace(rule, lr_warmup_updates=run.pipemare_lr_warmup_updates,
+                                       correction_decay=run.pipemare_correction_decay)
         self.rule = rule
         self._check_supported()
         self.check_clipping(max_grad_norm, name=self.schedule.name)

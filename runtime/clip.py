@@ -14,7 +14,7 @@ gradients it *counts* (:func:`counted_here`), and one all-reduce over the whole 
   both partition the model;
 - expert parallelism: an expert tensor split over ep holds other experts on each rank of an ep
   group and the same ones on the dp/ep ranks of its edp group (:mod:`autopar.runtime.moe_groups`),
-  so it is counted on the ranks of the first ep group (dp index < ep), each expert once; under
+  so it is counted on the ranks of the first ep group (edp index 0), each expert once; under
   ZeRO-1/2 with edp > 1 (each expert owned by one edp rank) on its owner; a ZeRO-3 shard of it (over
   edp) on the rank holding it, as every ZeRO-3 shard.
 
@@ -53,7 +53,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
     if name in sharded:
         return True
     if plan.expert_parallel > 1 and name in plan.expert_params:  # each ep rank of the first ep group: its experts
-        return name in owned_experts if owned_experts is not None else coords["dp"] < plan.expert_parallel
+        return name in owned_experts if owned_experts is not None else plan.dims.index("edp", coords) == 0
     if owned is not None:
         return name in owned
     return coords["dp"] == 0
@@ -122,8 +122,7 @@ def _counting(program: ProgramState) -> dict:
     expert_owners = program.optimizer.expert_owner_of() if hasattr(program.optimizer, "expert_owner_of") else None
     owned_experts = None  # ZeRO-1/2 with experts owned over edp: each counted by its owner
     if expert_owners is not None:
-        edp_index = program.info.coords["dp"] // plan.expert_parallel
-        owned_experts = {n for n, k in expert_owners.items() if k == edp_index}
+        owned_experts = {n for n, k in expert_owners.items() if k == plan.dims.index("edp", program.info.coords)}
     return dict(plan=plan, coords=program.info.coords, stage_to_pp=list(program.schedule.stage_to_rank), owned=owned,
                 sharded=sharded, owned_experts=owned_experts)
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.comm_guard import CommGuard
 
 __all__ = ["GraphCollective", "TpCopy", "TpReduce", "SpAllGather", "SpReduceScatter", "TpGather",
@@ -63,16 +64,14 @@ def all_gather_dim(x: torch.Tensor, dim: int, group, guard: CommGuard | None = N
     flat = x.reshape(-1)
     buf = torch.empty(size * flat.numel(), dtype=x.dtype, device=x.device)
     issue("all_gather", dist.all_gather_single, buf, flat, group=group, guard=guard, purpose=purpose)
-    shape = list(x.shape)
-    shape[dim] *= size
-    return buf.view((size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
+    return ShardLayout(dim).join(list(buf.view((size,) + tuple(x.shape)).unbind(0)), size=size)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group, guard: CommGuard | None = None,
                        purpose: str = "a tensor-parallel reduce-scatter") -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
     size = dist.get_world_size(group)
-    stacked = torch.stack(x.chunk(size, dim=dim), dim=0).contiguous()
+    stacked = torch.stack(ShardLayout(dim).pieces(x, size=size), dim=0).contiguous()
     out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
     issue("reduce_scatter", dist.reduce_scatter_single, out, stacked.reshape(-1), group=group, guard=guard,
           purpose=purpose)
@@ -81,8 +80,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group, guard: CommGuard | None
 
 def split_dim(x: torch.Tensor, dim: int, group, guard=None, purpose: str = "") -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (no communication)."""
-    piece = x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
-    return piece.clone(memory_format=torch.contiguous_format)
+    return ShardLayout(dim).cut(x, rank=dist.get_rank(group), size=dist.get_world_size(group))
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -85,7 +85,7 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
     """Every meta tensor of this rank's stage graphs as a :class:`Slot` (one per distinct tensor)."""
     from autopar.runtime.zero3_ops import zero3_shards
     z3 = zero3_shards(gms)  # flat ZeRO-3 blocks: over dp, or (experts split over ep) over edp = dp / ep
-    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    dims, ep = plan.dims, plan.expert_parallel  # expert tensors: this rank holds its ep block of dim 0
     experts = set(plan.expert_params) if ep > 1 else set()
     seen: set[int] = set()
     slots = []
@@ -96,26 +96,16 @@ def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> li
             seen.add(id(tensor))
             name = _user_name(target)
             spec = plan.param_shards.get(name) if is_param else None
-            if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
-                raise PlanError(f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection "
-                                "with fewer kv heads than query heads): a meta-built model cannot materialise it yet",
-                                where=f"parameter {name}",
-                                fix="build the model on a real device, or compile with tensor_parallel=False")
             shard = z3.get(target)
-            shape = list(shard.shape if shard is not None else tuple(tensor.shape))
-            ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
-            if spec is not None:
-                shape[spec.dim] *= ways
             split_ep = is_param and name in experts
-            if split_ep:
-                shape[0] *= ep
-            layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                            z3=shard.size if shard is not None else None, ep=ep if split_ep else None)
+            layout = Layout.held(shard.shape if shard is not None else tuple(tensor.shape), tp=spec,
+                                 tp_size=plan.mesh.tp, z3=shard.size if shard is not None else None,
+                                 ep=ep if split_ep else None)
             slots.append(Slot(name=name, aliases=tuple(dict.fromkeys((name,) + aliases)), layout=layout,
-                              tp_index=coords["tp"] * ways // plan.mesh.tp, dtype=tensor.dtype,
-                              z_index=shard.index(dp_rank=coords["dp"], ep=ep) if shard is not None else coords["dp"],
+                              tp_index=layout.tp_index(coords["tp"]), dtype=tensor.dtype,
+                              z_index=shard.index(dims, coords) if shard is not None else coords["dp"],
                               kind="param" if is_param else "buffer", requires_grad=tensor.requires_grad,
-                              ep_index=coords["dp"] % ep if split_ep else 0))
+                              ep_index=dims.index("ep", coords) if split_ep else 0))
     return slots
 
 

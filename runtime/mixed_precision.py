@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from autopar.passes.graph_names import user_name
+from autopar.passes.shard_layout import EXPERTS, ZERO3
 
 __all__ = ["COMPUTE_DTYPES", "fp32_masters", "MasterWeights", "zero3_block",
            "masters_for_rank"]
@@ -51,25 +52,19 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fp32_masters(model: nn.Module, targets: list[str], *, param_shards: dict, tp_rank: int,
                  tp_size: int) -> dict[str, torch.Tensor]:
     """{user name: this tp rank's fp32 master} for graph parameter ``targets`` (user names)."""
-    from autopar.passes.tensor_parallel import shard_tensor
-
     masters = {}
     for name in targets:
         original = model.get_parameter(name).detach()
         spec = param_shards.get(name)
         if spec is not None and tp_size > 1:
-            original = shard_tensor(original, spec, rank=tp_rank, size=tp_size)
+            original = spec.cut(original, rank=tp_rank, size=tp_size)
         masters[name] = original.to(torch.float32).clone()
     return masters
 
 
 def zero3_block(tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
     """ZeRO-3's layout of ``tensor`` on dp rank ``rank``: flattened, zero-padded to a multiple of size, block rank."""
-    flat = tensor.reshape(-1)
-    per = -(-flat.numel() // size)
-    padded = torch.zeros(per * size, dtype=tensor.dtype, device=tensor.device)
-    padded[: flat.numel()] = flat
-    return padded[rank * per: (rank + 1) * per].clone()
+    return ZERO3.cut(tensor.reshape(-1), rank=rank, size=size)
 
 
 class MasterWeights:
@@ -162,13 +157,13 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
     names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))
     shards = {user_name(k): v for k, v in lowered.param_shards.items()}
     masters = fp32_masters(model, names, param_shards=shards, tp_rank=info.coords["tp"], tp_size=info.shape.tp)
-    ep = lowered.plan.expert_parallel
-    if ep > 1:  # MoE experts split over ep ranks of dp: ep rank d % ep holds the d % ep-th block of dim 0
+    dims = lowered.plan.dims
+    if dims.ep > 1:  # MoE experts split over ep ranks of dp: each holds the block of dim 0 at its ep index
         experts = set(lowered.plan.expert_params)
-        masters = {n: t.chunk(ep, dim=0)[info.coords["dp"] % ep].clone() if n in experts else t
+        masters = {n: EXPERTS.cut(t, rank=dims.index("ep", info.coords), size=dims.ep) if n in experts else t
                    for n, t in masters.items()}
     if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
         sharded = {user_name(t): z for t, z in zero3_shards([s.gm for s in mine]).items()}  # experts: over edp
-        masters = {n: zero3_block(t, rank=sharded[n].index(dp_rank=info.coords["dp"], ep=ep), size=sharded[n].size)
+        masters = {n: zero3_block(t, rank=sharded[n].index(dims, info.coords), size=sharded[n].size)
                    if n in sharded else t for n, t in masters.items()}
     return masters

@@ -1,20 +1,15 @@
-"""Expert parallelism's process groups, expert gradients and the full expert tensors.
+"""Expert parallelism's expert gradients and the full expert tensors.
 
-The ``ep`` ranks of an expert-parallel group are carved out of the dp axis as contiguous blocks of dp
-indices (dp index ``d`` is ep rank ``d % ep`` of block ``d // ep``), as torchtitan splits its data
-shards into the part inside ep and the part outside it. The dp ranks that hold the same experts
-(same ``d % ep``: ``dp / ep`` of them) form the expert-data-parallel group ``edp``.
+The ``ep`` ranks of an expert-parallel group are carved out of the dp axis, and the dp ranks that hold
+the same experts (``dp / ep`` of them) form the expert-data-parallel group ``edp``: both are axes of
+:class:`autopar.parallel_dims.ParallelDims` (which dp indices form each group), and their process groups
+are dims of the job's one DeviceMesh (:func:`autopar.parallel_dims.mesh_groups`).
 
 Gradients: an expert's gradient on its rank already sums the contributions of every token the ep
 group routed to it (the combine's backward brings them back). So the expert gradient is summed over
 ``edp`` and divided by dp, which is the mean over dp of one device's per-rank gradients, the value DDP
 gives every other parameter. Under ZeRO-1/2 each expert tensor is owned by one edp rank
 (:class:`autopar.runtime.zero.ShardedOptimizer`); ZeRO-2 reduces its gradient to that owner only.
-
-Example::
-
-    >>> ep_layout(dp=4, ep=2)
-    {'ep': [[0, 1], [2, 3]], 'edp': [[0, 2], [1, 3]]}
 """
 from __future__ import annotations
 
@@ -23,31 +18,7 @@ import torch.distributed as dist
 
 from autopar.runtime.collectives import issue
 
-__all__ = ["ep_layout", "add_expert_groups", "sync_expert_gradients", "full_expert_parameters"]
-
-
-def ep_layout(*, dp: int, ep: int) -> dict[str, list[list[int]]]:
-    """The dp indices of every ep group and every edp group."""
-    blocks = [list(range(g * ep, (g + 1) * ep)) for g in range(dp // ep)]
-    return {"ep": blocks, "edp": [list(range(j, dp, ep)) for j in range(ep)]}
-
-
-def add_expert_groups(info, *, ep: int) -> None:
-    """Create the ep and edp groups (collective: every rank calls it) and add this rank's to ``info``."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (info.rank, dict(info.coords)))
-    by_position: dict[tuple, dict[int, int]] = {}
-    for rank, coords in everyone:
-        by_position.setdefault((coords["pp"], coords["tp"]), {})[coords["dp"]] = rank
-    layout = ep_layout(dp=info.shape.dp, ep=ep)
-    mine = (info.coords["pp"], info.coords["tp"])
-    for axis in ("ep", "edp"):
-        for position in sorted(by_position):
-            for indices in layout[axis]:
-                ranks = [by_position[position][d] for d in indices]
-                group = dist.new_group(ranks)
-                if position == mine and info.coords["dp"] in indices:
-                    info.groups[axis], info.axis_ranks[axis] = group, ranks
+__all__ = ["sync_expert_gradients", "full_expert_parameters"]
 
 
 def sync_expert_gradients(params: list[torch.nn.Parameter], *, group, size: int, dp: int, guard=None,

@@ -32,11 +32,12 @@ log = logging.getLogger(__name__)
 class RankProgram(ProgramSurface):
     """This rank's share of the parallel program: the synchronous schedules' step over its parts."""
 
-    def __init__(self, *, max_grad_norm: float | None = None, **parts):
-        """``parts``: what :class:`~autopar.runtime.program_surface.ProgramSurface` builds the parts from."""
+    def __init__(self, **parts):
+        """``parts``: what :class:`~autopar.runtime.program_surface.ProgramSurface` builds the parts from
+        (clipping: the Plan's ``run.max_grad_norm``)."""
         super().__init__(**parts)
         p = self.parts
-        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
+        self.max_grad_norm, self.last_grad_norm = self.plan.run.max_grad_norm, None
         partial = {user_name(t) for t in p.tp_partial_grads}  # sequence parallelism: summed over tp
         self.tp_partial_params = [prm for n, prm in self.named_params if n in partial]
         self.grad_sync = GradientSync(self.named_params, ctx=self.ctx, shared=self._shared_params(), plan=self.plan,

@@ -51,17 +51,20 @@ class ProgramSurface:
     """This rank's parts of the compiled program, and what every way of running them shares."""
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
-                 state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
-                 unused: tuple = (), flight_record: int = 4096, run_dir: str | None = None,
-                 param_groups: GroupTemplate | None = None, builder=None, shape_cache_size: int = 8):
+                 state_keys: tuple[str, ...], masters: dict | None = None, materialize=None,
+                 unused: tuple = (), param_groups: GroupTemplate | None = None, builder=None):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
         fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
-        stage graph reads, kept whole (runtime/unused_state.py); ``flight_record``: entries of the rank's
-        flight record (0: none, and no job watch); ``run_dir``: where its file and the diagnosis go;
+        stage graph reads, kept whole (runtime/unused_state.py). How the run behaves is the Plan's ``run``
+        (:class:`autopar.plan_model.RunOptions`): ``p2p_timeout_s`` bounds every collective, ``flight_record``
+        entries of the rank's flight record (0: none, and no job watch), ``run_dir`` where its file and the
+        diagnosis go, ``shape_cache_size`` how many batch shapes compiled on their own are kept;
         ``param_groups``: the optimizer factory's groups over the whole model (runtime/param_groups.py;
         None: those of this rank's own parameters); ``builder``: lowers this rank's stages for another
         batch shape (autopar/shape_builder.py; None: only the compiled shapes run)."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        run = lowered.plan.run
+        p2p_timeout_s, flight_record, run_dir = run.p2p_timeout_s, run.flight_record, run.run_dir
         world = dist.get_world_size() if dist.is_initialized() else info.shape.world_size
         self.flight = FlightRecord(rank=info.rank, capacity=flight_record, folder=run_dir,
                                    meta={"world": world, "coords": dict(info.coords)}) if flight_record > 0 else None
@@ -82,7 +85,7 @@ class ProgramSurface:
         self.zero3_runtimes = tuple(parts.zero3)  # (graphs built for other shapes add theirs)
         # microbatches, their stage graphs per shape and the schedule per count (runtime/step_batches.py)
         self.batching = StepBatches(self, example_shapes=getattr(lowered, "example_shapes", {}), build=builder,
-                                    cache_size=shape_cache_size)
+                                    cache_size=run.shape_cache_size)
         self.last_step: StepReport | None = None  # what the last train_step reports (runtime/step_report.py)
         self.watch = None  # heartbeats and the job-wide diagnosis (runtime/flight_watch.py)
         if self.flight is not None:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from autopar.parallel_dims import ParallelDims
 from autopar.passes.pipeline_split import StageGraph
 from autopar.plan_model import MeshShape, Plan
 from autopar.runtime.comm_audit import CommLog
@@ -43,7 +44,8 @@ __all__ = ["MeshInfo", "AxisGroup", "RankContext", "ProgramState"]
 
 @dataclass
 class MeshInfo:
-    """This rank's view of the mesh."""
+    """This rank's view of the mesh: its coordinates, and for each axis (mesh or derived: ``ep``, ``edp``)
+    the process group and the global ranks along it. ``dims``: every degree (default: the mesh's, no ep)."""
 
     shape: MeshShape
     rank: int
@@ -51,10 +53,19 @@ class MeshInfo:
     groups: dict[str, object] = field(default_factory=dict)
     axis_ranks: dict[str, list[int]] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
+    dims: ParallelDims | None = None
+
+    def __post_init__(self):
+        if self.dims is None:
+            self.dims = self.shape.dims
 
     def peer(self, axis: str, index: int) -> int:
         """Global rank of the rank at ``index`` along ``axis`` sharing my other coordinates."""
         return self.axis_ranks[axis][index]
+
+    def index(self, axis: str) -> int:
+        """This rank's position along ``axis``, a mesh axis or a derived one (:class:`ParallelDims`)."""
+        return self.dims.index(axis, self.coords)
 
 
 @dataclass(frozen=True)
@@ -91,9 +102,9 @@ class RankContext:
         return self.info.rank
 
     def axis(self, name: str) -> AxisGroup:
-        """Mesh axis ``name`` (``dp``, ``pp``, ``tp``) from this rank."""
+        """Axis ``name`` (``dp``, ``pp``, ``tp``, or ``ep`` / ``edp`` carved out of dp) from this rank."""
         ranks = self.info.axis_ranks.get(name, [self.info.rank])
-        return AxisGroup(group=self.info.groups.get(name), ranks=tuple(ranks), index=self.info.coords[name])
+        return AxisGroup(group=self.info.groups.get(name), ranks=tuple(ranks), index=self.info.index(name))
 
 
 class ProgramState(Protocol):

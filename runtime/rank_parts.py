@@ -24,15 +24,14 @@ from autopar.passes.capture import CapturedGraph
 from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import PARAM, get_meta
 from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.tensor_parallel import ShardSpec
+from autopar.passes.shard_layout import ShardLayout
 from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
-from autopar.runtime.moe_groups import add_expert_groups
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.p2p import P2PChannel, P2PNode
 from autopar.runtime.param_groups import GroupTemplate
-from autopar.runtime.rank_context import AxisGroup, RankContext
+from autopar.runtime.rank_context import RankContext
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.zero import ShardedOptimizer, stepped_here
 from autopar.runtime.zero3_ops import bind_zero3, shard_zero3_parameters
@@ -46,7 +45,7 @@ class LoweredStages(Protocol):
     plan: Plan
     captured: CapturedGraph
     stages: list[StageGraph]
-    param_shards: dict[str, ShardSpec]
+    param_shards: dict[str, ShardLayout]
     tp_partial_grads: tuple[str, ...]
 
 
@@ -102,8 +101,7 @@ def _rank_stages(lowered: LoweredStages, *, ctx: RankContext, schedule: Schedule
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
     _own_parameters(mine)
     if lowered.plan.zero_stage == 3:  # ZeRO-3 graphs gather their parameters: keep only this rank's shards
-        shard_zero3_parameters([s.gm for s in mine], dp_rank=info.coords["dp"], dp_size=info.shape.dp,
-                               ep=lowered.plan.expert_parallel)  # MoE experts: over edp = dp / ep
+        shard_zero3_parameters([s.gm for s in mine], dims=lowered.plan.dims, coords=info.coords)  # experts: edp
     if materialize is not None:  # a meta-built model: this rank's pieces only, its experts (runtime/materialize.py)
         materialize([s.gm for s in mine])
     return mine
@@ -130,13 +128,6 @@ def _uses(mine: list[StageGraph], named_params) -> dict[str, int]:
     return {n: per_id[id(p)] for n, p in named_params}
 
 
-def _edp_axis(info, *, ep: int) -> AxisGroup | None:
-    """The edp group of this rank (the dp/ep ranks holding its experts; its index there is dp // ep), or None."""
-    if ep <= 1 or "edp" not in info.groups:
-        return None
-    return AxisGroup(group=info.groups["edp"], ranks=tuple(info.axis_ranks["edp"]), index=info.coords["dp"] // ep)
-
-
 def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule, optimizer_factory,
                 state_keys: tuple[str, ...], masters: dict | None = None, materialize=None,
                 param_groups: GroupTemplate | None = None) -> RankParts:
@@ -148,14 +139,11 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
     channel = P2PChannel(rank=info.rank, stage_to_rank=stage_ranks, group=info.groups["pp"],
                          timeout_s=ctx.guard.timeout_s, device=info.device, guard=ctx.guard)
-    if plan.expert_parallel > 1:  # MoE experts over ep ranks of dp: the ep and edp groups (runtime/moe_groups.py)
-        add_expert_groups(info, ep=plan.expert_parallel)
     zero3 = _bind(mine, ctx=ctx, channel=channel)
     named = _named_parameters(stages)
     uses = _uses(mine, named)  # by the compute parameters, before masters replace them
-    stepped = stepped_here(named, zero_stage=plan.zero_stage, dp_size=info.shape.dp,
-                           dp_rank=info.coords["dp"], local=frozenset(plan.expert_params),
-                           ep=plan.expert_parallel)  # ZeRO-1/2: masters only where a parameter is stepped (experts: over edp)
+    stepped = stepped_here(named, zero_stage=plan.zero_stage, dims=plan.dims, coords=info.coords,
+                           local=frozenset(plan.expert_params))  # ZeRO-1/2: masters only where a parameter is stepped
     mixed = MasterWeights(named, masters, stepped=stepped) if masters is not None else None
     if mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
         named = mixed.named
@@ -165,7 +153,8 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
                                  comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
                                  synced=mixed.compute if mixed is not None else None,
-                                 local=frozenset(plan.expert_params), edp=_edp_axis(info, ep=plan.expert_parallel),
+                                 local=frozenset(plan.expert_params),
+                                 edp=ctx.axis("edp") if "edp" in info.groups else None,  # the ranks holding my experts
                                  template=param_groups, aliases=aliases)  # each tensor in its name's group
     return RankParts(
         plan=plan, ctx=ctx, schedule=schedule, captured=lowered.captured, state_keys=state_keys, stages=stages,

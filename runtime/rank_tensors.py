@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.errors import CheckpointError
 from autopar.passes.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout, piece_key
 from autopar.runtime.rank_context import ProgramState
@@ -71,31 +70,17 @@ def held_tensors(program: ProgramState) -> list[Held]:
     stage graph reads among the buffers)."""
     plan, coords = program.plan, program.info.coords
     z3 = _zero3_shards(program)  # flat blocks over dp, or over edp (dp / ep) for expert tensors
-    ep = plan.expert_parallel  # expert tensors: this rank holds block dp % ep of dim 0 (runtime/moe_groups.py)
+    dims, ep = plan.dims, plan.expert_parallel  # expert tensors: this rank holds its ep block of dim 0
     experts = set(plan.expert_params) if ep > 1 else set()
     held = []
     for name, p in program.parameter_values():  # fp32 masters under bf16, fetched from ZeRO-1/2 owners
-        spec = plan.param_shards.get(name)
-        if spec is not None and spec.blocks:  # a Layout's tp cut is equal blocks: unequal ones would be cut wrong
-            raise CheckpointError(
-                f"{name} is sharded over tp in unequal blocks {list(spec.blocks)} (a fused projection with fewer "
-                "kv heads than query heads): checkpoints and weight files cannot lay it out yet",
-                where=f"parameter {name}, rank {program.info.rank}",
-                fix="use full_state_dict() to take the weights out, or tensor_parallel=False / a tp that keeps "
-                    "the fused projection in equal blocks")
-        local = z3[name].shape if name in z3 else tuple(p.shape)
-        shape = list(local)
-        ways = (spec.parts or plan.mesh.tp) if spec is not None else 1  # parts: a kv head on tp / parts ranks
-        if spec is not None:
-            shape[spec.dim] *= ways
-        if name in experts:
-            shape[0] *= ep
+        layout = Layout.held(z3[name].shape if name in z3 else tuple(p.shape), tp=plan.param_shards.get(name),
+                             tp_size=plan.mesh.tp, z3=z3[name].size if name in z3 else None,
+                             ep=ep if name in experts else None)
         aliases = tuple(sorted(program.aliases.get(name, (name,))))
-        layout = Layout(shape=tuple(shape), tp=(spec.dim, spec.chunks, ways) if spec else None,
-                        z3=z3[name].size if name in z3 else None, ep=ep if name in experts else None)
-        z_index = z3[name].index(dp_rank=coords["dp"], ep=ep) if name in z3 else coords["dp"]
-        held.append(Held(aliases[0], aliases, p, layout, coords["tp"] * ways // plan.mesh.tp, z_index, "param",
-                         ep_index=coords["dp"] % ep if name in experts else 0))
+        z_index = z3[name].index(dims, coords) if name in z3 else coords["dp"]
+        held.append(Held(aliases[0], aliases, p, layout, layout.tp_index(coords["tp"]), z_index, "param",
+                         ep_index=dims.index("ep", coords) if name in experts else 0))
     for name, b in model_buffers(program):
         held.append(Held(name, (name,), b, Layout(shape=tuple(b.shape)), 0, 0, "buffer"))
     for u in program.unused:  # read by no stage graph, kept whole on every rank (unused_state.py)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
                                          reduce_scatter_dim)
 
@@ -34,13 +35,14 @@ __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGathe
            "TpGroupGradSum", "local_shard"]
 
 
-def local_shard(x: torch.Tensor, *, dim: int, chunks: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``x`` on ``dim`` (``chunks`` equal blocks, each cut in ``size``), a new tensor.
+def local_shard(x: torch.Tensor, *, dim: int, rank: int, size: int, chunks: int = 1, parts: int = 0,
+                inner: int | None = None, blocks: tuple = ()) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``x`` over ``size`` ranks as :class:`~autopar.passes.shard_layout.ShardLayout`
+    ``(dim, chunks, parts, inner, blocks)`` cuts it, a new tensor.
 
     In a graph it cuts a value without a gradient (a mask, ALiBi slopes) that a region reads sharded.
     """
-    blocks = x.chunk(chunks, dim=dim) if chunks > 1 else (x,)
-    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+    return ShardLayout(dim, chunks, parts, inner, blocks).cut(x, rank=rank, size=size)
 
 
 class TpGradSum(GraphCollective):
@@ -74,9 +76,10 @@ class _GroupSum(torch.autograd.Function):
             if parts:
                 piece = grad.narrow(dim, offset, local)
                 slots = grad.new_zeros((parts, *piece.shape))
-                slots[rank * parts // size] = piece
+                mine = ShardLayout(dim, parts=parts).piece_of(rank, size)
+                slots[mine] = piece
                 issue("all_reduce", dist.all_reduce, slots, group=group, guard=guard, purpose=purpose)
-                piece.copy_(slots[rank * parts // size])
+                piece.copy_(slots[mine])
             offset += local
         return grad, None, None, None, None, None, None, None
 

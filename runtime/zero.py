@@ -37,11 +37,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from autopar.errors import PlanError
+from autopar.parallel_dims import ParallelDims
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.param_groups import GroupTemplate, group_template, settings_of
 from autopar.runtime.rank_context import AxisGroup
 
-__all__ = ["ShardedOptimizer", "partition_params", "stepped_here", "ELEMENTWISE", "check_elementwise"]
+__all__ = ["ShardedOptimizer", "partition_params", "owned_experts", "stepped_here", "ELEMENTWISE", "check_elementwise"]
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +62,27 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
     return parts
 
 
-def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dp_size: int,
-                 dp_rank: int, local: frozenset[str] = frozenset(), ep: int = 1) -> set[str] | None:
-    """Names of the trainable parameters dp rank ``dp_rank`` steps under ZeRO-1/2; None when it steps all.
+def owned_experts(experts: list[tuple[str, torch.nn.Parameter]], *, dims: ParallelDims,
+                  coords: dict[str, int]) -> set[str]:
+    """ZeRO-1/2's expert-owner rule: the expert tensors (MoE experts split over ep) the rank at mesh
+    coordinates ``coords`` steps. They are partitioned over its edp group (the dp / ep ranks holding the
+    same experts) as the dp partition is, and it owns the part at its edp index. (The memory calculator
+    and :class:`ShardedOptimizer` read this rule; with edp of one rank, every holder steps its experts.)"""
+    return set(partition_params(experts, dims.edp)[dims.index("edp", coords)])
 
-    ``local`` parameters (MoE experts split over ``ep`` ranks of dp) are partitioned over the rank's edp
-    group (``dp_size // ep`` ranks, this one at edp index ``dp_rank // ep``), as :class:`ShardedOptimizer`
-    steps them."""
-    if zero_stage not in (1, 2) or dp_size == 1:
+
+def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dims: ParallelDims,
+                 coords: dict[str, int], local: frozenset[str] = frozenset()) -> set[str] | None:
+    """Names of the trainable parameters the rank at ``coords`` steps under ZeRO-1/2; None when it steps all.
+
+    ``local`` parameters (MoE experts split over ep ranks of dp) follow :func:`owned_experts`."""
+    if zero_stage not in (1, 2) or dims.dp == 1:
         return None
     trainable = [(n, p) for n, p in named if p.requires_grad]
     shared = [(n, p) for n, p in trainable if n not in local]
     experts = [(n, p) for n, p in trainable if n in local]
-    edp = max(dp_size // ep, 1)
-    return set(partition_params(shared, dp_size)[dp_rank]) | set(partition_params(experts, edp)[dp_rank // ep % edp])
+    return set(partition_params(shared, dims.dp)[dims.index("dp", coords)]) | \
+        owned_experts(experts, dims=dims, coords=coords)
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:

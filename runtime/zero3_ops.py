@@ -17,8 +17,8 @@ A group's shards are concatenated, so one collective serves the whole group.
 :func:`shard_zero3_parameters` replaces a stage graph's full parameters with this rank's shards.
 
 Axes: a group is sharded over ``dp`` (N = dp, rank r = the dp index), or, for mixture-of-experts
-expert tensors split over ep, over ``edp``, the dp/ep ranks holding the same experts (N = dp/ep,
-rank r = dp index // ep: :mod:`autopar.runtime.moe_groups`). Either way the reduce-scattered
+expert tensors split over ep, over ``edp``, the dp / ep ranks holding the same experts (N = edp, rank r =
+the edp index: :class:`autopar.parallel_dims.ParallelDims`). Either way the reduce-scattered
 gradient is divided by dp (``divide_by``): an expert's gradient already sums every token of its ep
 group, so its sum over edp divided by dp is the dp mean every other parameter gets.
 """
@@ -30,21 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.parallel_dims import ParallelDims
+from autopar.passes.shard_layout import ZERO3
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 
 __all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "Zero3Shard", "shard_zero3_parameters", "full_parameters",
-           "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards", "shard_index"]
+           "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards"]
 
 
 def padded_numel(numel: int, size: int) -> int:
-    """``numel`` rounded up to a multiple of ``size``."""
-    return math.ceil(numel / size) * size
-
-
-def shard_index(axis: str, *, dp_rank: int, ep: int = 1) -> int:
-    """This rank's block of a group sharded over ``axis``: its dp index (``dp``) or its edp index (``edp``)."""
-    return dp_rank if axis == "dp" else dp_rank // ep
+    """``numel`` rounded up to a multiple of ``size``: the flat blocks of :data:`ZERO3` over ``size`` ranks."""
+    return ZERO3.local_size(numel, size) * size
 
 
 @dataclass(frozen=True)
@@ -55,9 +52,9 @@ class Zero3Shard:
     axis: str
     size: int
 
-    def index(self, *, dp_rank: int, ep: int = 1) -> int:
-        """The block this rank (dp index ``dp_rank``) holds."""
-        return shard_index(self.axis, dp_rank=dp_rank, ep=ep)
+    def index(self, dims: ParallelDims, coords: dict[str, int]) -> int:
+        """The block the rank at mesh coordinates ``coords`` holds: its position along :attr:`axis`."""
+        return dims.index(self.axis, coords)
 
 
 class Zero3Runtime:
@@ -103,7 +100,7 @@ def _copy_out(gather: "ZeroGather", buffer: torch.Tensor, into: list | None = No
     """Full parameters from a gathered [N, S] buffer (into fresh tensors, or into ``into``'s storage)."""
     fulls, offset = [], 0
     for i, (shape, numel) in enumerate(zip(gather.shapes, gather.numels)):
-        block = padded_numel(numel, gather.size) // gather.size
+        block = ZERO3.local_size(numel, gather.size)
         data = buffer[:, offset: offset + block].reshape(-1)
         offset += block
         if into is None:
@@ -133,15 +130,13 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, *grads):
         module = ctx.module
         n = module.size
-        blocks = [padded_numel(k, n) // n for k in module.numels]
+        blocks = [ZERO3.local_size(k, n) for k in module.numels]
         device = module.runtime.gm.get_parameter(module.targets[0]).device
         inp = torch.zeros(n, sum(blocks), dtype=module.dtype, device=device)
         offset = 0
         for g, numel, block in zip(grads, module.numels, blocks):
-            if g is not None:
-                padded = torch.zeros(n * block, dtype=g.dtype, device=device)
-                padded[:numel] = g.reshape(-1)
-                inp[:, offset: offset + block] = padded.view(n, block)
+            if g is not None:  # rank r's row: block r of the flat gradient (reduce-scattered to rank r)
+                inp[:, offset: offset + block] = torch.stack(ZERO3.pieces(g.reshape(-1), size=n))
             offset += block
         out = torch.empty(sum(blocks), dtype=module.dtype, device=device)
         comm.reduce_scatter_into(out, inp.view(-1), group=module.group, size=n,
@@ -241,22 +236,19 @@ def zero3_shards(gms: list) -> dict[str, Zero3Shard]:
             for t, shape in zip(gather.targets, gather.shapes)}
 
 
-def shard_zero3_parameters(gms: list, *, dp_rank: int, dp_size: int, ep: int = 1) -> None:
-    """Replace each gathered parameter of ``gms`` by this rank's flat 1/N shard (ties kept): N = ``dp_size``
-    over dp, ``dp_size // ep`` over edp (expert tensors split over ``ep``)."""
-    sizes = {"dp": dp_size, "edp": dp_size // ep}
+def shard_zero3_parameters(gms: list, *, dims: ParallelDims, coords: dict[str, int]) -> None:
+    """Replace each gathered parameter of ``gms`` by the flat 1/N shard of the rank at ``coords`` (ties kept):
+    N and the block are the size of the gather's axis and the rank's position on it (dp; edp for expert
+    tensors split over ep)."""
     shards: dict[int, torch.nn.Parameter] = {}
     for gm in gms:
         for gather in _gathers(gm):
-            size, rank = sizes[gather.axis], shard_index(gather.axis, dp_rank=dp_rank, ep=ep)
+            size, rank = dims.size(gather.axis), dims.index(gather.axis, coords)
             assert gather.size == size, (gather.axis, gather.size, size)
             for target in gather.targets:
                 full = gm.get_parameter(target)
                 if id(full) not in shards:
-                    block = padded_numel(full.numel(), size) // size
-                    flat = torch.zeros(block * size, dtype=full.dtype, device=full.device)
-                    flat[:full.numel()] = full.detach().reshape(-1)
-                    shards[id(full)] = torch.nn.Parameter(flat[rank * block:(rank + 1) * block].clone(),
+                    shards[id(full)] = torch.nn.Parameter(ZERO3.cut(full.detach().reshape(-1), rank=rank, size=size),
                                                           requires_grad=full.requires_grad)
                 owner, _, leaf = target.rpartition(".")
                 setattr(gm.get_submodule(owner) if owner else gm, leaf, shards[id(full)])

@@ -27,22 +27,25 @@ def _build(case, device=None):
     return build_hf_raw(case.model, device=device, **dict(case.overrides))
 
 
-def _batches(case):
+def token_batches(case):
+    """``case.steps`` batches of (token ids, targets), seeded."""
     g = torch.Generator().manual_seed(99)
     return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
              torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
 
 
-def _optimizer(case):
+def sgd(case):
+    """The cases' optimizer: SGD with momentum (equivalence.py says why)."""
     return lambda params: torch.optim.SGD(params, lr=case.lr, momentum=0.9)
+
 
 
 def cpu_reference(case) -> dict:
     """One device, the model built on CPU under the same seed: losses and the final state_dict."""
     model = _build(case)
-    opt = _optimizer(case)(list(model.parameters()))
+    opt = sgd(case)(list(model.parameters()))
     losses = []
-    for x, y in _batches(case):
+    for x, y in token_batches(case):
         opt.zero_grad()
         loss = logits_loss(model(x), y)
         loss.backward()
@@ -56,9 +59,9 @@ def meta_train(case, mesh) -> dict:
     import autopar
     from autopar.runtime.model_state import storage_bytes
     model = _build(case, device="meta")
-    data = _batches(case)
+    data = token_batches(case)
     program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
-                              example_target=data[0][1], optimizer=_optimizer(case), p2p_timeout_s=120,
+                              example_target=data[0][1], optimizer=sgd(case), p2p_timeout_s=120,
                               **dict(case.options))
     held = storage_bytes(p for _, p in program.named_params)
     local = {n: p.numel() for n, p in program.named_params}
@@ -88,10 +91,10 @@ def padded_batches(case):
 
 
 def _train_reference(case, model, step) -> dict:
-    opt = _optimizer(case)(list(model.parameters()))
+    opt = sgd(case)(list(model.parameters()))
     losses = []
     extra = dict(case.extra)
-    for batch in (padded_batches(case) if extra.get("dict") or extra.get("dict_loss_fn") else _batches(case)):
+    for batch in (padded_batches(case) if extra.get("dict") or extra.get("dict_loss_fn") else token_batches(case)):
         opt.zero_grad()
         loss = step(model, batch)
         loss.backward()
@@ -120,7 +123,7 @@ def hf_train(case, mesh) -> dict:
     import autopar
     extra = dict(case.extra)
     model = _build(case, device="meta" if extra.get("meta") else None)
-    common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+    common = dict(optimizer=sgd(case), p2p_timeout_s=120, **dict(case.options))
     if extra.get("dict_loss_fn"):  # a dict batch (no labels) and a loss_fn reading the ModelOutput's logits
         data = padded_batches(case)
         program = autopar.compile(model, mesh, example_inputs=_without_labels(data[0]), loss_fn=logits_loss,
@@ -132,7 +135,7 @@ def hf_train(case, mesh) -> dict:
         program = autopar.compile(model, mesh, example_inputs=data[0], **common)
         losses = [program.train_step(program.shard_batch(b)).item() for b in data]
     else:
-        data = _batches(case)
+        data = token_batches(case)
         program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
                                   example_target=data[0][1], **common)
         losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
@@ -151,7 +154,7 @@ def own_loss_against_loss_fn(case, mesh) -> dict:
     and positional inputs with :func:`shifted_mean_loss`; both runs' losses and weights (after a flush)."""
     import autopar
     data = padded_batches(case)
-    common = dict(optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+    common = dict(optimizer=sgd(case), p2p_timeout_s=120, **dict(case.options))
     program = autopar.compile(_build(case), mesh, example_inputs=data[0], **common)
     own = [program.train_step(program.shard_batch(b)).item() for b in data]
     own_state = program.full_state_dict()
@@ -174,7 +177,7 @@ def _raw_batches(case):
 def raw_reference(case) -> dict:
     """One device, any :data:`autopar.models.hf.HF_RAW` family on its own batches and loss."""
     model = _build(case)
-    opt = _optimizer(case)(list(model.parameters()))
+    opt = sgd(case)(list(model.parameters()))
     losses = []
     for inputs, loss_fn, target in _raw_batches(case):
         opt.zero_grad()
@@ -192,7 +195,7 @@ def raw_train(case, mesh) -> dict:
     data = _raw_batches(case)
     inputs, loss_fn, target = data[0]
     program = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn, example_target=target,
-                              optimizer=_optimizer(case), p2p_timeout_s=120, **dict(case.options))
+                              optimizer=sgd(case), p2p_timeout_s=120, **dict(case.options))
 
     def step(x, y):
         x = program.shard_batch(x) if isinstance(x, dict) else tuple(program.shard_batch(t) for t in x)

@@ -91,3 +91,47 @@ def loaded(case, mesh) -> dict:
                                 for name, compute, _ in program.mixed.pairs)
         result["compute_dtype"] = str(program.mixed.pairs[0][1].dtype)
     return result
+
+
+# -- a meta-built Phi-3 with grouped-query attention: its fused qkv_proj sharded in unequal blocks ------------
+def _phi3_program(case, mesh):
+    """Phi-3 built on the meta device from the pretrained folder's config (4 query heads, 2 kv heads: a fused
+    ``[q | k | v]`` whose blocks differ in size), compiled with the folder as its ``weights=`` filler."""
+    import transformers
+    import autopar
+    import autopar.hf
+    from hf_runners import logits_loss, token_batches, sgd
+    folder = dict(case.extra)["folder"]
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    data = token_batches(case)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,
+                              example_target=data[0][1], optimizer=sgd(case), p2p_timeout_s=120,
+                              weights=autopar.hf.pretrained_weights(folder, model), **dict(case.options))
+    return model, program, data
+
+
+def phi3_train_save(case, mesh) -> dict:
+    """Load (``weights=``), train the first ``save_after`` steps, save a checkpoint and a Hugging Face folder."""
+    import autopar.hf
+    from equivalence import replica_record
+    extra = dict(case.extra)
+    model, program, data = _phi3_program(case, mesh)
+    loaded = program.full_state_dict()
+    losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
+              for x, y in data[:extra["save_after"]]]
+    program.save_checkpoint(extra["ckpt"])
+    folder = autopar.hf.save_pretrained(program, extra["out"])
+    return {"losses": losses, "loaded": loaded, "state": program.full_state_dict(), "folder": folder,
+            "shards": program.plan.model_dump(mode="json")["param_shards"],
+            "still_meta": all(p.is_meta for p in model.parameters()), **replica_record(program)}
+
+
+def phi3_resume(case, mesh) -> dict:
+    """Another mesh loads the checkpoint (resharded) and trains the remaining steps."""
+    from equivalence import replica_record
+    model, program, data = _phi3_program(case, mesh)
+    step = program.load_checkpoint(dict(case.extra)["ckpt"])
+    losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data[step:]]
+    return {"losses": losses, "state": program.full_state_dict(), "step": step, **replica_record(program)}

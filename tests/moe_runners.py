@@ -215,7 +215,8 @@ def train(case: Case, mesh, more: dict | None = None) -> dict:
             "states": held_state_bytes(program),
             "dropped": _dropped(program), **record, **_expert_record(program), "grad_norms": norms,
             "all_to_all": (counted.forward, counted.backward), "pretrained": pretrained,
-            "block_template": template.messages, "reloaded": reloaded}
+            "block_template": template.messages, "reloaded": reloaded, "rank": program.info.rank,
+            "groups": {axis: program.info.axis_ranks.get(axis) for axis in ("ep", "edp")}}
 
 
 def auto_train(case: Case, mesh) -> dict:

@@ -5,9 +5,10 @@ all the same), absolute or relative. The source folders and the names they are i
 read from pyproject's ``[tool.setuptools.package-dir]``. The rules (docs/architecture.md, "Layers"):
 
 - ``autopar.runtime`` imports only the runtime itself, ``autopar.passes`` (graph names, node meta),
-  ``autopar.errors`` and ``autopar.plan_model``: never the lowering, the planner or ``compile``;
-- ``autopar.passes`` imports only the passes, the runtime's graph modules, ``autopar.errors`` and
-  ``autopar.plan_model``;
+  ``autopar.errors``, ``autopar.plan_model`` and ``autopar.parallel_dims``: never the lowering, the planner
+  or ``compile``;
+- ``autopar.passes`` imports only the passes, the runtime's graph modules, ``autopar.errors``,
+  ``autopar.plan_model`` and ``autopar.parallel_dims``;
 - no import cycle among autopar's modules.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tomllib
 import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BASE = ("autopar.errors", "autopar.plan_model")
+BASE = ("autopar.errors", "autopar.plan_model", "autopar.parallel_dims")
 LAYERS = {  # a layer -> what its modules may import (module names or packages)
     "autopar.runtime": ("autopar.runtime", "autopar.passes") + BASE,
     "autopar.passes": ("autopar.passes", "autopar.runtime") + BASE,

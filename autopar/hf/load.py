@@ -4,7 +4,7 @@
 program from a local ``transformers`` checkpoint. Every rank reads, for each tensor it holds
 (:func:`autopar.runtime.rank_tensors.held_tensors`: only its stages, its tensor-parallel shard,
 its ZeRO-3 block, its experts of a tensor split over ep), just those index ranges of the file, with
-safetensors slicing: a fused projection's tp shard is ``chunks`` ranges on the sharded dim, a ZeRO-3
+safetensors slicing: a fused projection's tp shard is one range per block on the sharded dim, a ZeRO-3
 block the rows that hold its flat range, an ep rank's experts their range of dim 0. Nothing is
 asked of the model's own weights: the program's tensors are filled, so a model whose program was
 built without materialising the whole model loads the same way.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
+from autopar.passes.shard_layout import EXPERTS, ZERO3
 from autopar.runtime.checkpoint import agree_on_error
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.rank_tensors import Held, held_tensors
@@ -47,17 +48,14 @@ class LoadReport:
 
 def piece_runs(layout: Layout, *, tp_index: int, ep_index: int = 0) -> list[list[tuple[int, int]]]:
     """Per dim of the logical tensor, the index ranges whose concatenation is tp shard ``tp_index``
-    (as :func:`autopar.passes.tensor_parallel.shard_tensor` cuts it) of ep block ``ep_index`` (an
+    (as its :class:`~autopar.passes.shard_layout.ShardLayout` cuts it) of ep block ``ep_index`` (an
     expert tensor split over ep ranks: its experts' rows of dim 0, then the tp cut inside them)."""
     block_shape = layout.ep_local_shape()
     runs = [[(0, n)] for n in block_shape]
     if layout.tp:
-        dim, chunks, size = layout.tp
-        block = block_shape[dim] // chunks
-        part = block // size
-        runs[dim] = [(c * block + tp_index * part, c * block + (tp_index + 1) * part) for c in range(chunks)]
+        runs = layout.tp.ranges(block_shape, rank=layout.tp_rank(tp_index), size=layout.tp_size)
     if layout.ep:  # the ep block's rows of dim 0: ranges inside the block, moved to where the block starts
-        offset = ep_index * block_shape[0]
+        (offset, _), = EXPERTS.ranges(layout.shape, rank=ep_index, size=layout.ep)[0]
         runs[0] = [(start + offset, stop + offset) for start, stop in runs[0]]
     return runs
 
@@ -82,7 +80,7 @@ def read_piece(folder: PretrainedFolder, name: str, layout: Layout, *, tp_index:
         return folder.read(name, runs, dtype=dtype)
     local = layout.tp_local_shape()
     numel, block = math.prod(local), layout.piece_shape()[0]
-    start, stop = z_index * block, min((z_index + 1) * block, numel)
+    (start, stop), = ZERO3.ranges((numel,), rank=z_index, size=layout.z3)[0]  # the flat range, padding left out
     out = torch.zeros(block, dtype=dtype)
     if start >= stop:  # a block of padding only
         return out

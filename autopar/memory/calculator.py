@@ -114,7 +114,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     zero = plan.zero_stage if zero_stage is None else zero_stage
     shape = plan.mesh
     stage_to_rank = result.schedule.stage_to_rank
-    local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp = dp / ep
+    local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp
     activations, groups, memo = {}, {}, {}
     copies = weight_buffers(steady_stream(result.schedule))  # per pp rank; 0 under a synchronous schedule
     for graphs in result.ranks.values():
@@ -130,9 +130,9 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     for rank, graphs in result.ranks.items():
         c = graphs.coords
         params, buffers, owned = groups[(c["pp"], c["tp"])]
-        states: StateFigures = state_figures(params, buffers, zero_stage=zero, dp=shape.dp, dp_index=c["dp"],
+        states: StateFigures = state_figures(params, buffers, zero_stage=zero, dims=plan.dims, coords=c,
                                              precision=plan.precision, optimizer=optimizer, owned=owned,
-                                             local=local, ep=plan.expert_parallel)
+                                             local=local)
         peak, count, saved = activations[c["pp"]]
         versions = copies[c["pp"]] * sum(p.numel * p.itemsize for p in params)  # each a copy of the weights
         asynchronous = result.schedule.staleness is not None  # its gradients are among the versions' buffers

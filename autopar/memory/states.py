@@ -8,10 +8,10 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
 - ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
   (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
   trainable parameter (flattened, zero-padded to a multiple of dp), and of an expert tensor split over
-  ep (``local``) ``ceil(n / (dp / ep))`` of its ep-local ``n`` (ZeRO-3 shards it over the dp/ep
+  ep (``local``) ``ceil(n / edp)`` of its ep-local ``n`` (ZeRO-3 shards it over the edp = dp / ep
   ranks holding the same experts; whole where dp == ep), and ZeRO-1/2 partition the expert tensors
-  whole over those dp/ep ranks (edp) as the runtime does, so their optimizer state (and ZeRO-2's
-  gradients) is on one edp rank;
+  whole over those ranks as the runtime does (:func:`autopar.runtime.zero.owned_experts`), so their
+  optimizer state (and ZeRO-2's gradients) is on one edp rank;
 - ``precision="bf16"`` keeps a bf16 compute copy of every parameter and fp32 gradients, and an fp32
   master where the parameter is stepped: the master is optimizer state (ZeRO's K = 12 bytes per
   parameter for mixed-precision Adam), so ZeRO-1/2 keep it on the owner only and ZeRO-3 keeps the
@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.errors import PlanError
+from autopar.parallel_dims import ParallelDims
 
 __all__ = ["OPTIMIZER_STATE", "ParamEntry", "StateFigures", "rank_params", "owned_names", "owned_experts",
            "state_figures"]
@@ -89,35 +90,35 @@ def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = fr
     return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name not in local], dp)
 
 
-def owned_experts(params: list[ParamEntry], *, dp: int, dp_index: int, local: frozenset[str], ep: int) -> set[str]:
-    """The expert tensors (``local``) the rank at ``dp_index`` owns under ZeRO-1/2: partitioned over its edp
-    group (``dp // ep`` ranks, this one at edp index ``dp_index // ep``) as the runtime partitions them."""
-    from autopar.runtime.zero import partition_params
+def owned_experts(params: list[ParamEntry], *, dims: ParallelDims, coords: dict[str, int],
+                  local: frozenset[str]) -> set[str]:
+    """The expert tensors (``local``) the rank at ``coords`` owns under ZeRO-1/2: the runtime's rule
+    (:func:`autopar.runtime.zero.owned_experts`, over the rank's edp group)."""
+    from autopar.runtime.zero import owned_experts as rule
 
-    edp = max(dp // ep, 1)
-    experts = [(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name in local]
-    return set(partition_params(experts, edp)[dp_index // ep % edp])
+    return rule([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name in local], dims=dims, coords=coords)
 
 
-def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dp: int, dp_index: int,
-                  precision: str, optimizer: str, owned: list[list[str]] | None = None,
-                  local: frozenset[str] = frozenset(), ep: int = 1) -> StateFigures:
-    """Model-state bytes of the rank at ``dp_index`` holding ``params`` (``local``: see :func:`owned_names`,
-    split over ``ep`` ranks of dp)."""
+def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: int, dims: ParallelDims,
+                  coords: dict[str, int], precision: str, optimizer: str, owned: list[list[str]] | None = None,
+                  local: frozenset[str] = frozenset()) -> StateFigures:
+    """Model-state bytes of the rank at mesh coordinates ``coords`` of ``dims`` holding ``params`` (``local``:
+    MoE experts split over ep, see :func:`owned_names`)."""
     if optimizer not in OPTIMIZER_STATE:
         raise PlanError(f"unknown optimizer kind {optimizer!r}", where="estimate_memory(optimizer=...)",
                         fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
     per_element, per_tensor = OPTIMIZER_STATE[optimizer]
+    dp = dims.dp
     sharded3 = zero_stage == 3 and dp > 1
 
     def held(p: ParamEntry) -> int:  # elements of p this rank keeps
-        ways = dp // ep if p.name in local else dp  # expert tensors: ZeRO-3 over edp = dp / ep
+        ways = dims.edp if p.name in local else dp  # expert tensors: ZeRO-3 over edp
         return -(-p.numel // ways) if sharded3 and p.trainable else p.numel
 
     trainable = [p for p in params if p.trainable]
     if zero_stage in (1, 2) and dp > 1:
-        mine = set((owned or owned_names(params, dp=dp, local=local))[dp_index]) | \
-            owned_experts(params, dp=dp, dp_index=dp_index, local=local, ep=ep)
+        mine = set((owned or owned_names(params, dp=dp, local=local))[dims.index("dp", coords)]) | \
+            owned_experts(params, dims=dims, coords=coords, local=local)
         stepped = [p for p in trainable if p.name in mine]
     else:
         stepped = trainable

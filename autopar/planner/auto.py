@@ -113,7 +113,7 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
     if "expert_parallel" in options:
         space = _replace(space, expert_parallel=(options["expert_parallel"],))
     else:  # the options' own refusals of ep > 1 (autopar/validation.py), whatever the mesh
-        probe = CompileOptions(**{**options, "expert_parallel": 2, "moe_capacity_factor": None})
+        probe = CompileOptions(**{**options, "expert_parallel": 2})
         problem = _expert_parallel_problem(probe, MeshShape(dp=2, tp=2))
         if problem:
             space = _replace(space, ep_refusal=f"{problem[0].replace('expert_parallel=2', 'expert_parallel')} "

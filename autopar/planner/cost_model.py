@@ -45,6 +45,7 @@ from functools import lru_cache
 from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
 from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, owned_experts, state_figures
+from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
@@ -75,6 +76,11 @@ class Candidate:
     @property
     def num_stages(self) -> int:
         return self.pp * self.num_virtual
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The candidate's degrees (``expert_parallel`` included), validated: autopar/parallel_dims.py."""
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.expert_parallel)
 
     def label(self) -> str:
         sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
@@ -203,23 +209,23 @@ def _max_share(numels: tuple[int, ...], dp: int) -> list[int]:
     return max(heap, key=lambda e: (e[0], -e[1]))[2]
 
 
-def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dp: int, precision: str, optimizer: str,
-            local: frozenset[str] = frozenset(), ep: int = 1):
+def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dims: ParallelDims, precision: str,
+            optimizer: str, local: frozenset[str] = frozenset()):
     """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas;
-    ``local``: MoE experts split over ``ep``, under ZeRO-1/2 partitioned over edp = dp / ep)."""
-    owned = None
+    ``local``: MoE experts split over ep, under ZeRO-1/2 partitioned over edp)."""
+    owned, dp, first = None, dims.dp, {"dp": 0}
     trainable = [p for p in params if p.trainable]
     stepped = sum(p.numel for p in trainable)
     if zero in (1, 2) and dp > 1:
         shared = [p for p in trainable if p.name not in local]
         share = _max_share(tuple(p.numel for p in shared), dp)
         owned = [[shared[i].name for i in share]] + [[] for _ in range(dp - 1)]
-        experts = owned_experts(list(params), dp=dp, dp_index=0, local=local, ep=ep)
+        experts = owned_experts(list(params), dims=dims, coords=first, local=local)
         stepped = sum(shared[i].numel for i in share) + sum(p.numel for p in trainable if p.name in experts)
     elif zero == 3 and dp > 1:
         stepped = sum(-(-p.numel // dp) for p in trainable)
-    figures = state_figures(list(params), buffers, zero_stage=zero, dp=dp, dp_index=0, precision=precision,
-                            optimizer=optimizer, owned=owned, local=local, ep=ep)
+    figures = state_figures(list(params), buffers, zero_stage=zero, dims=dims, coords=first, precision=precision,
+                            optimizer=optimizer, owned=owned, local=local)
     return figures, stepped
 
 
@@ -323,7 +329,8 @@ class CostModel:
         if key not in self._states:
             params, buffers, _, _ = self.rank_params(tp, ranges, ep)
             local = self.experts(tp) if ep > 1 else frozenset()
-            self._states[key] = _states(params, buffers, zero, dp, self.profile.precision, self.optimizer, local, ep)
+            self._states[key] = _states(params, buffers, zero, ParallelDims(dp=dp, ep=ep), self.profile.precision,
+                                        self.optimizer, local)
         return self._states[key]
 
     def _b(self, c: Candidate) -> int:
@@ -507,5 +514,5 @@ def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster:
         t = link.collective("all_reduce", grads, c.dp)
     else:
         t = link.collective("reduce", grads, c.dp) + link.collective("broadcast", params, c.dp)
-    t += link.collective("all_reduce", expert[0], c.dp // c.expert_parallel)
+    t += link.collective("all_reduce", expert[0], c.dims.edp)
     return t * (1 - cluster.dp_overlap)

@@ -17,9 +17,9 @@ tensor-parallel degree the planner considers, :func:`profile_model` shards the c
   captured with its experts whole (``expert_parallel=1``).
 
 The model is captured once, at one sample per microbatch, its sequences padded to the bound the
-batches may reach (``max_seq_len``, else the model's own maximum; docs/batches.md), and with its identical blocks captured
-once (:mod:`autopar.passes.block_template`): the template block's chunk stands for every block,
-so an 80-layer model costs what a 3-layer one does. Costs scale linearly with the microbatch.
+batches may reach (``max_seq_len``, else the model's own maximum; docs/batches.md), and with its
+identical blocks captured once (:mod:`autopar.passes.block_template`): the template block's chunk
+stands for every block, so an 80-layer model costs what a 3-layer one does. Costs scale linearly with the microbatch.
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.collective_audit import audit_collectives
 from autopar.passes.meta_keys import COST, TENSOR, get_meta
 from autopar.passes.moe_detect import find_moe_layers
-from autopar.passes.partition import _allowed_starts, assign_stages, pipeline_segments
-from autopar.passes.pipeline_split import split_pipeline
+from autopar.passes.partition import _allowed_starts, cut_stages, pipeline_segments
+from autopar.passes.pipeline_split import split_graph
 from autopar.passes.recompute import recompute_stage
 from autopar.passes.seq_bounds import model_max_length, padded_to
-from autopar.plan_model import MeshShape, ParamShard
+from autopar.plan_model import MeshShape
 
 __all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
 
@@ -122,7 +122,7 @@ class ModelProfile:
     template: str | None = None  # the list of identical blocks captured once, if any
     regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
     vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
-    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ParamShard} (tp_expert.py)
+    expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ShardLayout} (tp_expert.py)
 
     @property
     def num_chunks(self) -> int:
@@ -188,8 +188,8 @@ def _chunks_of(gm, b0: int) -> list[ChunkCost]:
     segments = pipeline_segments(gm)
     allowed = _allowed_starts(segments)
     bounds = [0] + allowed + [len(segments)]
-    gm, _ = assign_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
-    stages = split_pipeline(gm, num_stages=len(bounds) - 1)
+    gm, _ = cut_stages(gm, num_stages=len(bounds) - 1, stage_starts=[segments[a].unit for a in allowed])
+    stages = split_graph(gm, num_stages=len(bounds) - 1)
     seen: dict = {}
     chunks = [_chunk(stages[i], segments, bounds[i], bounds[i + 1], b0, seen) for i in range(len(stages))]
     return [dataclasses.replace(ch, moe=tuple(m for m in layers if set(m.expert_params) & {p.name for p in ch.params}))
@@ -242,7 +242,7 @@ def _capture(model, *, example_inputs, loss_fn, example_target, options: Compile
     batch = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs)).shape[0]
     opts = options.model_copy(update={"num_microbatches": 1, "schedule": "1f1b", "num_virtual": None,
                                       "recompute": "none", "zero_stage": 0,
-                                      "expert_parallel": 1, "moe_capacity_factor": None})  # experts whole
+                                      "expert_parallel": 1})  # experts whole
     try:
         return capture_and_annotate(model, mesh=MeshShape(dp=batch), example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn, options=opts), 1, False
@@ -285,8 +285,7 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
         profile.regions[tp] = cap.template.extend_regions(regions) if cap.template else regions
         profile.vocab[tp] = tuple(user_name(p) for p in vocab.paths())
         experts = {name for ch in profile.chunks[tp] for m in ch.moe for name in m.expert_params}
-        profile.expert_shards[tp] = {user_name(k): ParamShard(dim=v.dim, chunks=v.chunks, parts=v.parts,
-                                                              blocks=v.blocks)
+        profile.expert_shards[tp] = {user_name(k): v
                                      for k, v in specs.items() if user_name(k) in experts}
         log.info("profiled tp=%d: %d chunks", tp, len(profile.chunks[tp]))
     if not profile.chunks:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
+from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
 from autopar.planner.pipeline_bound import relaxed_bound
@@ -426,6 +427,22 @@ def _structures(world, profile, cluster, space, rejected):
                     yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep)
 
 
+def _ep_refusal(ep: int, profile: ModelProfile, space: SearchSpace) -> str | None:
+    """Why this model and search space cannot split experts over ``ep`` ranks, else None."""
+    layers = profile.moe_layers
+    if not layers:
+        return "no mixture-of-experts layer was recognised"
+    if space.ep_refusal:
+        return space.ep_refusal
+    if profile.template is not None:
+        return "expert_parallel does not combine with capturing identical blocks once yet (block_capture)"
+    if any(m.form == "loop" for m in layers):
+        return "an MoE layer runs every expert on every token (a ModuleList loop): nothing to dispatch"
+    if any(m.num_experts % ep for m in layers):
+        return f"expert_parallel={ep} does not divide the experts of every MoE layer"
+    return None
+
+
 def _ep_options(dp: int, pp: int, tp: int, profile: ModelProfile, space: SearchSpace, rejected) -> list[int]:
     """The ep degrees of a dp x pp x tp mesh: 1, and with recognised MoE layers every ep that divides dp and
     each layer's number of experts (refusals, once per mesh, in ``rejected``)."""
@@ -433,19 +450,8 @@ def _ep_options(dp: int, pp: int, tp: int, profile: ModelProfile, space: SearchS
     wanted = space.expert_parallel or _divisors(dp)
     out = [ep for ep in wanted if ep == 1]
     for ep in (e for e in wanted if e > 1):
-        c, why = Candidate(dp, pp, tp, 1, expert_parallel=ep), None
-        if dp % ep:
-            why = f"expert_parallel={ep} does not divide dp={dp}"
-        elif not layers:
-            why = "no mixture-of-experts layer was recognised"
-        elif space.ep_refusal:
-            why = space.ep_refusal
-        elif profile.template is not None:
-            why = "expert_parallel does not combine with capturing identical blocks once yet (block_capture)"
-        elif any(m.form == "loop" for m in layers):
-            why = "an MoE layer runs every expert on every token (a ModuleList loop): nothing to dispatch"
-        elif any(m.num_experts % ep for m in layers):
-            why = f"expert_parallel={ep} does not divide the experts of every MoE layer"
+        c, problem = Candidate(dp, pp, tp, 1, expert_parallel=ep), ParallelDims.problem(dp=dp, pp=pp, tp=tp, ep=ep)
+        why = problem[0] if problem else _ep_refusal(ep, profile, space)  # (ep divides dp: autopar/parallel_dims.py)
         if why is None:
             out.append(ep)
         elif layers or space.expert_parallel:

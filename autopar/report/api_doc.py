@@ -76,10 +76,18 @@ def describe_option(name: str) -> str | None:
     return field.description or OPTION_HELP.get(name)
 
 
+def _in_order() -> list[str]:
+    """CompileOptions' own options first, then those declared where the Plan holds them, class by class."""
+    owners = (CompileOptions, *CompileOptions.__bases__)
+    return list(dict.fromkeys(n for cls in owners for n in vars(cls).get("__annotations__", {})
+                              if n in CompileOptions.model_fields))
+
+
 def options_table() -> str:
     """The Markdown table of every :class:`CompileOptions` field: option, type, default, meaning."""
     rows = ["| option | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, field in CompileOptions.model_fields.items():
+    for name in _in_order():
+        field = CompileOptions.model_fields[name]
         default = f'`"{field.default}"`' if isinstance(field.default, str) else f"`{field.default!r}`"
         rows.append(f"| `{name}` | {option_type(field.annotation)} | {default} | "
                     f"{describe_option(name) or '(undocumented)'} |")

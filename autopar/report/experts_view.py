@@ -4,7 +4,7 @@ Everything is read off the rewritten graphs: each ``MoeDispatch`` / ``MoeCombine
 ``autopar.moe_exchange`` (:class:`~autopar.passes.meta_keys.MoeExchange`, written by
 :mod:`autopar.passes.moe_expert_parallel`): its layer, the ep size, every ep rank's expert range and
 the capacity factor. Which dp indices form an ep group (and an edp group, the ranks holding the same
-experts) is the runtime's own rule, :func:`autopar.runtime.moe_groups.ep_layout`; the capacity is the
+experts) is the rule every part reads, :class:`autopar.parallel_dims.ParallelDims`; the capacity is the
 dispatch module's own :meth:`~autopar.runtime.moe_ops.MoeDispatch.capacity` of the rows its input holds.
 
 :func:`expert_placement` collects the facts; :func:`experts_html` draws them as two tables (ranks x
@@ -17,9 +17,8 @@ from html import escape
 
 from autopar.passes.graph_names import user_name
 from autopar.passes.meta_keys import MOE_EXCHANGE, TENSOR, get_meta
-from autopar.planning import coords_of, rank_of
+from autopar.parallel_dims import ParallelDims
 from autopar.report.nodes import walk
-from autopar.runtime.moe_groups import ep_layout
 
 __all__ = ["ExchangeNode", "RankExperts", "ExpertPlacement", "expert_placement", "experts_html"]
 
@@ -85,21 +84,16 @@ def expert_placement(result, groups) -> ExpertPlacement | None:
     nodes = [n for g in groups for n in _nodes(g)]
     if not nodes:
         return None
-    shape, ep = result.plan.mesh, nodes[0].ep
-    layout = ep_layout(dp=shape.dp, ep=ep)
+    dims = ParallelDims.of(result.plan.mesh, ep=nodes[0].ep)
     layers = tuple(dict.fromkeys(n.layer for n in nodes))
     ranges = {(n.pp, n.tp, n.layer): n.experts for n in nodes if n.role == "dispatch"}
     ranks = []
-    for rank in range(shape.world_size):
-        c = coords_of(rank, shape)
-        block = next(b for b in layout["ep"] if c["dp"] in b)
-        same = next(b for b in layout["edp"] if c["dp"] in b)
-        j = block.index(c["dp"])
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        j = dims.index("ep", c)
         held = {layer: r[j] for layer in layers if (r := ranges.get((c["pp"], c["tp"], layer)))}
-        ranks.append(RankExperts(rank=rank, coords=c, ep_rank=j,
-                                 ep_group=tuple(rank_of(dp=d, pp=c["pp"], tp=c["tp"], shape=shape) for d in block),
-                                 edp_group=tuple(rank_of(dp=d, pp=c["pp"], tp=c["tp"], shape=shape) for d in same),
-                                 experts=held))
+        ranks.append(RankExperts(rank=rank, coords=c, ep_rank=j, ep_group=tuple(dims.axis_ranks("ep", rank)),
+                                 edp_group=tuple(dims.axis_ranks("edp", rank)), experts=held))
     return ExpertPlacement(layers=layers, ranks=tuple(ranks), nodes=tuple(nodes))
 
 

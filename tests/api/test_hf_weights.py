@@ -19,6 +19,7 @@ from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.load import read_piece
 from autopar.hf.names import checkpoint_to_program
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.checkpoint_layout import Layout, split
 
 pytestmark = pytest.mark.skipif(
@@ -58,11 +59,19 @@ def _check(info, *, what: str, fix: str):
     assert err.where and fix in (err.fix or ""), (err.where, err.fix)
 
 
+def _tp(dim: int, chunks: int, size: int) -> dict:
+    """A Layout's tensor-parallel cut: ``chunks`` equal blocks of ``dim``, each over ``size`` ranks."""
+    return {"tp": ShardLayout(dim, chunks=chunks), "tp_size": size}
+
+
 # -- slices ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", [
-    Layout((6, 4)), Layout((6, 4), tp=(0, 1, 2)), Layout((6, 4), tp=(1, 1, 2)), Layout((6, 4), tp=(0, 3, 2)),
-    Layout((4, 6), tp=(1, 3, 2)), Layout((6, 4), z3=4), Layout((6, 4), tp=(0, 3, 2), z3=5),
-    Layout((4, 6), tp=(1, 3, 2), z3=3), Layout((5,), z3=2), Layout((2, 3, 4), tp=(2, 2, 2), z3=4), Layout(()),
+    Layout((6, 4)), Layout((6, 4), **_tp(0, 1, 2)), Layout((6, 4), **_tp(1, 1, 2)), Layout((6, 4), **_tp(0, 3, 2)),
+    Layout((4, 6), **_tp(1, 3, 2)), Layout((6, 4), z3=4), Layout((6, 4), **_tp(0, 3, 2), z3=5),
+    Layout((4, 6), **_tp(1, 3, 2), z3=3), Layout((5,), z3=2), Layout((2, 3, 4), **_tp(2, 2, 2), z3=4), Layout(()),
+    # a fused [q | k | v] with fewer kv heads (unequal blocks): the q rows of the rank, k and v whole
+    Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 1), (2, 1))), tp_size=2), Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 1), (2, 1))), tp_size=2, z3=3),
+    Layout((3, 8), tp=ShardLayout(1, blocks=((4, 0), (2, 2), (2, 2))), tp_size=4, z3=2),
 ], ids=str)
 def test_a_read_piece_is_the_layouts_cut(layout, tmp_path):
     from safetensors.torch import save_file

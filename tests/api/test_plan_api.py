@@ -9,7 +9,8 @@ import torch
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.options import CompileOptions
-from autopar.plan_model import MeshShape, ParamShard, PipelinePlan, Plan
+from autopar.passes.shard_layout import ShardLayout
+from autopar.plan_model import MeshShape, PipelinePlan, Plan
 
 VOCAB = 128
 
@@ -69,7 +70,7 @@ def test_plan_records_what_was_decided(planned, model):
     assert plan.num_parameters == sum(p.numel() for p in model.parameters())
     assert len(plan.tp_regions) == 8  # attention and MLP of 4 blocks
     assert plan.tp_regions[0].columns == ("blocks.0.attn.qkv",) and plan.tp_regions[0].rows == ("blocks.0.attn.proj",)
-    assert plan.param_shards["blocks.3.mlp.proj.weight"] == ParamShard(dim=1)
+    assert plan.param_shards["blocks.3.mlp.proj.weight"] == ShardLayout(dim=1)
 
 
 def test_summary_names_mesh_batch_pipeline_tp_zero_and_sharing(planned):

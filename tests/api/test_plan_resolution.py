@@ -40,6 +40,12 @@ RESOLVED = {
 }
 
 
+# run option -> a value other than the default: carried by the Plan as plan.run, always the call's
+RUN = {"p2p_timeout_s": 9.0, "flight_record": 0, "run_dir": "/tmp/autopar-run", "max_grad_norm": 1.5,
+       "optimizer_params": "named", "pipemare_lr_warmup_updates": 7, "pipemare_correction_decay": 0.25,
+       "shape_cache_size": 3}
+
+
 def _resolve(given=None, **options) -> Plan:
     return resolve_plan(CompileOptions(**options), given=given, mesh=MESH, batch=32, model_name="m", num_parameters=7)
 
@@ -54,6 +60,22 @@ def test_each_plan_option_has_its_resolution_line(option):
     value, needs, read = RESOLVED[option]
     assert read(_resolve(**needs, **{option: value})) == value
     assert read(_resolve(**needs)) != value  # (the default resolves to something else)
+
+
+def test_every_run_option_rides_on_the_plan_as_the_call_gives_it():
+    """The runtime reads plan.run, so an option of the run reaches it through the Plan, a given Plan's replaced."""
+    assert set(RUN) == set(RUNTIME_OPTIONS)
+    given = _resolve()
+    for option, value in RUN.items():
+        assert getattr(_resolve(**{option: value}).run, option) == value
+        assert getattr(_resolve(given, **{option: value}).run, option) == value
+        assert getattr(given.run, option) != value
+
+
+def test_the_dataparallel_baseline_resolves_to_one_pass_without_zero():
+    plan = _resolve(data_parallel="dataparallel", schedule="zb_h1", num_microbatches=8, zero_stage=2)
+    assert (plan.pipeline.schedule, plan.pipeline.num_microbatches, plan.pipeline.num_virtual) == ("gpipe", 1, 1)
+    assert plan.zero_stage == 0 and plan.data_parallel == "dataparallel"
 
 
 def test_the_defaults_resolve_to_autopars_own_choices():
@@ -90,8 +112,8 @@ def _option_reads(path: pathlib.Path) -> set[str]:
 
 
 def test_the_lowering_reads_no_option_the_plan_records():
-    reads = _option_reads(ROOT / "autopar" / "lowering.py")
-    assert reads and reads <= set(ANALYSIS_OPTIONS), reads
+    reads = set().union(*(_option_reads(p) for p in [ROOT / "autopar" / "lowering.py", *(ROOT / "passes").glob("*.py")]))
+    assert reads and reads <= set(ANALYSIS_OPTIONS), reads  # the lowering's passes: the analysis options only
     for name in ("compile.py", "planning.py"):  # the entry points hand runtime options on, nothing the Plan holds
         assert not _option_reads(ROOT / "autopar" / name) & set(RESOLVED), name
 

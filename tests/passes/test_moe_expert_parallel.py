@@ -9,7 +9,9 @@ from autopar.errors import PlanError, ShardingError
 from autopar.models import build_model, lm_loss
 from autopar.models.moe import build_moe, moe_loss
 from autopar.passes.capture import capture
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.moe_expert_parallel import shard_experts
+from autopar.plan_model import MeshShape
 from autopar.runtime.moe_ops import DpMean, MoeCombine, MoeDispatch
 
 EP = dict(expert_parallel=2, zero_stage=0, num_microbatches=1)
@@ -49,7 +51,8 @@ def test_ep_rank_picks_its_experts():
     idx = torch.randint(0, 64, (2, 8))
     full = model.blocks[0].moe.experts.w_in.detach().clone()
     gm = capture(model, (idx,), loss_fn=moe_loss, example_target=idx).gm
-    gm, experts = shard_experts(gm, ep=2, ep_rank=1)
+    st = shard_experts(LoweringState.of_graph(gm, mesh=MeshShape(dp=2), dp_rank=1, expert_parallel=2))  # ep rank 1
+    gm, experts = st.gm, st.experts
     assert torch.equal(gm.get_parameter(experts[0]), full[2:4])
     dispatch = next(m for m in gm.modules() if isinstance(m, MoeDispatch))
     assert (dispatch.axis, dispatch.size, dispatch.num_experts) == ("ep", 2, 4)
@@ -116,7 +119,7 @@ class _ScaledInside(nn.Module):
 def test_per_token_value_between_expert_matmuls_is_refused():
     gm = capture(_ScaledInside(), (torch.randn(6, 8),)).gm
     with pytest.raises(ShardingError, match="not dispatched with the rows"):
-        shard_experts(gm, ep=2, ep_rank=0)
+        shard_experts(LoweringState.of_graph(gm, mesh=MeshShape(dp=2), dp_rank=0, expert_parallel=2))
 
 
 def test_memory_calculator_counts_one_ep_th_of_the_experts():

@@ -12,7 +12,7 @@ from autopar.models import lm_loss
 from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
 from autopar.passes.meta_keys import MODULE, STAGE, get_meta
-from autopar.passes.partition import assign_stages, balanced_cuts, pipeline_segments
+from autopar.passes.partition import balanced_cuts, cut_stages, pipeline_segments
 
 from graph_runner import call_nodes, example_batch, planned, tiny_model
 
@@ -135,7 +135,7 @@ def gpt4():
 
 def test_explicit_stage_starts_are_honoured(gpt4):
     gm, _ = gpt4
-    gm, starts = assign_stages(gm, num_stages=3, stage_starts=["model.blocks.1", "model.blocks.3"])
+    gm, starts = cut_stages(gm, num_stages=3, stage_starts=["model.blocks.1", "model.blocks.3"])
     assert starts == ["model.blocks.1", "model.blocks.3"]
     stage_of = {}
     for node in call_nodes(gm):
@@ -147,7 +147,7 @@ def test_explicit_stage_starts_are_honoured(gpt4):
 
 def test_one_stage_puts_everything_on_stage_zero(gpt4):
     gm, _ = gpt4
-    gm, starts = assign_stages(gm, num_stages=1)
+    gm, starts = cut_stages(gm, num_stages=1)
     assert starts == [] and {get_meta(n, STAGE).stage for n in call_nodes(gm)} == {0}
 
 
@@ -159,29 +159,29 @@ def test_one_stage_puts_everything_on_stage_zero(gpt4):
 def test_bad_stage_starts_raise_plan_error(gpt4, starts, message):
     gm, _ = gpt4
     with pytest.raises(autopar.PlanError, match=message) as info:
-        assign_stages(gm, num_stages=2, stage_starts=starts)
+        cut_stages(gm, num_stages=2, stage_starts=starts)
     assert info.value.where == "Plan.pipeline.stage_starts" and info.value.fix
 
 
 def test_stage_starts_out_of_order_raise_plan_error(gpt4):
     gm, _ = gpt4
     with pytest.raises(autopar.PlanError, match="not in model order") as info:
-        assign_stages(gm, num_stages=3, stage_starts=["model.blocks.3", "model.blocks.1"])
+        cut_stages(gm, num_stages=3, stage_starts=["model.blocks.3", "model.blocks.1"])
     assert "order the model runs them" in info.value.fix
 
 
 def test_unknown_stage_start_lists_the_places_to_cut_as_the_plan_names_them(gpt4):
     gm, _ = gpt4
     with pytest.raises(autopar.PlanError) as info:
-        assign_stages(gm, num_stages=2, stage_starts=["model.nowhere"])
+        cut_stages(gm, num_stages=2, stage_starts=["model.nowhere"])
     assert "'blocks.1'" in info.value.fix and "'ln_f'" in info.value.fix and "model." not in info.value.fix
 
 
 def test_more_stages_than_places_to_cut_raise_plan_error(gpt4):
     gm, _ = gpt4  # 4 blocks: stages may begin at blocks.0..3 or ln_f, so at most 6 stages
-    assign_stages(gm, num_stages=6)
+    cut_stages(gm, num_stages=6)
     with pytest.raises(autopar.PlanError, match="at most 6 pipeline stages") as info:
-        assign_stages(gm, num_stages=7)
+        cut_stages(gm, num_stages=7)
     assert "pp" in info.value.where and "pp x num_virtual <= 6" in info.value.fix
 
 

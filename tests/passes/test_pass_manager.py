@@ -6,6 +6,7 @@ in its written order, each with its reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -51,36 +52,37 @@ def _use_before_definition(gm: fx.GraphModule) -> None:
 def test_a_post_split_pass_that_breaks_a_stage_graph_is_named(model, monkeypatch, corrupt):
     real = lowering.shard_parameters_zero3
 
-    def broken(stage, **options):
-        stage = real(stage, **options)
-        if stage.stage == 1:
-            corrupt(stage.gm)
-        return stage
+    def broken(st):
+        st = real(st)
+        corrupt(next(stage for stage in st.stages if stage.stage == 1).gm)
+        return st
 
     monkeypatch.setattr(lowering, "shard_parameters_zero3", broken)
     with pytest.raises(PassError, match="invalid after pass 'shard_parameters_zero3'") as info:
         _plan(model, {"dp": 2, "pp": 2}, zero_stage=3)
     assert "stage 1" in info.value.where
-    assert "passes run: ['assign_stages', 'split_pipeline', 'shard_parameters_zero3']" in info.value.where
+    assert ("passes run: ['sync_router_statistics', 'assign_stages', 'split_pipeline', 'shard_parameters_zero3']"
+            in info.value.where)
 
 
 def test_a_pass_that_breaks_the_whole_graph_is_named(model, monkeypatch):
     real = lowering.shard_tensor_parallel
 
-    def broken(gm, **kwargs):
-        gm, specs = real(gm, **kwargs)
-        _widen(gm)
-        return gm, specs
+    def broken(st):
+        st = real(st)
+        _widen(st.gm)
+        return st
 
     monkeypatch.setattr(lowering, "shard_tensor_parallel", broken)
     with pytest.raises(PassError, match="invalid after pass 'shard_tensor_parallel'") as info:
         _plan(model, {"tp": 2}, ranks=[0])
     assert "RuntimeError: shape" in str(info.value)  # found by re-propagating the shapes
-    assert info.value.where.startswith("graph; passes run: ['shard_tensor_parallel']")
+    assert info.value.where.startswith("graph; passes run: ['select_vocab_parallel', 'select_tp_regions', "
+                                       "'shard_tensor_parallel']")
 
 
 def test_an_analysis_step_is_not_re_propagated_and_may_not_rewrite(model, monkeypatch):
-    """assign_stages only writes meta (rewrites=False): no shape re-propagation after it, and a graph it
+    """assign_stages only writes meta (an analysis): no shape re-propagation after it, and a graph it
     changes anyway is a PassError saying so."""
     import autopar.passes.pass_manager as pass_manager
     checked, real_check = [], pass_manager._check
@@ -89,10 +91,10 @@ def test_an_analysis_step_is_not_re_propagated_and_may_not_rewrite(model, monkey
     assert len(checked) == 1  # split_pipeline's, not assign_stages'
     real = lowering.assign_stages
 
-    def rewriting(gm, **kwargs):
-        gm, starts = real(gm, **kwargs)
-        _widen(gm)
-        return gm, starts
+    def rewriting(st):
+        st = real(st)
+        _widen(st.gm)
+        return st
 
     monkeypatch.setattr(lowering, "assign_stages", rewriting)
     with pytest.raises(PassError, match="invalid after pass 'assign_stages'.*declared an analysis") as info:
@@ -101,7 +103,7 @@ def test_an_analysis_step_is_not_re_propagated_and_may_not_rewrite(model, monkey
 
 
 def test_a_pass_that_raises_is_named_with_the_passes_before_it(model, monkeypatch):
-    def broken(stage):
+    def broken(st):
         raise IndexError("a bug")
 
     monkeypatch.setattr(lowering, "expose_weight_uses", broken)
@@ -111,22 +113,26 @@ def test_a_pass_that_raises_is_named_with_the_passes_before_it(model, monkeypatc
 
 
 def test_every_pass_runs_once_in_the_written_order_with_its_reason(model, monkeypatch):
-    ran = []
+    ran, phases = [], []
     real = lowering.run_passes
 
     def recording(state, steps, **kwargs):
         steps = tuple(steps)
-        ran.append([(s.name, s.why) for s in steps])
-        return real(state, steps, **kwargs)
+        phases.append({s.phase for s in steps})
+        record = lambda s: (lambda st: (ran.append((s.name, s.why)), s.fn(st))[1])  # noqa: E731
+        return real(state, [dataclasses.replace(s, fn=record(s)) for s in steps], **kwargs)
 
     monkeypatch.setattr(lowering, "run_passes", recording)
     _plan(model, {"pp": 2, "tp": 2}, schedule="zb_h1", sequence_parallel=True, recompute="full", zero_stage=0,
           ranks=[0])
-    (steps,) = ran
-    assert [name for name, _ in steps] == [
-        "shard_tensor_parallel", "shard_vocab_parallel", "shard_sequence_parallel", "assign_stages",
-        "split_pipeline", "expose_weight_uses", "recompute"]
-    assert all(len(why) > 20 for _, why in steps)
+    assert phases == [{"model"}, {"shard", "pipeline"}]  # captured once, lowered once (the one tp rank asked)
+    assert [name for name, _ in ran] == [
+        "check_plan", "capture_model", "check_batch_statistics", "check_static_shapes", "find_token_mean_loss",
+        "annotate_graph", "check_captured",
+        "select_vocab_parallel", "select_tp_regions", "shard_tensor_parallel", "shard_vocab_parallel",
+        "select_expert_regions", "shard_expert_parallel", "shard_sequence_parallel", "fork_sharded_random",
+        "assign_stages", "split_pipeline", "expose_weight_uses", "recompute"]
+    assert all(len(why) > 20 for _, why in ran)
 
 
 def test_stage_check_accepts_the_lowered_stages_and_refuses_a_corrupted_one(model):

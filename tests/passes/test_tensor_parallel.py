@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.passes.tensor_parallel import ShardSpec, shard_tensor
 from autopar.passes.tp_rules import NoRule, view_dim_map
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 
@@ -118,6 +117,11 @@ def test_llama_grouped_query_views_are_local():
     assert expands and all(e[1:3] == [2 // 2, 2] for e in expands)  # kv heads / tp, repeats
 
 
+def _chunked_shard(x: torch.Tensor, dim: int, chunks: int, *, rank: int, size: int) -> torch.Tensor:
+    """The oracle of an equal cut: ``chunks`` blocks of ``dim``, rank ``rank``'s ``1/size`` of each, in order."""
+    return torch.cat([block.chunk(size, dim=dim)[rank] for block in x.chunk(chunks, dim=dim)], dim=dim)
+
+
 @pytest.mark.parametrize("name,tp,overrides", CASES, ids=IDS)
 def test_sharded_parameters_are_local_shards_of_the_model(name, tp, overrides):
     model, _, _, result = planned(name, tp=tp, overrides=overrides)
@@ -136,7 +140,7 @@ def test_sharded_parameters_are_local_shards_of_the_model(name, tp, overrides):
             local = list(original.shape)
             local[spec.dim] //= tp
             assert list(tensor.shape) == local, graph_name
-            expected = shard_tensor(original, ShardSpec(spec.dim, spec.chunks), rank=t, size=tp)
+            expected = _chunked_shard(original, spec.dim, spec.chunks, rank=t, size=tp)
             assert torch.equal(tensor.detach(), expected), graph_name
 
 
@@ -223,8 +227,8 @@ def _check_view(in_shape, out_shape, dim, chunks, tp):
     local_out = list(out_shape)
     local_out[out_dim] //= tp
     for rank in range(tp):
-        got = shard_tensor(x, ShardSpec(dim, chunks), rank=rank, size=tp).reshape(local_out)
-        want = shard_tensor(x.reshape(out_shape), ShardSpec(out_dim, out_chunks), rank=rank, size=tp)
+        got = _chunked_shard(x, dim, chunks, rank=rank, size=tp).reshape(local_out)
+        want = _chunked_shard(x.reshape(out_shape), out_dim, out_chunks, rank=rank, size=tp)
         assert torch.equal(got, want), (in_shape, out_shape, dim, chunks, tp, out_dim, out_chunks)
     return out_dim, out_chunks
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.plan_model import ParamShard
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.collectives import TpCopy, TpReduce
 
 from autopar.models.hf import build_hf_raw, hf_raw_example
@@ -33,8 +33,8 @@ def test_fused_expert_weights_are_column_and_row_sharded(mixtral):
     shards = result.plan.param_shards
     for layer in (0, 1):
         experts = f"model.layers.{layer}.mlp.experts"
-        assert shards[f"{experts}.gate_up_proj"] == ParamShard(dim=1, chunks=2)  # gate and up blocks, each split
-        assert shards[f"{experts}.down_proj"] == ParamShard(dim=2)
+        assert shards[f"{experts}.gate_up_proj"] == ShardLayout(dim=1, chunks=2)  # gate and up blocks, each split
+        assert shards[f"{experts}.down_proj"] == ShardLayout(dim=2)
     gm = result.lowered[1].stages[0].gm
     assert tuple(gm.get_parameter("model.model.layers.0.mlp.experts.gate_up_proj").shape) == (4, 64, 32)
     assert tuple(gm.get_parameter("model.model.layers.0.mlp.experts.down_proj").shape) == (4, 32, 32)
@@ -67,8 +67,8 @@ def test_experts_gathered_by_id_are_column_and_row_sharded(name):
     result = autopar.plan(model, {"tp": 2}, example_inputs=(idx,), loss_fn=moe_loss, example_target=idx,
                           num_microbatches=1, vocab_parallel=False)
     for layer in (0, 1):
-        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_in"] == ParamShard(dim=2)
-        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_out"] == ParamShard(dim=1)
+        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_in"] == ShardLayout(dim=2)
+        assert result.plan.param_shards[f"blocks.{layer}.moe.experts.w_out"] == ShardLayout(dim=1)
     gm = result.lowered[1].stages[0].gm
     assert tuple(gm.get_parameter("model.blocks.0.moe.experts.w_in").shape) == (4, 32, 32)
     kinds = [n.target for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("tp_expert")]

@@ -108,29 +108,29 @@ def test_a_reduction_over_the_shard_is_a_partial_sum_and_others_keep_their_rule(
     x = _node(graph, "x", (2, 8, 32))
     rule = partial_sum_rule(reduce_dims)
     over = _node(graph, "", (2, 8, 1), x, [-1], True)
-    assert rule(over, {x: Placement("S", 2)}) == (PARTIAL, {x: Placement("S", 2)})
-    assert rule(over, {x: Placement("S", 2, parts=2)})[0] == PARTIAL
+    assert rule(over, {x: Placement.shard(2)}) == (PARTIAL, {x: Placement.shard(2)})
+    assert rule(over, {x: Placement.shard(2, parts=2)})[0] == PARTIAL
     keep = _node(graph, "", (2, 32), x, [1])
-    assert rule(keep, {x: Placement("S", 2)})[0] == Placement("S", 1)  # the shard kept: reduce_dims' answer
+    assert rule(keep, {x: Placement.shard(2)})[0] == Placement.shard(1)  # the shard kept: reduce_dims' answer
     everything = _node(graph, "", (), x, target=torch.ops.aten.sum.default)
-    assert rule(everything, {x: Placement("S", 0)})[0] == PARTIAL
+    assert rule(everything, {x: Placement.shard(0)})[0] == PARTIAL
     with pytest.raises(NoRule):
-        rule(over, {x: Placement("S", 2, blocks=((16, 0), (16, 2)))})
+        rule(over, {x: Placement.shard(2, blocks=((16, 0), (16, 2)))})
 
 
 def test_pull_backs_refuse_a_shard_the_table_cannot_give():
     graph = fx.Graph()
     table, ids = _node(graph, "table", (32, 4)), _node(graph, "ids", (8, 8))
     lookup = _node(graph, "", (8, 8, 4), table, ids, target=torch.ops.aten.embedding.default)
-    assert embedding_back(lookup, Placement("S", 2)) == {table: Placement("S", 1), ids: Placement("R")}
+    assert embedding_back(lookup, Placement.shard(2)) == {table: Placement.shard(1), ids: Placement("R")}
     with pytest.raises(NoRule):
-        embedding_back(lookup, Placement("S", 0))  # a dim of the ids
+        embedding_back(lookup, Placement.shard(0))  # a dim of the ids
     idx = _node(graph, "idx", (256,))
     picked = _node(graph, "", (256, 4), table, [idx], target=torch.ops.aten.index.Tensor)
-    assert index_back(picked, Placement("S", 1, parts=2)) == {table: Placement("S", 1, parts=2),
+    assert index_back(picked, Placement.shard(1, parts=2)) == {table: Placement.shard(1, parts=2),
                                                               idx: Placement("R")}
     with pytest.raises(NoRule):
-        index_back(picked, Placement("S", 0))  # the dim the index tensor makes
+        index_back(picked, Placement.shard(0))  # the dim the index tensor makes
 
 
 class _HandLayerNorm(torch.nn.Module):

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.models import lm_loss
 from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.passes.tensor_parallel import ShardSpec, shard_tensor
-from autopar.plan_model import ParamShard
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.collectives import TpCopy, TpGather, TpReduce, collective_nodes
 from autopar.runtime.tp_ops import VocabParallelCrossEntropy
 
@@ -37,9 +36,9 @@ def test_embedding_and_head_hold_their_vocabulary_rows(name):
             if f"model.{path}.weight" not in params:
                 continue  # GPT: one tied parameter, named after the head
             local = params[f"model.{path}.weight"].detach()
-            expected = shard_tensor(full[f"{path}.weight"].detach(), ShardSpec(0), rank=t, size=2)
+            expected = full[f"{path}.weight"].detach().chunk(2)[t]  # rows [t V/2, (t+1) V/2)
             assert torch.equal(local, expected)
-            assert result.plan.param_shards[f"{path}.weight"] == ParamShard(dim=0)
+            assert result.plan.param_shards[f"{path}.weight"] == ShardLayout(dim=0)
 
 
 def test_tied_weight_gets_one_spec_read_by_both_uses():
@@ -91,7 +90,7 @@ def test_inference_gathers_the_logits_before_the_output():
     assert gather.dim == 2
     output = next(n for n in gm.graph.nodes if n.op == "output")
     assert output.args[0][0].op == "call_module" and output.args[0][0].target == "vocab_gather"
-    assert result.plan.param_shards["lm_head.weight"] == ParamShard(dim=0)
+    assert result.plan.param_shards["lm_head.weight"] == ShardLayout(dim=0)
 
 
 def test_vocabulary_not_divisible_by_tp_raises_sharding_error():
@@ -176,7 +175,7 @@ def test_padding_row_is_the_local_padding_row_of_the_rank_holding_it():
     x, y = torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4))
     result = autopar.plan(_Padded(), {"tp": 2}, example_inputs=(x,), example_target=y,
                           loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
-    assert result.plan.param_shards["tok.weight"] == ParamShard(dim=0)
+    assert result.plan.param_shards["tok.weight"] == ShardLayout(dim=0)
     assert "pos.weight" not in result.plan.param_shards  # a position table stays replicated
     paddings = []
     for tp_rank in (0, 1):

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.weight_grad_split import expose_weight_uses
+from autopar.passes.weight_grad_split import expose_stage_weight_uses
 from autopar.runtime.executor import _backward_input, _backward_weight
 
 aten = torch.ops.aten
@@ -38,7 +38,7 @@ def _stage() -> StageGraph:
 
 
 def test_uses_are_grouped_by_level():
-    stage = expose_weight_uses(_stage())
+    stage = expose_stage_weight_uses(_stage())
     layout = stage.weight_uses
     assert layout.params == ("w_in", "b_in", "w_q", "w_k", "w_tied", "w_tied")
     levels = [sorted(layout.params[i] for i in group) for group in layout.groups]
@@ -61,7 +61,7 @@ def test_grouped_weight_gradients_equal_one_call_per_use_and_full_backward():
     x = torch.randn(4, 8)
     reference = _stage()
     reference.gm(x)[0].backward()
-    stage = expose_weight_uses(_stage())
+    stage = expose_stage_weight_uses(_stage())
     out = stage.gm(x)
     saved = _backward_input(stage, out, 1, channel=None, microbatch=0)
     per_use = _per_use_weight_grads(stage, saved)
@@ -88,11 +88,11 @@ def test_stage_sending_no_gradient_upstream_runs_whole_backward_at_w():
     reference = _stage()
     for x in xs:
         (reference.gm(x)[0] / len(xs)).backward()
-    stage = expose_weight_uses(_stage())
+    stage = expose_stage_weight_uses(_stage())
     assert stage.weight_uses.num_received == 0
     _run(stage, "0F0 0F1 0F2 0B0 0B1 0B2", xs)
     assert all(stage.gm.get_parameter(n).grad is None for n in NAMES)  # B computed nothing
-    stage = expose_weight_uses(_stage())
+    stage = expose_stage_weight_uses(_stage())
     _run(stage, "0F0 0F1 0B0 0W0 0F2 0B1 0B2 0W1 0W2", xs)
     for name in NAMES:
         torch.testing.assert_close(stage.gm.get_parameter(name).grad, reference.gm.get_parameter(name).grad,

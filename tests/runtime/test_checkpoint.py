@@ -14,6 +14,7 @@ import torch
 
 from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
+from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.checkpoint_layout import Layout, join, split
 from equivalence import Case, assert_equivalent, build, reference_run
 
@@ -22,9 +23,18 @@ from ckpt_runners import reference_from
 
 
 # -- plain: layouts and files ------------------------------------------------------------------------
+def _tp(dim: int, chunks: int, size: int) -> dict:
+    """A Layout's tensor-parallel cut: ``chunks`` equal blocks of ``dim``, each over ``size`` ranks."""
+    return {"tp": ShardLayout(dim, chunks=chunks), "tp_size": size}
+
+
 @pytest.mark.parametrize("layout", [
-    Layout((6, 4)), Layout((6, 4), tp=(0, 1, 2)), Layout((6, 4), tp=(1, 1, 2)), Layout((6, 4), tp=(0, 3, 2)),
-    Layout((6, 4), z3=4), Layout((6, 4), tp=(0, 3, 2), z3=5), Layout((5,), z3=2),
+    Layout((6, 4)), Layout((6, 4), **_tp(0, 1, 2)), Layout((6, 4), **_tp(1, 1, 2)), Layout((6, 4), **_tp(0, 3, 2)),
+    Layout((6, 4), z3=4), Layout((6, 4), **_tp(0, 3, 2), z3=5), Layout((5,), z3=2),
+    # a fused [q | k | v] with fewer kv heads (unequal blocks), kv heads held whole or cut 2 of 4 ways
+    Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 1), (2, 1))), tp_size=2), Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 1), (2, 1))), tp_size=2, z3=3),
+    Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 2), (2, 2))), tp_size=4),
+    Layout((4, 3), tp=ShardLayout(1, parts=1), tp_size=2), Layout((4, 6), tp=ShardLayout(0, chunks=2, parts=2), tp_size=4),
 ], ids=str)
 def test_pieces_join_to_the_logical_tensor(layout):
     full = torch.randn(layout.shape)
@@ -34,23 +44,29 @@ def test_pieces_join_to_the_logical_tensor(layout):
 
 
 @pytest.mark.parametrize("layout", [
-    Layout((4, 6), ep=2), Layout((4, 8, 4), tp=(1, 2, 2), ep=2), Layout((4, 6, 4), tp=(2, 1, 2), ep=4),
+    Layout((4, 6), ep=2), Layout((4, 8, 4), **_tp(1, 2, 2), ep=2), Layout((4, 6, 4), **_tp(2, 1, 2), ep=4),
 ], ids=str)
 def test_expert_pieces_join_to_the_logical_tensor(layout):
     full = torch.randn(layout.shape)
     pieces = {k: split(full, layout, tp_index=t, z_index=z, ep_index=e) for k, e, t, z in layout.expert_pieces("w")}
-    assert len(pieces) == layout.ep * layout.tp_size
+    assert len(pieces) == layout.ep * layout.tp_ways
     assert all(p.shape == layout.piece_shape() for p in pieces.values())
     assert torch.equal(join(pieces, layout, "w"), full)
     assert torch.equal(pieces[layout.key("w", ep_index=1, tp_index=0, z_index=0)],
                        split(full[layout.shape[0] // layout.ep:2 * layout.shape[0] // layout.ep],
-                             Layout(layout.ep_local_shape(), tp=layout.tp), tp_index=0, z_index=0))
+                             Layout(layout.ep_local_shape(), tp=layout.tp, tp_size=layout.tp_size), tp_index=0, z_index=0))
     assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
 
 
 def test_layout_round_trips_through_json():
-    layout = Layout((6, 4), tp=(0, 3, 2), z3=2)
-    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    for layout in (Layout((6, 4), **_tp(0, 3, 2), z3=2), Layout((8, 3), tp=ShardLayout(0, blocks=((4, 0), (2, 1), (2, 1))), tp_size=2, z3=3)):
+        assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+
+
+def test_a_layout_written_before_shard_layout_reads_as_the_same_cut():
+    """A manifest of an older checkpoint holds ``tp`` as [dim, chunks, pieces]: the same pieces."""
+    old = Layout.from_json({"shape": [6, 4], "tp": [0, 3, 2], "z3": None})
+    assert old == Layout((6, 4), **_tp(0, 3, 2))
 
 
 def test_publish_moves_latest_only_when_complete(tmp_path):

@@ -148,6 +148,17 @@ def test_each_rank_holds_one_ep_th_of_the_experts(case):
         _expert_shards_are_tp_cut(case, tp)
 
 
+@pytest.mark.parametrize("case", by_world(CASES, ids=Case.name))
+def test_ep_and_edp_groups_are_dims_of_the_one_mesh(case):
+    """Each rank's ep and edp groups (the DeviceMesh's dp dim unflattened into edp x ep, no side groups) hold
+    the ranks of the mesh laid out as (edp, ep, pp, tp): contiguous dp indices form an ep group."""
+    dp, pp, tp = case.mesh
+    grid = torch.arange(dp * pp * tp).reshape(dp // 2, 2, pp, tp)  # ep = 2
+    for rank in _results(case.world_size)[case]["rank_results"]:
+        e, k, p, t = (int(i) for i in (grid == rank["rank"]).nonzero()[0])
+        assert rank["groups"] == {"ep": grid[e, :, p, t].tolist(), "edp": grid[:, k, p, t].tolist()}
+
+
 _ZERO12_EDP = [c for c in CASES + list(BF16.values()) if dict(c.options)["zero_stage"] in (1, 2) and c.mesh[0] > 2]
 
 

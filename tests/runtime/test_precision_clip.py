@@ -23,6 +23,7 @@ import autopar
 from case_marks import by_world
 from equivalence import Case, assert_equivalent, batches, build, make_optimizer
 from memory_harness import ALL, MEMORY, PRECISION, ROUND_TRIP, results
+from autopar.parallel_dims import ParallelDims
 from autopar.runtime.clip import clip_grad_norm, counted_here
 from autopar.passes.low_precision import low_precision_copy
 from autopar.runtime.mixed_precision import MasterWeights
@@ -101,7 +102,8 @@ def test_masters_only_where_stepped():
 def _plan(**kw):
     defaults = dict(param_shards={"sharded": object()}, shared_params={"tied": (0, 3)}, expert_parallel=1,
                     expert_params=())
-    return SimpleNamespace(**{**defaults, **kw})
+    plan = {**defaults, **kw}
+    return SimpleNamespace(**plan, dims=ParallelDims(dp=4, ep=plan["expert_parallel"]))  # the Plan's degrees
 
 
 @pytest.mark.parametrize("name,coords,owned,counted", [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
+from autopar.parallel_dims import ParallelDims
 from autopar.runtime.rank_context import AxisGroup, MeshInfo
 from autopar.options import CompileOptions
 from autopar.plan_model import MeshShape
@@ -37,12 +38,12 @@ def test_bf16_masters_are_kept_where_the_optimizer_steps(zero_stage):
     for rank in range(3):
         opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
                                dp=AxisGroup(group=None, ranks=(0, 1, 2), index=rank))
-        mine = stepped_here(named, zero_stage=zero_stage, dp_size=3, dp_rank=rank)
+        mine = stepped_here(named, zero_stage=zero_stage, dims=ParallelDims(dp=3), coords={"dp": rank})
         assert mine == set(opt.stepped_names()) and not mine & seen
         seen |= mine
     assert seen == {n for n, _ in named}
-    assert stepped_here(named, zero_stage=3, dp_size=3, dp_rank=0) is None
-    assert stepped_here(named, zero_stage=zero_stage, dp_size=1, dp_rank=0) is None
+    assert stepped_here(named, zero_stage=3, dims=ParallelDims(dp=3), coords={"dp": 0}) is None
+    assert stepped_here(named, zero_stage=zero_stage, dims=ParallelDims(dp=1), coords={"dp": 0}) is None
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
@@ -58,7 +59,8 @@ def test_bf16_masters_of_experts_follow_their_edp_owner(zero_stage, dp, ep):
         edp = AxisGroup(group=None, ranks=tuple(range(rank % ep, dp, ep)), index=rank // ep)
         opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD(ps, lr=0.1), zero_stage=zero_stage,
                                dp=AxisGroup(group=None, ranks=tuple(range(dp)), index=rank), local=local, edp=edp)
-        mine = stepped_here(named, zero_stage=zero_stage, dp_size=dp, dp_rank=rank, local=local, ep=ep)
+        mine = stepped_here(named, zero_stage=zero_stage, dims=ParallelDims(dp=dp, ep=ep), coords={"dp": rank},
+                            local=local)
         assert mine == set(opt.stepped_names()) and not (mine - local) & shared
         shared |= mine - local
         seen = experts_by_edp_group.setdefault(rank % ep, set())

@@ -1,0 +1,189 @@
+"""Every degree of a job's parallelism in one frozen object: sizes, validation, coordinates and groups.
+
+The shared vocabulary of the planner, the passes and the runtime (``../shared/design.md`` section 6):
+what an axis is, how big, where a rank sits on it and which ranks share a group are written here once
+and read everywhere else.
+
+- **Mesh axes** (:data:`MESH_AXES`): the dims of the job's ``DeviceMesh``, outermost first. A global
+  rank's coordinates are row-major over them, as :func:`autopar.init_mesh` lays the ranks out.
+- **Derived axes** carve a mesh axis into sub-axes (:data:`SPLITS`): mixture-of-experts expert
+  parallelism splits dp into ``edp`` (outer) x ``ep`` (inner), so dp index ``d`` is ep rank
+  ``d % ep`` of the ep group ``d // ep`` (contiguous dp indices, as torchtitan carves its data shards)
+  and the ``edp = dp / ep`` ranks holding the same experts share ``d % ep``. On a live job both are
+  dims of the one DeviceMesh, its dp dim unflattened (:func:`mesh_groups`), never side groups.
+
+Adding an axis (context parallelism ``cp`` next) is a field here, its rule in :meth:`ParallelDims.problem`,
+its place in :data:`MESH_AXES` (a mesh dim) or :data:`SPLITS` (carved out of one), and nothing else in this
+module: coordinates, group layouts and the DeviceMesh's groups follow from those tables.
+
+    >>> dims = ParallelDims(dp=4, pp=2, tp=1, ep=2)
+    >>> dims.edp, dims.world_size
+    (2, 8)
+    >>> dims.coords(5), dims.rank(dp=2, pp=1, tp=0)
+    ({'dp': 2, 'pp': 1, 'tp': 0}, 5)
+    >>> dims.index("ep", dims.coords(5)), dims.index("edp", dims.coords(5))
+    (0, 1)
+    >>> dims.axis_ranks("ep", 5), dims.axis_ranks("edp", 5)
+    ([5, 7], [1, 5])
+    >>> ParallelDims(dp=4, ep=2).groups("ep"), ParallelDims(dp=4, ep=2).groups("edp")
+    ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> ParallelDims(dp=4, ep=3)
+    Traceback (most recent call last):
+    ...
+    autopar.errors.PlanError: expert_parallel=3 does not divide dp=4. Where: the mesh dp=4 x pp=1 x tp=1, expert_parallel=3. Fix: use an expert_parallel that divides 4.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from autopar.errors import PlanError
+
+__all__ = ["ParallelDims", "MESH_AXES", "SPLITS", "AXES", "mesh_groups"]
+
+#: the dims of the job's DeviceMesh, outermost first: a rank's coordinates are row-major over them
+MESH_AXES = ("dp", "pp", "tp")
+#: a mesh axis -> the sub-axes it is carved into (outermost first); their sizes multiply to the axis's
+SPLITS = {"dp": ("edp", "ep")}
+#: every axis a rank has a coordinate on and a group along
+AXES = MESH_AXES + tuple(sub for parts in SPLITS.values() for sub in parts)
+#: how each degree is called where a user sets it (an error names the option to change)
+_OPTION = {"dp": "dp", "pp": "pp", "tp": "tp", "ep": "expert_parallel"}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degree of every axis (``dp``, ``pp``, ``tp``, ``ep``; ``edp = dp / ep`` derived), validated."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1  # expert parallelism: carved out of dp (SPLITS)
+
+    def __post_init__(self):
+        problem = self.problem(**{f.name: getattr(self, f.name) for f in fields(self)})
+        if problem:
+            raise PlanError(problem[0], where=f"the mesh {self.mesh_text()}, expert_parallel={self.ep}",
+                            fix=problem[1])
+
+    @classmethod
+    def problem(cls, **degrees) -> tuple[str, str] | None:
+        """(what is wrong, the fix) when ``degrees`` (the fields' names; the rest 1) cannot form a job, else None.
+        The planner asks it before building candidates; construction raises it as a PlanError."""
+        d = {f.name: 1 for f in fields(cls)} | degrees
+        for axis, value in d.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                return (f"{_OPTION[axis]}={value!r} is not a positive int",
+                        f"set {_OPTION[axis]} to a whole number of ranks, at least 1")
+        if d["dp"] % d["ep"]:
+            return f"expert_parallel={d['ep']} does not divide dp={d['dp']}", f"use an expert_parallel that divides {d['dp']}"
+        return None
+
+    @classmethod
+    def of(cls, mesh, *, ep: int = 1) -> ParallelDims:
+        """The dims of a mesh shape (anything with ``dp``, ``pp``, ``tp``: a MeshShape) and ``ep``."""
+        return cls(**{axis: getattr(mesh, axis) for axis in MESH_AXES}, ep=ep)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def edp(self) -> int:
+        """The ranks holding the same experts: dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.size(axis) for axis in MESH_AXES)
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis`` (a mesh axis or a derived one)."""
+        if axis not in AXES:
+            raise KeyError(f"unknown axis {axis!r}; axes are {AXES}")
+        return getattr(self, axis)
+
+    def mesh_text(self) -> str:
+        return " x ".join(f"{axis}={self.size(axis)}" for axis in MESH_AXES)
+
+    # -- coordinates ------------------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """The mesh coordinates of global ``rank`` (row-major over :data:`MESH_AXES`)."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside the mesh {self.mesh_text()}", where="the rank asked for",
+                            fix=f"pick a rank in 0..{self.world_size - 1}")
+        out = {}
+        for axis in reversed(MESH_AXES):
+            rank, out[axis] = divmod(rank, self.size(axis))
+        return {axis: out[axis] for axis in MESH_AXES}
+
+    def rank(self, **coords: int) -> int:
+        """The global rank at mesh coordinates ``coords`` (an axis left out is 0)."""
+        rank = 0
+        for axis in MESH_AXES:
+            rank = rank * self.size(axis) + coords.get(axis, 0)
+        return rank
+
+    def index(self, axis: str, coords: dict[str, int]) -> int:
+        """The position along ``axis`` (mesh or derived) of the rank at mesh coordinates ``coords``."""
+        if axis in coords:
+            return coords[axis]
+        parent, parts = self._split_of(axis)
+        return self._unravel(parent, coords[parent])[parts.index(axis)]
+
+    def _split_of(self, axis: str) -> tuple[str, tuple[str, ...]]:
+        for parent, parts in SPLITS.items():
+            if axis in parts:
+                return parent, parts
+        raise KeyError(f"unknown axis {axis!r}; axes are {AXES}")
+
+    def _unravel(self, parent: str, position: int) -> tuple[int, ...]:
+        """A position along mesh axis ``parent`` as positions along its sub-axes (row-major)."""
+        out = []
+        for sub in reversed(SPLITS[parent]):
+            position, here = divmod(position, self.size(sub))
+            out.append(here)
+        return tuple(reversed(out))
+
+    def _ravel(self, parent: str, positions: dict[str, int]) -> int:
+        position = 0
+        for sub in SPLITS[parent]:
+            position = position * self.size(sub) + positions[sub]
+        return position
+
+    def axis_ranks(self, axis: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group along ``axis``, in order of their position on it."""
+        coords = self.coords(rank)
+        if axis in MESH_AXES:
+            return [self.rank(**{**coords, axis: i}) for i in range(self.size(axis))]
+        parent, parts = self._split_of(axis)
+        here = dict(zip(parts, self._unravel(parent, coords[parent])))
+        return [self.rank(**{**coords, parent: self._ravel(parent, {**here, axis: i})}) for i in range(self.size(axis))]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, as lists of global ranks, ordered by their first rank."""
+        seen, out = set(), []
+        for rank in range(self.world_size):
+            if rank not in seen:
+                ranks = self.axis_ranks(axis, rank)
+                seen.update(ranks)
+                out.append(ranks)
+        return out
+
+
+def mesh_groups(dims: ParallelDims, mesh) -> dict[str, tuple[object, list[int], int]]:
+    """{axis: (process group, its global ranks, this rank's position)} of every split axis, built from ``mesh``.
+
+    Collective: every rank calls it. The mesh axis a split carves (dp) is unflattened into its sub-axes
+    (``DeviceMesh._unflatten``), so ep and edp are dims of the same mesh, made once per program. A split
+    whose inner parts are all of size 1 needs no groups of its own (ep=1: edp is dp itself)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    out = {}
+    for parent, parts in SPLITS.items():
+        sizes = tuple(dims.size(p) for p in parts)
+        if parent not in names or all(s == 1 for s in sizes[1:]):  # the outer part is the whole axis
+            continue
+        sub = mesh._unflatten(parent, sizes, parts)
+        coordinate = sub.get_coordinate()
+        for axis in parts:
+            group_mesh = sub[axis]
+            out[axis] = (sub.get_group(axis), [int(r) for r in group_mesh.mesh.tolist()],
+                         coordinate[sub.mesh_dim_names.index(axis)])
+    return out
