@@ -32,6 +32,7 @@ from autopar.errors import ShardingError
 from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
+from autopar.passes.tp_inplace_rules import ALLOCATIONS
 from autopar.passes.tp_reduce_rules import insert_partial_sums
 from autopar.passes.tp_regions import TpRegion, find_tp_regions, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, local_size, op_name, refines, shape_of, slice_bounds
@@ -106,7 +107,7 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     """Rewrite sizes baked into view/expand/split args to this rank's shard."""
     name = op_name(node)
-    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
+    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to", *ALLOCATIONS):
         sizes = list(node.args[1])
         if sizes[p.dim] != -1:
             sizes[p.dim] = local_size(p, sizes[p.dim], tp_size)
