@@ -92,6 +92,9 @@ class Device(_Frozen):
     # what a backward split into B and W (zero-bubble schedules) costs beyond a whole one, as a share
     # of it: the split walks the graph twice and re-reads each use's gradient in W
     split_backward_overhead: float = Field(0.0, ge=0)
+    # seconds each matrix product costs beyond its FLOPs at ``efficiency`` (launch, tail of the last wave):
+    # small products reach less of the rate than large ones; fitted to published runs (published_fit.py)
+    gemm_overhead_s: float = Field(0.0, ge=0)
 
     def matmul_rate(self, precision: str, samples: int | None = None) -> float:
         """FLOP/s training reaches at ``precision`` (with ``samples`` per microbatch, if measured)."""
@@ -142,6 +145,9 @@ class Cluster(_Frozen):
     shared_core_switch_s: float = Field(0.0, ge=0)
     memory_reserve: float = Field(0.1, ge=0, lt=1)  # share of device memory kept free (allocator, workspace)
     dp_overlap: float = Field(0.0, ge=0, le=1)  # share of the dp gradient reduction hidden behind backward
+    # seconds every step costs beyond its pipeline, communication and optimizer (data loading, launch,
+    # logging, the loss's reduction): fitted to published runs on the GPU presets (published_fit.py)
+    step_overhead_s: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _groups_cover_nodes(self) -> "Cluster":
