@@ -125,6 +125,10 @@ def evaluate(runs, *, profiles: Profiles | None = None, clusters: dict | None = 
         profile, cluster = profiles(run), run_cluster(run, clusters=clusters)
         if figures is not None:  # the run's own framework's figures
             cluster = figures.apply(cluster, run.framework)
+        else:  # the preset, with the fitted factor of the run's framework
+            factor = FRAMEWORK_EFFICIENCY.get(run.framework, 1.0)
+            cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
+                update={"efficiency": cluster.device.efficiency * factor})})
         estimate = published_estimate(run, profile, cluster)
         choice = search(profile, cluster, world=run.gpus, space=SearchSpace(exact_top=1)).best if choose else None
         out.append(RowResult(run, estimate, choice))
@@ -134,6 +138,10 @@ def evaluate(runs, *, profiles: Profiles | None = None, clusters: dict | None = 
 
 
 REFERENCE = "megatron-lm"  # the framework whose figures the presets carry
+FIGURES = ("efficiency", "gemm_overhead_s", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth",
+           "step_overhead_s")
+# the efficiency a framework's runs reached against Megatron-LM's on the same GPUs (fitted with the presets)
+FRAMEWORK_EFFICIENCY = {REFERENCE: 1.0, "megatron-deepspeed": 0.846}  # (fit), with the A100 presets
 START_GEMM_OVERHEAD_S = 1e-5  # where the fit starts a figure the preset leaves at 0 (its prior's centre)
 START_STEP_OVERHEAD_S = 0.05
 
@@ -190,11 +198,12 @@ def _residuals(runs, profiles: Profiles, base: Cluster, figures: Figures) -> tor
 
 
 def fit(runs, *, base: Cluster, profiles: Profiles | None = None, iterations: int = 8, prior: float = 0.05,
-        step: float = 0.02) -> tuple[Figures, list[float]]:
+        priors: dict | None = None, step: float = 0.02) -> tuple[Figures, list[float]]:
     """Figures of ``base`` (a preset) fitted to ``runs`` (all of one GPU kind): Levenberg-Marquardt on the log
-    step-time errors, each figure in log space with a weak prior (``prior`` per unit of log) toward its
-    value in ``base`` (a framework's factor toward 1). Returns the figures and the root-mean-square log error
-    after each iteration."""
+    step-time errors, each figure in log space with a weak prior (``prior`` per unit of log; ``priors``:
+    {figure name: weight} for others, a large weight holds a figure at its value) toward its value in
+    ``base`` (a framework's factor toward 1). Returns the figures and the root-mean-square log error after
+    each iteration."""
     profiles = profiles or Profiles()
     start = Figures.of(base, sorted({r.framework for r in runs} - {REFERENCE}))
     # figures the preset leaves at 0 start (and are held) near a plausible size: a launch per product, a
@@ -203,16 +212,18 @@ def fit(runs, *, base: Cluster, profiles: Profiles | None = None, iterations: in
                     step_overhead_s=start.step_overhead_s or START_STEP_OVERHEAD_S)
     runs = [_with_virtual(run, profiles, start.apply(base, run.framework)) for run in runs]
     x0 = start.logs()
+    names = [*FIGURES, *(f for f, _ in start.frameworks)]
+    weights = torch.tensor([(priors or {}).get(n, prior) for n in names], dtype=torch.float64)
     x, damping, history, eye = x0.clone(), 1e-2, [], torch.eye(len(x0), dtype=torch.float64)
     r = _residuals(runs, profiles, base, start.from_logs(x))
     for _ in range(iterations):
         jac = torch.stack([(_residuals(runs, profiles, base, start.from_logs(x + step * unit)) - r) / step
                            for unit in eye], dim=1)
-        a, b = torch.cat([jac, prior * eye]), torch.cat([r, prior * (x - x0)])
+        a, b = torch.cat([jac, torch.diag(weights)]), torch.cat([r, weights * (x - x0)])
         while damping <= 1e6:
             trial = x - torch.linalg.solve(a.T @ a + damping * eye, a.T @ b)
             r_trial = _residuals(runs, profiles, base, start.from_logs(trial))
-            if _cost(r_trial, trial, x0, prior) < _cost(r, x, x0, prior):
+            if _cost(r_trial, trial, x0, weights) < _cost(r, x, x0, weights):
                 break
             damping *= 10
         if damping > 1e6:
@@ -231,8 +242,8 @@ def _with_virtual(run: PublishedRun, profiles: Profiles, cluster: Cluster) -> Pu
     return run.model_copy(update={"virtual": e.candidate.num_virtual})
 
 
-def _cost(r: torch.Tensor, x: torch.Tensor, x0: torch.Tensor, prior: float) -> float:
-    return float(r.pow(2).sum() + (prior * (x - x0)).pow(2).sum())
+def _cost(r: torch.Tensor, x: torch.Tensor, x0: torch.Tensor, weights: torch.Tensor) -> float:
+    return float(r.pow(2).sum() + (weights * (x - x0)).pow(2).sum())
 
 
 def summarize(rows: list[RowResult]) -> dict:

@@ -19,6 +19,7 @@ from autopar.planner import get_cluster
 from autopar.planner.published import DATA, megatron_flops, published_runs
 from autopar.planner.published_fit import Figures, Profiles, RowResult, evaluate, fit, published_estimate, \
     run_cluster, summarize
+from autopar.planner.search import TIE
 
 
 def _run(run_id: str):
@@ -102,6 +103,15 @@ def test_summary_keeps_fit_and_held_out_rows_apart():
     assert s["all"][0] == 3
 
 
+@pytest.mark.parametrize("run_id", ["megatron21-t1-gpt-1.7b", "megatron21-t1-gpt-18.4b", "mtnlg-530b-2240"])
+def test_the_presets_meet_the_bar_on_rows_of_each_kind(run_id):
+    """Three rows of the table, each profiled at its own tp only (the rest: the slow test and the bench): tp 1 and
+    tp 8 without a pipeline (18.4B was +24% before the fit), and Megatron-DeepSpeed's 1F1B over 35 stages."""
+    run = _run(run_id)
+    (row,) = evaluate([run], profiles=Profiles(tp_degrees=(run.tp,)), choose=False)
+    assert abs(row.error) <= 0.15, (run_id, row.error, row.estimate.parts)
+
+
 @pytest.mark.slow
 def test_every_published_run_is_estimated_within_15_percent_and_the_planner_does_no_worse():
     rows = evaluate(published_runs(), choose=True)
@@ -109,4 +119,5 @@ def test_every_published_run_is_estimated_within_15_percent_and_the_planner_does
     assert all(abs(e) <= 0.15 for e in errors.values()), errors
     assert statistics.median(abs(e) for e in errors.values()) <= 0.05, errors
     for r in rows:  # the planner's own choice on the same GPUs: fits, and no slower than the run's configuration
-        assert r.choice.fits and r.choice.step_time <= r.estimate.step_time * (1 + 1e-9), (r.run.id, r.choice)
+        # (within the search's 1% tie, where it ranks the simpler plan first)
+        assert r.choice.fits and r.choice.step_time <= r.estimate.step_time * (1 + TIE), (r.run.id, r.choice)
