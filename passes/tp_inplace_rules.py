@@ -11,7 +11,8 @@ those slices; later ops read the allocation. The rules:
   shard of; the transform writes the local size into ``sizes`` as it does for a view). Pulled back
   (a region needs it sharded), it needs nothing of ``x``, whose dtype and device alone it reads;
 - ``dst.copy_(src)``: an elementwise op whose output is ``dst``: ``src`` the same shard, right-aligned,
-  or replicated where it broadcasts over the sharded dim (a rotary key every head shares).
+  or replicated where it broadcasts over the sharded dim (a rotary key every head shares); registered
+  with the elementwise rule in :data:`autopar.passes.tp_rules.RULES`.
 
 :data:`INPLACE_RULES` is registered in :data:`autopar.passes.tp_rules.RULES`,
 :data:`INPLACE_PULL_BACKS` in :data:`autopar.passes.tp_pullback_rules.PULL_BACK_RULES`; nothing here knows
@@ -72,12 +73,5 @@ def allocation_back(node: fx.Node, p: Placement) -> dict:
     return {}
 
 
-def copy_into(node: fx.Node, placed: dict):
-    """``dst.copy_(src)``: elementwise with ``dst``'s shape (the rule of :mod:`autopar.passes.tp_rules`)."""
-    from autopar.passes.tp_rules import elementwise
-    return elementwise(node, placed)
-
-
-INPLACE_RULES: "MappingProxyType[str, object]" = MappingProxyType({
-    **{name: allocation for name in ALLOCATIONS}, "copy_": copy_into})
+INPLACE_RULES: "MappingProxyType[str, object]" = MappingProxyType({name: allocation for name in ALLOCATIONS})
 INPLACE_PULL_BACKS: "MappingProxyType[str, object]" = MappingProxyType({name: allocation_back for name in ALLOCATIONS})

@@ -483,7 +483,7 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "select": select, "cat": cat, "index": index, "baddbmm": baddbmm, "stack": stack,
     **{name: assertion for name in ASSERTIONS},
     **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)
-    **INPLACE_RULES,  # allocations filled in place: new_empty, copy_ (passes/tp_inplace_rules.py)
+    **INPLACE_RULES, "copy_": elementwise,  # allocations filled in place (passes/tp_inplace_rules.py)
     "view_as_complex": complex_view, "view_as_real": complex_view,
 })
 
