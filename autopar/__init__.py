@@ -17,10 +17,11 @@ from autopar.mesh import init_mesh
 from autopar.options import CompileOptions
 from autopar.plan_model import MeshShape, Plan
 from autopar.planning import PlanResult, plan
+from autopar.runtime.step_report import StepReport
 
 __all__ = [
     "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",
-    "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage",
+    "coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage", "StepReport",
     "CompileOptions", "AutoparError", "CaptureError", "PlanError", "ShardingError", "ScheduleError",
     "RuntimeCommError", "NumericsError", "IndexRangeError", "InputError", "CheckpointError", "PassError",
 ]

@@ -1,7 +1,8 @@
-"""The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT.
+"""The ``autopar`` command: ``inspect`` a model's plan and graphs, ``train`` the demo GPT, ``diagnose`` a run.
 
     autopar inspect autopar.models.examples:gpt_tiny --mesh dp=1,pp=2,tp=2 --rank 0
     autopar train --mesh dp=1,pp=2,tp=2 --steps 100
+    autopar diagnose RUN_DIR
 
 ``python -m autopar`` is the same command. Errors in what was asked (a bad ``--mesh``, a module
 that does not import, a model that does not fit the mesh) print autopar's message and exit 2.
@@ -26,13 +27,15 @@ examples:
   autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
   autopar coverage autopar.models.examples:gpt_tiny --tp 2
   autopar train --mesh dp=1,pp=2,tp=2 --steps 100
+  autopar diagnose RUN_DIR
 
 run 'autopar COMMAND --help' for the options of one command."""
 
 _INSPECT_DESCRIPTION = """\
 Plan a model for a dp x pp x tp mesh in this one process (no process group, no GPUs) and
-print the Plan's summary and the rewritten graph of the chosen rank(s): the tensor-parallel
-collectives (tp_copy_*, tp_reduce_*) and pipeline send_*/recv_* nodes appear in the code.
+print the Plan's summary, the schedule's critical path (simulated with each stage's FLOPs) and the
+rewritten graph of the chosen rank(s): the tensor-parallel collectives (tp_copy_*, tp_reduce_*)
+and pipeline send_*/recv_* nodes appear in the code.
 
 TARGET is MODULE:CALLABLE. The callable takes no arguments and returns one of
   model                                        (then give --input-shape, see below)
@@ -82,6 +85,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print("\n\n".join(graph_diff(result, rank) for rank in ranks))
         return 0
     print(result.summary())
+    from autopar.report.timeline import simulate_plan
+    timing = simulate_plan(result)  # stage costs from FLOPs, as the report's timeline
+    print(timing.sim.critical_path.summary(unit=f"units ({timing.unit})"))
     if args.html and args.rank is None and not args.all_ranks:  # the graphs are in the report
         return 0
     for rank in ranks:
@@ -128,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_command(sub)  # autopar plan: the planner's ranked table and reasons (autopar/planner/cli.py)
     from autopar.coverage_cli import add_coverage_command
     add_coverage_command(sub)  # autopar coverage: how each weight is sharded over tp (autopar/coverage_cli.py)
+    from autopar.diagnose_cli import add_diagnose_command
+    add_diagnose_command(sub)  # autopar diagnose: the job-wide diagnosis of a run (autopar/diagnose_cli.py)
     train = sub.add_parser("train", help="train a small GPT on a dp x pp x tp mesh of CPU processes (demo)",
                            description=demo.DESCRIPTION, epilog=demo.EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

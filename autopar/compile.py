@@ -20,6 +20,7 @@ from autopar.runtime.materialize import materialize_rank
 from autopar.runtime.unused_state import keep_unused
 from autopar.runtime.program import RankProgram
 from autopar.runtime.mixed_precision import masters_for_rank
+from autopar.runtime.param_groups import group_template
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
@@ -84,7 +85,9 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     ``example_inputs`` is one global batch (a tensor or a tuple of tensors, batch on dim 0);
     ``loss_fn(output, target)`` turns it into a training program (``program.train_step``),
     without it the program runs inference (``program(*inputs)``). ``optimizer`` is a factory
-    ``params -> torch.optim.Optimizer``. Options: see :class:`autopar.options.CompileOptions`.
+    ``params -> torch.optim.Optimizer`` (``optimizer_params="named"``: of ``(name, param)`` pairs), called
+    once on stand-ins of the whole model to learn its parameter groups (runtime/param_groups.py), then on
+    each rank's share. Options: see :class:`autopar.options.CompileOptions`.
     ``plan="auto"``: the planner (autopar/planner) chooses for ``cluster`` (default: this machine);
     with ``mesh=None`` it also chooses dp, pp and tp and builds the mesh (options given pin decisions).
     A model built under ``torch.device("meta")`` is materialised rank by rank: each rank allocates
@@ -109,6 +112,9 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile",
                         fix="pass example_target= (one global batch of targets)")
+    factory = optimizer or default_optimizer
+    # the factory's parameter groups over the whole model, by name: every rank's shards follow them
+    groups = group_template(factory, model.named_parameters(), named=opts.optimizer_params == "named")
     if _data_parallel(model, opts, plan, info, example_inputs) == "dataparallel":  # the rank-0 baseline
         if _is_meta(model):
             raise PlanError("the DataParallel baseline cannot compile a meta-built model",
@@ -117,7 +123,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         from autopar.data_parallel import compile_data_parallel
         return compile_data_parallel(model, info=info, opts=opts, example_inputs=example_inputs,
                                      example_target=example_target, loss_fn=loss_fn,
-                                     optimizer_factory=optimizer or default_optimizer, plan=plan)
+                                     optimizer_factory=factory, plan=plan, param_groups=groups)
     lowered = lower(model, mesh=info.shape, tp_rank=info.coords["tp"], example_inputs=example_inputs,
                     example_target=example_target, loss_fn=loss_fn, options=opts, plan=plan,
                     dp_rank=info.coords["dp"])
@@ -132,8 +138,9 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         from autopar.runtime.async_pipeline import AsyncProgram
         program_class, extra = AsyncProgram, {"options": opts}
     program = program_class(lowered=lowered, info=info, schedule=schedule,
-                            optimizer_factory=optimizer or default_optimizer, state_keys=state_keys,
+                            optimizer_factory=factory, param_groups=groups, state_keys=state_keys,
                             p2p_timeout_s=opts.p2p_timeout_s, masters=masters, max_grad_norm=opts.max_grad_norm,
+                            flight_record=opts.flight_record, run_dir=opts.run_dir,
                             materialize=_materializer(fill, lowered, info=info, mesh=mesh, masters=masters),
                             unused=keep_unused(model, lowered.stages, fill=fill, device=_rank_device(mesh)), **extra)
     log.info("rank %d: %s", info.rank, lowered.plan.summary().splitlines()[0])

@@ -40,7 +40,7 @@ def _check(info, opts, loss_fn, example_inputs) -> None:
 
 
 def compile_data_parallel(model, *, info, opts, example_inputs, example_target, loss_fn, optimizer_factory,
-                          plan=None) -> "DataParallelProgram":
+                          plan=None, param_groups=None) -> "DataParallelProgram":
     """Lower ``model`` without its loss (rank 0 computes it) and build this rank's DataParallel program."""
     _check(info, opts, loss_fn, example_inputs)
     opts = opts.model_copy(update={"num_microbatches": 1, "zero_stage": 0, "schedule": "gpipe", "num_virtual": 1})
@@ -49,4 +49,5 @@ def compile_data_parallel(model, *, info, opts, example_inputs, example_target, 
     schedule = build_schedule("gpipe", num_ranks=1, num_microbatches=1, num_virtual=1)
     return DataParallelProgram(lowered=lowered, info=info, schedule=schedule, optimizer_factory=optimizer_factory,
                                state_keys=tuple(model.state_dict().keys()), p2p_timeout_s=opts.p2p_timeout_s,
-                               loss_fn=loss_fn)
+                               loss_fn=loss_fn, flight_record=opts.flight_record, run_dir=opts.run_dir,
+                               param_groups=param_groups)

@@ -26,7 +26,8 @@ __all__ = ["CompileOptions", "resolve_plan", "choose_microbatches", "choose_buck
 
 # the options the Plan does not record (every other one resolves into it: resolve_plan)
 ANALYSIS_OPTIONS = ("tensor_parallel", "vocab_parallel", "block_capture")  # steer what the analyses look for
-RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay")
+RUNTIME_OPTIONS = ("p2p_timeout_s", "max_grad_norm", "pipemare_lr_warmup_updates", "pipemare_correction_decay",
+                   "flight_record", "run_dir", "optimizer_params")
 
 
 class CompileOptions(UserModel):
@@ -51,6 +52,14 @@ class CompileOptions(UserModel):
     vocab_parallel: bool | None = None
     sequence_parallel: bool = False  # with tensor_parallel: norms/dropout/residuals sharded on the sequence
     p2p_timeout_s: float = Field(300.0, gt=0)
+    flight_record: int = Field(4096, ge=0, description=(
+        "entries of each rank's flight record (its last actions, collectives and transfers), read by the "
+        "job-wide diagnosis when a collective or a transfer fails; `0` turns the record, the heartbeats, the "
+        "diagnosis and the straggler warnings off ([errors.md](errors.md#when-a-job-hangs-or-a-rank-dies))"))
+    run_dir: str | None = Field(None, description=(
+        "a folder for the run's files: each rank's flight record (kept when a rank is killed) and the job-wide "
+        "diagnosis (`diagnosis.txt`, read again by `autopar diagnose RUN_DIR`); `None`: the diagnosis goes to "
+        "the log only"))
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation on every stage
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and gradients
     # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
@@ -63,6 +72,11 @@ class CompileOptions(UserModel):
         "with expert_parallel: each expert takes at most ceil(factor * rows / experts) rows from each rank, "
         "the rest are dropped and counted; `None`: dropless ([moe.md](moe.md))"))
     max_grad_norm: float | None = Field(None, gt=0)  # clip by the global gradient norm over every shard
+    optimizer_params: Literal["params", "named"] = Field("params", description=(
+        "what the `optimizer` factory receives: `params`, a list of parameters, or `named`, the "
+        "`(name, parameter)` pairs `model.named_parameters()` gives, to build parameter groups by name; either "
+        "way once, as stand-ins of the whole model, and each group holds for every shard of its parameters "
+        "([training_loop.md](training_loop.md))"))
     pipemare_lr_warmup_updates: int = Field(100, ge=0, description=(
         "`pipemare` only: updates over which each stage's learning rate grows from lr / delay to lr "
         "(0: no rescheduling) ([schedules.md](schedules.md))"))

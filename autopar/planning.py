@@ -21,7 +21,7 @@ from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.validation import check_arguments, checked_options
 
-__all__ = ["plan", "PlanResult", "RankGraphs", "rank_of", "coords_of"]
+__all__ = ["plan", "PlanResult", "PlanSource", "RankGraphs", "rank_of", "coords_of"]
 
 
 def rank_of(*, dp: int, pp: int, tp: int, shape) -> int:
@@ -38,12 +38,24 @@ class RankGraphs:
     stages: list[StageGraph]
 
 
+@dataclass(frozen=True)
+class PlanSource:
+    """What :func:`plan` was given: the model and one global batch, to plan again at other sizes
+    (:func:`autopar.memory.memory_formula`)."""
+
+    model: nn.Module
+    example_inputs: object
+    loss_fn: object = None
+    example_target: object = None
+
+
 @dataclass
 class PlanResult:
     """What :func:`plan` returns: the Plan, the schedule and every rank's graphs (or the ones asked for).
 
     ``lowered``: {tp rank: Lowered} of the tp ranks built in full. ``planner``: the planner's
-    report (ranked candidates and reasons) when the Plan was chosen with ``plan="auto"``.
+    report (ranked candidates and reasons) when the Plan was chosen with ``plan="auto"``. ``source``:
+    the model and batch it was planned from.
     """
 
     plan: Plan
@@ -52,6 +64,7 @@ class PlanResult:
     lowered: dict[int, Lowered]
     captured: Captured | None = None
     planner: object = None
+    source: PlanSource | None = None
     _parts: dict = field(default_factory=dict, repr=False)  # (tp, pp) -> stages built for one rank
 
     def rank_program(self, rank: int) -> RankGraphs:
@@ -100,17 +113,27 @@ def coords_of(rank: int, shape) -> dict[str, int]:
     return {"dp": rank // (shape.pp * shape.tp), "pp": rank // shape.tp % shape.pp, "tp": rank % shape.tp}
 
 
+def _optimizer_kind(optimizer: str) -> str:
+    from autopar.memory.states import OPTIMIZER_STATE
+    if optimizer not in OPTIMIZER_STATE:
+        raise PlanError(f"unknown optimizer kind {optimizer!r}", where="plan(optimizer=...)",
+                        fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
+    return optimizer
+
+
 def _stages_of(schedule: Schedule, pp_ranks) -> list[int]:
     return [s for s, q in enumerate(schedule.stage_to_rank) if q in pp_ranks]
 
 
 def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, example_target=None,
-         plan: Plan | str | None = None, ranks=None, cluster=None, **options) -> PlanResult:
+         plan: Plan | str | None = None, ranks=None, cluster=None, optimizer: str = "adam", **options) -> PlanResult:
     """Plan ``model`` for a mesh of ``mesh_shape`` ({'dp':..,'pp':..,'tp':..} or (dp, pp, tp)).
 
     ``ranks``: build only these ranks' graphs (default: every rank). ``plan="auto"``: the planner
     chooses the Plan for ``cluster`` (a :class:`autopar.planner.Cluster` or a preset name);
-    ``mesh_shape`` may then be a world size, a partial shape such as ``{"tp": 8}``, or None.
+    ``mesh_shape`` may then be a world size, a partial shape such as ``{"tp": 8}``, or None; it sizes
+    memory for ``optimizer`` (``"sgd"``, ``"momentum"``, ``"adam"`` or ``"adamw"``, as
+    :func:`autopar.memory.estimate_memory` reads it).
     """
     check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
                     mesh_shape=mesh_shape, where="plan")  # autopar/validation.py: every argument, before capture
@@ -118,7 +141,8 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     if isinstance(plan, str):
         from autopar.planner.auto import choose_plan
         report = choose_plan(model, mesh_shape, example_inputs=example_inputs, loss_fn=loss_fn,
-                             example_target=example_target, mode=plan, cluster=cluster, options=options)
+                             example_target=example_target, mode=plan, cluster=cluster, options=options,
+                             optimizer=_optimizer_kind(optimizer))
         plan = report.plan
     shape = parse_mesh_shape(mesh_shape if plan is None else plan.mesh)
     opts = checked_options(options, mesh=shape, plan=plan, where="plan")
@@ -137,7 +161,8 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     lowered = {t: lower_captured(cap, tp_rank=t, stages=only) for t in tps}
     the_plan = lowered[tps[0]].plan
     result = PlanResult(plan=the_plan, schedule=schedule, ranks={}, lowered=lowered if ranks is None else {},
-                        captured=cap, planner=report)
+                        captured=cap, planner=report,
+                        source=PlanSource(model, example_inputs, loss_fn, example_target))
     for rank, c in coords.items():
         stages = [s for s in lowered[c["tp"]].stages if schedule.stage_to_rank[s.stage] == c["pp"]]
         result.ranks[rank] = RankGraphs(rank, c, stages)

@@ -1,6 +1,7 @@
 """Draw every schedule's simulated timeline into docs/img/ and write its figures into docs/schedules.md.
 
     python bench/make_schedule_pictures.py            # ~10 s; rewrites docs/img/schedule_*.png and the table
+    python bench/make_schedule_pictures.py --closed-forms   # only the registry's formulas table
 
 Setting: p = 4 ranks, m = 8 microbatches (the asynchronous ones: a stream of 3 batches of 8), a
 rank's whole share of the model costs F = 1 forward, B = 1 input-gradient backward and W = 1
@@ -15,7 +16,7 @@ import sys
 
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
-from autopar.runtime.schedules.registry import default_stages_per_rank, schedule_names
+from autopar.runtime.schedules.registry import closed_forms_table, default_stages_per_rank, schedule_names
 from autopar.runtime.trace import from_simulation, plot_timeline
 
 __all__ = ["SCHEDULES", "figures", "main"]
@@ -62,7 +63,21 @@ def table(rows: list[str]) -> str:
     return header + "\n" + "\n".join(rows)
 
 
+def _replace_block(marker: str, body: str) -> None:
+    """Rewrite docs/schedules.md between ``<!-- marker -->`` and ``<!-- /marker -->``."""
+    text = open(DOC).read()
+    new, count = re.subn(f"<!-- {marker} -->.*?<!-- /{marker} -->", lambda _m: f"<!-- {marker} -->\n{body}\n"
+                         f"<!-- /{marker} -->", text, flags=re.S)
+    if count:
+        with open(DOC, "w") as f:
+            f.write(new)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _replace_block("closed-forms", closed_forms_table())  # the registry's formulas (tests compare the page)
+    if "--closed-forms" in argv:
+        return 0
     os.makedirs(IMG, exist_ok=True)
     rows = []
     for name in SCHEDULES:
@@ -72,13 +87,7 @@ def main(argv=None) -> int:
                       + (f" x {BATCHES} batches" if name in ASYNC else ""), unit="F", width=8.0, dpi=60)
         rows.append(_row(name, schedule, result))
         print(rows[-1])
-    text = open(DOC).read()
-    body = table(rows)
-    new, count = re.subn(r"<!-- figures -->.*?<!-- /figures -->", f"<!-- figures -->\n{body}\n<!-- /figures -->",
-                         text, flags=re.S)
-    if count:
-        with open(DOC, "w") as f:
-            f.write(new)
+    _replace_block("figures", table(rows))
     return 0
 
 

@@ -20,7 +20,8 @@ from torch import nn
 from autopar.models.corpus import lm_loss
 from autopar.models.presets import build_model
 
-__all__ = ["gpt_tiny", "gpt_tiny_model", "llama_tiny", "mlp_tiny_model", "llama2_70b_meta", "lm_batch"]
+__all__ = ["gpt_tiny", "gpt_tiny_model", "llama_tiny", "mlp_tiny_model", "llama2_7b_meta", "llama2_70b_meta",
+           "lm_batch"]
 
 BATCH = 8
 SEQ_LEN = 32
@@ -64,6 +65,15 @@ def llama_tiny():
 def mlp_tiny_model() -> nn.Module:
     """The bare 3-layer MLP (16 features in): give ``--input-shape 8x16 --input-dtype float``."""
     return _seeded("mlp_tiny")
+
+
+def llama2_7b_meta():
+    """Llama 2 7B's shape on the meta device, with rotary tables for 65,536 positions (long-context training),
+    and a meta batch of one 2,048-token sequence: ``autopar plan ... --max-seq`` reads how long it may grow."""
+    with torch.device("meta"):
+        model = build_model("llama2_7b", seq_len=65536)
+    tokens, targets = lm_batch(vocab_size=model.cfg.vocab_size, batch=1, seq_len=2048, device="meta")
+    return model, (tokens,), lm_loss, targets
 
 
 def llama2_70b_meta():

@@ -54,6 +54,10 @@ Pipeline (the graph becomes stage graphs)::
     recompute.py          checkpointed block regions (full / selective)
     zero3.py              ZeRO-3: gather each group of dp shards before use, free after
 
+Context parallelism (``context_parallel/``, its own package; analyses only, not in the lowering yet)::
+
+    context_parallel/     attention found in the graph (masks evaluated on probes), the sequence followed through it
+
 Running and reading passes::
 
     pass_manager.py       runs the written-out pipeline, checks the graph after every pass

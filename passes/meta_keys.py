@@ -39,6 +39,12 @@ __all__ = [
     "MoeLayer",
     "MOE_EXCHANGE",
     "MoeExchange",
+    "ATTENTION",
+    "AttnLayout",
+    "MaskInfo",
+    "AttentionInfo",
+    "SEQ",
+    "SeqInfo",
     "TensorInfo",
     "NodeCost",
     "ParamInfo",
@@ -63,6 +69,8 @@ INDEX_BOUND = "autopar.index_bound"
 MOE = "autopar.moe"
 MOE_LAYER = "autopar.moe_layer"
 MOE_EXCHANGE = "autopar.moe_exchange"
+ATTENTION = "autopar.attention"
+SEQ = "autopar.seq"
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,86 @@ class MoeExchange:
 
 
 @dataclass(frozen=True)
+class AttnLayout:
+    """Which dim of an attention operand holds what. ``heads == batch``: one dim of batch x heads (``bmm``)."""
+
+    batch: int
+    heads: int
+    seq: int
+    feature: int
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    """One mask or bias term an attention's scores meet, read off its evaluation (passes/context_parallel).
+
+    ``how``: ``add`` (additive), ``keep`` (True may meet) or ``drop`` (True is masked); ``sources``: the
+    inputs, parameters and position producers it is built from; ``pattern``: ``full``, ``causal``,
+    ``window`` (``q - k < window``), ``dense``; ``padding``/``documents``: the input whose zeros mask keys /
+    whose restarting positions split documents; ``bias``: ``none``, ``alibi`` (``alibi_slopes`` per head),
+    ``learned`` (reads a parameter) or ``other``.
+    """
+
+    node: str
+    how: str
+    sources: tuple[str, ...]
+    pattern: str
+    window: int | None = None
+    padding: str | None = None
+    documents: str | None = None
+    bias: str = "none"
+    alibi_slopes: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class AttentionInfo:
+    """One attention found in a captured graph (on its output node): its operands, layout and rules.
+
+    ``form``: ``sdpa`` (an SDPA op) or ``eager`` (matmul, scale, mask, softmax, matmul); ``q``/``k``/``v``
+    name the operands as the attention reads them (k before its transpose), ``kv_source`` the k before a
+    grouped-query repeat; ``latent``: the compressed kv a low-rank down projection makes (MLA);
+    ``nodes``: the attention's own nodes (scores product to output), which a cp strategy replaces.
+    """
+
+    path: str
+    form: str
+    output: str
+    q: str
+    k: str
+    v: str
+    q_layout: AttnLayout
+    k_layout: AttnLayout
+    v_layout: AttnLayout
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    causal: bool
+    window: int | None
+    softcap: float | None
+    dropout: float
+    masks: tuple[MaskInfo, ...]
+    nodes: tuple[str, ...]
+    kv_source: str | None = None
+    latent: str | None = None
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    """How a node's value meets the sequence under context parallelism (passes/context_parallel/seq_dims.py).
+
+    ``rule``: the rule that placed it (``input``, ``pointwise``, ``positions``, ``positional``, ``attention``,
+    ``attention_mask``, ``rowwise``, ``label_shift``, ``reduce``, ``scan``, ``loss``, ``replicated``, ``refused``);
+    ``dim``: the dim that holds the sequence (None: none does); ``note``: what the rule asks of cp.
+    """
+
+    rule: str
+    dim: int | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class MetaKey:
     """One row of the registry: the key, the dataclass it holds, its writer and its readers."""
 
@@ -240,6 +328,9 @@ META_KEYS = MappingProxyType(
                            ("passes.moe_expert_parallel", "autopar.memory")),
         MOE_EXCHANGE: MetaKey(MOE_EXCHANGE, MoeExchange, "passes.moe_expert_parallel.shard_experts",
                               ("autopar.report",)),
+        ATTENTION: MetaKey(ATTENTION, AttentionInfo, "passes.context_parallel.attention.annotate_attention",
+                           ("passes.context_parallel.seq_dims",)),
+        SEQ: MetaKey(SEQ, SeqInfo, "passes.context_parallel.seq_dims.annotate_sequence", ()),
     }
 )
 

@@ -135,7 +135,11 @@ def _heads(node: fx.Node, dim: int, chunks: int, depth: int = 0) -> int | None:
                 if out_dim > 0 and out_shape[out_dim - 1] == 1 and \
                         math.prod(in_shape[:dim]) == math.prod(out_shape[:out_dim - 1]):
                     return 1  # a single head (multi-query): (..., features) -> (..., 1, head_dim)
-                return out_shape[out_dim] // out_chunks
+                heads = out_shape[out_dim] // out_chunks
+                # a later view may cut these heads again into groups (Falcon's (kv groups, queries + 2)
+                # after (slots, head_dim)): the outermost factor is what the shards must follow
+                groups = _heads(user, out_dim, out_chunks, depth + 1)
+                return groups if groups is not None and groups < heads and heads % groups == 0 else heads
         elif name == "unsqueeze" and (found := broadcast_heads(node)) is not None:
             return found  # broadcast to its query heads (repeat_kv): its kv heads
         elif name in ELEMENTWISE and shape_of(user) == shape_of(node):  # a norm over every head before the split

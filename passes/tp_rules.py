@@ -159,11 +159,13 @@ def view(node: fx.Node, placed: dict):
 
 def refines(src: fx.Node, node: fx.Node, p: Placement) -> bool:
     """Whether view ``node`` merges a dim cut ``parts`` ways with the next one (Falcon's q heads per kv
-    group): each rank of a group then narrows the next dim to its own piece (the transform inserts the
-    cut), and the merged dim is cut tp ways."""
-    if not p.parts or p.inner is not None or p.chunks != 1 or p.blocks or p.parts == 1:
+    group; one group, ``parts`` 1, with every rank in it): each rank of a group then narrows the next dim
+    to its own piece (the transform inserts the cut), and the merged dim is cut tp ways."""
+    if not p.parts or p.inner is not None or p.chunks != 1 or p.blocks:
         return False
     in_shape, out_shape, d = shape_of(src), shape_of(node), p.dim
+    if p.parts == 1 and in_shape[d] != 1:  # whole on every rank: only a single group narrows the next dim
+        return False
     return (d + 1 < len(in_shape) and in_shape[d + 1] > 1 and tuple(out_shape[:d]) == tuple(in_shape[:d])
             and len(out_shape) > d and out_shape[d] == in_shape[d] * in_shape[d + 1]
             and tuple(out_shape[d + 1:]) == tuple(in_shape[d + 2:]))

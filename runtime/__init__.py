@@ -2,7 +2,8 @@
 
 The runtime reads ``autopar.passes`` (graph names, node meta), ``autopar.errors`` and
 ``autopar.plan_model``, never the compiler (tests/test_import_graph.py). ``schedules/`` is its own
-package: schedules as data, generators, the validator and the simulator.
+package: schedules as data, generators, the validator and the simulator. ``context_parallel/`` is its
+own package too: the cp layout and the ring and all-to-all attention ops (not wired into programs yet).
 
 The ops the passes insert into graphs::
 
@@ -23,11 +24,13 @@ Building a rank's program::
     init_replay.py        the model's own initialisers replayed module by module (a filler)
     mixed_precision.py    bf16 compute, fp32 masters and gradients
     zero.py               the optimizer, its state sharded over dp (ZeRO-1/2/3)
+    param_groups.py       the optimizer's parameter groups, learned once from the user's factory by name
     index_guard.py        token ids and positions range-checked before any stage reads them
     item_count.py         each microbatch's share of the step's label tokens (a model's own loss, a token-mean loss_fn)
     moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edp
     rank_parts.py         build_parts: this rank's stages, channel, parameters and optimizer
     program_surface.py    what every program kind shares: batches, forward only, weights, checkpoints
+    step_report.py        program.last_step: loss, learning rates, gradient norm, tokens per second
 
 Running a step::
 
@@ -40,7 +43,6 @@ Running a step::
     clip.py               clipping by the global norm over every shard and axis
     async_pipeline.py     AsyncProgram: PipeDream, 2BW, PipeMare as one endless stream
     weight_versions.py    an asynchronous stage's weight versions and pending updates
-    async_emulation.py    the asynchronous rules emulated in one process (the tests' reference)
     data_parallel.py      DataParallelProgram: the rank-0 baseline
 
 The weights out and back in::
@@ -52,10 +54,15 @@ The weights out and back in::
     checkpoint_files.py   the folder per step, the latest pointer, the manifest, atomic publish
     rng_state.py          each rank's random state, restored or re-derived
     checkpoint.py         checkpoints that reshard: save on one mesh, load on another
+    checkpoint_extra.py   what a checkpoint carries besides the model (a scheduler, any state_dict owner)
 
 Measuring and seeing::
 
     memory_probe.py       bytes a rank holds, activations saved for backward
     model_state.py        measured model-state memory of one rank
+    flight_record.py      each rank's ring buffer of its last actions, collectives and transfers
+    flight_watch.py       heartbeats, and the job-wide diagnosis every surviving rank writes
+    diagnosis.py          every rank's flight record read together: who stopped the job and why
+    stragglers.py         a rank computing markedly slower than its peers on the same stages
     trace.py              every rank's events as a Chrome trace and a timeline, and the bubble
 """

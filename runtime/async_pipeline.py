@@ -13,7 +13,7 @@ API (``program = autopar.compile(..., schedule="pipedream")`` returns an :class:
 - The numbers do not depend on how the stream is cut into calls: microbatches are numbered from
   the start of training, and what every forward and backward reads follows the schedule's
   :class:`~autopar.runtime.schedules.staleness.StalenessRule` of those numbers.
-  :func:`autopar.runtime.async_emulation.emulate` computes the same training in one process.
+  tests/async_oracle.py computes the same training in one process, sharing no code with this one.
 
 Each step of a rank (one stage per rank):
 
@@ -24,8 +24,15 @@ Each step of a rank (one stage per rank):
   forward from its kept inputs with the corrected weights ``w - (v_b - v_f) * delta`` and
   backpropagates through that. The gradient goes into update ``rule.update_of(i)``.
 - An update runs when its result is first read (or at the drain): gradients averaged over dp,
-  summed over tied copies on other ranks (2BW only), learning rate scaled (PipeMare), the user's
-  optimizer stepped, PipeMare's ``delta`` advanced.
+  summed over tied copies on other ranks (2BW only), clipped (``max_grad_norm``, 2BW only: the
+  global norm of this update's gradient over every stage and rank, runtime/clip.py), learning rate
+  scaled (PipeMare), the user's optimizer stepped, PipeMare's ``delta`` advanced.
+- Schedulers: ``train_step`` snapshots ``program.optimizer.param_groups``' settings (lr, weight
+  decay, ...) for the batch it feeds, and every update of that batch's microbatches steps with
+  them, whenever its stage runs it (an update of batch ``b`` may run during the call that feeds
+  ``b + 1``, after a scheduler moved on). So a scheduler stepped once per ``train_step`` gives
+  each batch's updates one learning rate, as a synchronous step would, and the numbers still do not
+  depend on how the stream is cut into calls (docs/training_loop.md).
 """
 from __future__ import annotations
 
@@ -39,18 +46,26 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from autopar.errors import PlanError
+from autopar.runtime.clip import clip_program_gradients
 from autopar.runtime.executor import ActionEvent, weigh_loss
+from autopar.runtime.flight_record import ACTION
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
 from autopar.runtime.p2p import P2PNode
 from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.schedules.action import Action, ActionKind
 from autopar.runtime.schedules.asynchronous import stream_segment
+from autopar.runtime.param_groups import settings_of
+from autopar.runtime.step_report import group_lrs
 from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
 
 __all__ = ["AsyncProgram"]
 
 log = logging.getLogger(__name__)
-_TAG_MICROBATCHES = 4096  # p2p tags hold 12 bits of microbatch; a few are in flight at once
+
+
+def _snapshot(groups: list[dict]) -> list[dict]:
+    """Each group's settings as they are now (a tensor learning rate copied: schedulers set it in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in settings_of(g).items()} for g in groups]
 
 
 class _Proxy:
@@ -110,23 +125,25 @@ class AsyncProgram(ProgramSurface):
     """This rank's parts run as one endless stream (no drain between steps); see the module doc."""
 
     def __init__(self, *, options=None, max_grad_norm: float | None = None, **parts):
-        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm`` is not applied here
-        (each stage steps on its own clock); ``parts``: as :class:`ProgramSurface` builds them."""
+        """``options``: PipeMare's warm-up and correction decay; ``max_grad_norm``: 2BW's update of each batch
+        clipped by the global norm of its gradient, refused by the others (docs/schedules.md); ``parts``: as
+        :class:`ProgramSurface` builds them."""
         super().__init__(**parts)
+        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
         rule = self.schedule.staleness
         if options is not None and rule.kind == "pipemare":
             rule = dataclasses.replace(rule, lr_warmup_updates=options.pipemare_lr_warmup_updates,
                                        correction_decay=options.pipemare_correction_decay)
         self.rule = rule
         self._check_supported()
+        self.check_clipping(max_grad_norm, name=self.schedule.name)
         (self.stage,) = self.stages.values()
         self.versions = WeightVersions(self.named_params)
         index = {id(p): k for k, (_, p) in enumerate(self.named_params)}
         self._gm_params = [(name, index[id(p)]) for name, p in self.stage.gm.named_parameters()]
         self.tied = self._shared_params()
         self.delta = [torch.zeros_like(p) for p in self.versions.params] if rule.kind == "pipemare" else None
-        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
-        self._base_lrs = [g["lr"] for g in groups]
+        self._settings: dict[int, list[dict]] = {}  # batch of the stream -> its groups' settings (lr, ...)
         self._cursor = (0, 0)  # next forward, next backward (global microbatch numbers)
         self._fed = 0  # microbatches fed so far
         self._inputs: dict[int, dict] = {}
@@ -146,6 +163,21 @@ class AsyncProgram(ProgramSurface):
                             where=f"compile(schedule={name!r}), rank {self.info.rank}",
                             fix="; ".join(f for _, f in problems))
         self.check_tied(plan, stage_to_rank=self.schedule.stage_to_rank, name=name)
+
+    @staticmethod
+    def check_clipping(max_grad_norm: float | None, *, name: str) -> None:
+        """Clipping by the global norm is exact under 2BW only (docs/schedules.md, "Gradient clipping")."""
+        if max_grad_norm is None or name == "pipedream_2bw":
+            return
+        raise PlanError(
+            f"max_grad_norm cannot be applied exactly under {name!r}: its stages apply update k at different "
+            f"points of the stream (the last stage right after its own backward of microbatch k, stage 0 only "
+            f"after p - 1 more forwards), so the norm of update k over every stage would hold the last stage "
+            f"until stage 0 has finished that backward, across the step's loss exchange: the ranks would wait "
+            f"on each other for ever",
+            where=f"compile(schedule={name!r}, max_grad_norm={max_grad_norm})",
+            fix="use schedule='pipedream_2bw' (every stage applies a batch's update at the same point, and "
+                "clips it), a synchronous schedule, or max_grad_norm=None")
 
     @staticmethod
     def check_tied(plan, *, stage_to_rank, name: str) -> None:
@@ -173,17 +205,27 @@ class AsyncProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
-        batches = self._microbatches(self._batch(inputs, target, "train_step"))
+        self._flight_step()
+        start = time.perf_counter()
+        tensors = self._batch(inputs, target, "train_step")
+        batches = self._microbatches(tensors)
         self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
+        self.comm_log.reset()  # this step's dp collectives (its updates' ZeRO-1 broadcasts), as a synchronous step
         first = self._fed
+        # the settings (lr, ...) this batch's updates step with, whenever each stage runs them
+        settings = self._settings[first // len(batches)] = _snapshot(self.optimizer.param_groups)
         for k, batch in enumerate(batches):
             self._inputs[first + k] = batch
         self._fed += len(batches)
         results = self._run(end=self._fed - 1)
         self.step_count += 1
-        return self._batch_loss([results[i] for i in sorted(results)])
+        # a scheduler stepped after this call counts it as the optimizer's step (torch warns otherwise)
+        self.optimizer._opt_called = True
+        loss = self._batch_loss([results[i] for i in sorted(results)])
+        self._report(loss, lrs=group_lrs(settings), grad_norm=None, inputs=tensors, start=start)
+        return loss
 
     def flush(self) -> None:
         """Finish every pending backward and apply every pending update (the pipeline drains)."""
@@ -195,14 +237,14 @@ class AsyncProgram(ProgramSurface):
         self.flush()
         return super().full_state_dict()
 
-    def save_checkpoint(self, root: str) -> str:
+    def save_checkpoint(self, root: str, *, extra=None) -> str:
         """Flush, then save as the base class does."""
         self.flush()
-        return super().save_checkpoint(root)
+        return super().save_checkpoint(root, extra=extra)
 
-    def load_checkpoint(self, path: str) -> int:
+    def load_checkpoint(self, path: str, *, extra=None) -> int:
         """Load as the base class does; the stream restarts from the loaded weights (version 0)."""
-        step = super().load_checkpoint(path)
+        step = super().load_checkpoint(path, extra=extra)
         self._restart()
         return step
 
@@ -216,36 +258,48 @@ class AsyncProgram(ProgramSurface):
             raise PlanError("cannot load weights into a pipeline with microbatches in flight",
                             where="asynchronous program", fix="call program.flush() first")
         self.versions = WeightVersions(self.named_params)
-        self._cursor, self._fed, self._inputs, self._stashed = (0, 0), 0, {}, {}
+        self._cursor, self._fed, self._inputs, self._stashed, self._settings = (0, 0), 0, {}, {}, {}
         if self.delta is not None:
             self.delta = [torch.zeros_like(p) for p in self.versions.params]
 
     def _run(self, *, end: int | None) -> dict[int, torch.Tensor]:
         """Run this rank's segment of the stream up to the forward of microbatch ``end`` (None: drain)."""
         pp = self.info.coords["pp"]
-        next_forward = self._cursor[0]
-        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=next_forward,
+        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=self._cursor[0],
                                                next_backward=self._cursor[1], end=end)
         self.events, results = [], {}
         start = time.perf_counter()
         for action in actions:
-            self.channel.action, self.channel.microbatch = str(action), action.microbatch % _TAG_MICROBATCHES
+            self.channel.action, self.channel.microbatch = str(action), action.microbatch
+            entry = None if self.flight is None else self.flight.begin(ACTION, str(action), stage=action.stage,
+                                                                       microbatch=action.microbatch)
             t0, waited = time.perf_counter(), self.channel.wait_s
             if action.kind is ActionKind.F:
-                next_forward = action.microbatch + 1
                 loss = self._forward(action)
                 if loss is not None:
                     results[action.microbatch] = loss
             else:
                 self._backward(action)
-            # snapshots a later forward may read stay; in-flight stashes live in their autograd graphs
-            self.versions.release_below(self.rule.forward_version(self.stage.stage, next_forward))
+            # a weight copy goes with the last backward that read it (WeightVersions.done)
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
+            if entry is not None:
+                self.flight.end(entry)
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))
-        # a send completes when its receiver takes it, maybe only in the next call: wait at the drain only
-        self.channel.flush() if end is None else self.channel.prune()
+        # a send completes when its receiver takes it, maybe only in the next call: wait for those taken
+        self.channel.flush() if end is None else self.channel.prune(self._taken)
         return results
+
+    def _taken(self, stage: int, microbatch: int, is_grad: bool) -> bool:
+        """Whether ``stage`` has received this rank's send of ``microbatch``, judged from what it sent since.
+
+        In the 1F1B stream a stage with ``w`` warm-up forwards runs B(k) right after F(k + w): an activation
+        it takes at F(i) precedes its B(j) for j >= i - w; a gradient it takes at B(i) precedes its F(j)
+        for j > i + w. The newest of each this rank has received from ``stage`` says how far it got."""
+        w = self.rule.delay(stage)
+        if is_grad:
+            return self.channel.heard.get((stage, False), -1) > microbatch + w
+        return self.channel.heard.get((stage, True), -1) >= microbatch - w
 
     def _forward(self, action: Action):
         i, s = action.microbatch, self.stage.stage
@@ -254,7 +308,9 @@ class AsyncProgram(ProgramSurface):
         batch = self._inputs[i] if not self.rule.stashes else self._inputs.pop(i)
         args = tuple(batch[n] for n in self.stage.input_names)
         if self.rule.stashes:
-            leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
+            # a copy only where this stage applies an update before the backward (after w more forwards)
+            copy = self.rule.forward_version(s, i + self.rule.delay(s)) != version
+            leaves = [t.requires_grad_() for t in self.versions.read(version, copy=copy, microbatch=i)]
             out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
             self._held[i], self._stashed[i] = (out, leaves), version
         else:  # no stash: no autograd now; B recomputes from the inputs kept here
@@ -270,11 +326,13 @@ class AsyncProgram(ProgramSurface):
 
     def _backward(self, action: Action) -> None:
         i, s = action.microbatch, self.stage.stage
+        self.channel.post_backward(stage=s, microbatch=i)  # the receives its forward's sends noted
         if self.rule.stashes:
             out, leaves = self._held.pop(i)
             del self._stashed[i]
             roots, grads = _roots(self.stage, out, self.rule.updates_every)
             torch.autograd.backward(roots, grads)
+            self.versions.done(i)
         else:
             version, received = self._held.pop(i)
             self.versions.apply_through(self.rule.backward_version(s, i), self._update)
@@ -298,14 +356,16 @@ class AsyncProgram(ProgramSurface):
             p.grad = g
         average_gradients(params, group=self.info.groups["dp"], size=self.plan.mesh.dp, guard=self.comm_guard)
         sum_shared_gradients(self.tied, rank=self.info.rank, group=self.info.groups["pp"], guard=self.comm_guard)
+        if self.max_grad_norm is not None:  # 2BW: every rank applies update t at the start of batch t + 2
+            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
+        batch = update * self.rule.updates_every // self.plan.pipeline.num_microbatches  # the batch it trains on
         scale = self.rule.lr_scale(self.stage.stage, update)
-        groups = self.optimizer.optimizer.param_groups if self.optimizer.optimizer is not None else []
-        for group, base in zip(groups, self._base_lrs):
-            group["lr"] = base * scale
+        settings = [{**g, "lr": g["lr"] * scale} if "lr" in g else g for g in self._settings[batch]]
         old = [p.detach().clone() for p in params] if self.delta is not None else None
-        self.optimizer.step()
-        for group, base in zip(groups, self._base_lrs):
-            group["lr"] = base
+        with self.optimizer.stepping(settings):
+            self.optimizer.step()
+        for earlier in [b for b in self._settings if b < batch]:  # updates run in order: no one reads these again
+            del self._settings[earlier]
         if self.delta is not None:
             update_velocity(self.delta, old, params, decay=self.rule.correction_decay)
         for p in params:

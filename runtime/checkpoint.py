@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from autopar.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checkpoint_extra import check_extra, read_extra, restore_extra, write_extra
 from autopar.runtime.checkpoint_layout import Layout, join, split
 from autopar.runtime.rank_tensors import Held, held_tensors
 from autopar.runtime import rng_state
@@ -152,20 +153,22 @@ def _gather(obj) -> list:
     return out
 
 
-def _manifest(program: ProgramState, parts: list) -> dict:
-    groups = next((g for _, g in parts if g), [])
+def _manifest(program: ProgramState, parts: list, extra: dict | None) -> dict:
+    groups = next((g for _, g in parts if g), [])  # the same on every rank (runtime/param_groups.py)
     return {"format": files.FORMAT, "step": program.step_count, "model": program.plan.model_name,
             "mesh": program.plan.mesh.model_dump(), "plan": program.plan.model_dump_json(),
             "optimizer_groups": groups, "tensors": _merge([e for e, _ in parts]),
-            "rng": rng_state.rng_manifest(program, _world())}
+            "rng": rng_state.rng_manifest(program, _world()), "extra": extra}
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def save_checkpoint(program: ProgramState, root: str) -> str:
-    """Save ``program`` (weights, buffers, optimizer state, step) under ``root``; returns the step folder."""
+def save_checkpoint(program: ProgramState, root: str, *, extra=None) -> str:
+    """Save ``program`` (weights, buffers, optimizer state and groups, step) and the states of the ``extra``
+    objects (runtime/checkpoint_extra.py) under ``root``; returns the step folder."""
+    extra = check_extra(extra, where="save_checkpoint(extra=...)")
     step, rank = program.step_count, _rank()
     tmp = files.tmp_dir_for(root, step)
     if rank == 0:
@@ -185,7 +188,7 @@ def save_checkpoint(program: ProgramState, root: str) -> str:
     final = os.path.join(root, files.step_dir_name(step))
     if rank == 0 and error is None:
         try:
-            files.write_manifest(tmp, _manifest(program, parts))
+            files.write_manifest(tmp, _manifest(program, parts, write_extra(tmp, extra)))
             files.publish(tmp, root, step)
         except Exception as exc:  # noqa: BLE001
             error = CheckpointError(f"publishing step {step} failed: {exc}", where=final,
@@ -203,6 +206,8 @@ def _jsonable(groups: list[dict]) -> list[dict]:
     for group in groups:
         kept = {}
         for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0:  # a tensor learning rate
+                value = value.item()
             if isinstance(value, (bool, int, float, str, type(None))) or (
                     isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value)):
                 kept[key] = list(value) if isinstance(value, tuple) else value
@@ -379,13 +384,26 @@ def _apply(program: ProgramState, manifest: dict, held: list[Held], request: dic
                     named.setdefault(name, {})[key] = request[h.own_piece(base)].clone()
                 else:
                     named.setdefault(name, {})[key] = _cut(join(request, Layout.from_json(entry["layout"]), base), h)
-    program.optimizer.load_named_state(named, manifest.get("optimizer_groups"))
+    program.optimizer.load_named_state(named, manifest.get("optimizer_groups") or None)
     program.step_count = int(manifest["step"])
 
 
-def load_checkpoint(program: ProgramState, path: str) -> int:
-    """Load a checkpoint (a root's latest, or one step folder) into ``program``; returns its step."""
+def _check_groups(program: ProgramState, manifest: dict) -> CheckpointError | None:
+    """The optimizer's parameter groups must be as many as the saving run's (their settings come back)."""
+    saved, here = manifest.get("optimizer_groups") or [], program.optimizer.hyperparameters()
+    if not saved or len(saved) == len(here):
+        return None
+    return CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter group(s), this program's "
+                           f"{len(here)}: their settings (lr, weight decay, ...) cannot be restored",
+                           where="load_checkpoint", fix="build the optimizer with the parameter groups of the run "
+                                                       "that saved (the same factory and optimizer_params)")
+
+
+def load_checkpoint(program: ProgramState, path: str, *, extra=None) -> int:
+    """Load a checkpoint (a root's latest, or one step folder) into ``program``, and the states of the ``extra``
+    objects; returns its step."""
     files.check_checkpoint_path(path)  # a str or os.PathLike (runtime/checkpoint_files.py)
+    extra = check_extra(extra, where="load_checkpoint(extra=...)")
     folder = manifest = None
     error = None
     try:
@@ -396,6 +414,9 @@ def load_checkpoint(program: ProgramState, path: str) -> int:
     agree_on_error(error)
     held = held_tensors(program)
     agree_on_error(_check_fits(program, manifest, held))
+    agree_on_error(_check_groups(program, manifest))
+    extra_states, error = read_extra(folder, manifest, extra)
+    agree_on_error(error)
     try:
         request, params, states = _request(program, manifest, held)
     except CheckpointError as exc:
@@ -408,6 +429,7 @@ def load_checkpoint(program: ProgramState, path: str) -> int:
     agree_on_error(_read(folder, request, manifest))
     _apply(program, manifest, held, request, params, states)
     _random(program, manifest, request)
+    restore_extra(extra, extra_states)  # after the optimizer's groups: a scheduler's state over their lrs
     _barrier()
     log.info("loaded step %s from %s", manifest["step"], folder)
     return program.step_count

@@ -23,6 +23,11 @@ timeout, and only their errors are translated.
 After a timeout the group is unusable (the peer that arrives late pairs with nothing): the step
 is lost, and the job should stop and resume from its last checkpoint (docs/checkpoints.md).
 
+With a flight record (:mod:`autopar.runtime.flight_record`), each collective is an entry (op,
+purpose, group, its number in the group), marked waiting while this rank blocks in it and done or
+failed after; ``on_failure`` (the job-wide watch, :mod:`autopar.runtime.flight_watch`) runs the
+diagnosis before the error is raised, and its one-line summary joins the error's message.
+
 Example::
 
     >>> guard = CommGuard(rank=0, timeout_s=3.0)
@@ -32,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +67,27 @@ class CommGuard:
     rank: int
     timeout_s: float
     place: Callable[[], str] = field(default=lambda: "")  # the stage and action running, or the phase
+    flight: object = None  # this rank's FlightRecord (runtime/flight_record.py), or None
+    on_failure: Callable[[str], str] | None = None  # the job-wide diagnosis (runtime/flight_watch.py)
+    _ranks: dict = field(default_factory=dict, repr=False)  # id(group) -> (group, its global ranks)
+
+    def ranks_of(self, group) -> tuple[int, ...]:
+        """The global ranks of ``group`` (cached: the flight record names every collective's group)."""
+        hit = self._ranks.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = self._ranks[id(group)] = (group, tuple(group_ranks(group)))
+        return hit[1]
+
+    def diagnosed(self, error: RuntimeCommError) -> RuntimeCommError:
+        """``error`` with the job-wide diagnosis's summary in its message, once the diagnosis ran (if any)."""
+        if self.on_failure is None:
+            return error
+        summary = self.on_failure(f"{error.what} ({error.where})")
+        if not summary:
+            return error
+        rest = error.fix or ""
+        return type(error)(error.what, where=error.where, fix=f"the job-wide diagnosis says: {summary}. "
+                                                               f"{rest[:1].upper()}{rest[1:]}")
 
     def error(self, op: str, *, group, purpose: str, exc: BaseException) -> RuntimeCommError:
         """RuntimeCommError for collective ``op`` over ``group`` that failed with ``exc``."""
@@ -83,8 +110,25 @@ class CommGuard:
                 f"raise p2p_timeout_s if a peer is only slow; the group is unusable now, so restart and "
                 f"resume from the last checkpoint")
 
-    def wait(self, work, *, op: str, group, purpose: str) -> None:
-        """Wait for ``work`` (an async collective's handle) until the deadline."""
+    def _failed(self, op: str, *, group, purpose: str, exc: BaseException, entry: int | None) -> RuntimeCommError:
+        """The error for a failed collective, its flight entry marked failed and the job diagnosed."""
+        if entry is not None:
+            self.flight.end(entry, failed=True)
+        return self.diagnosed(self.error(op, group=group, purpose=purpose, exc=exc))
+
+    def _begin(self, op: str, group, purpose: str) -> int | None:
+        return None if self.flight is None else self.flight.collective(op, purpose, self.ranks_of(group))
+
+    def record(self, op: str, purpose: str, ranks) -> int | None:
+        """A flight entry for an exchange among ``ranks`` the caller waits on itself (``wait(entry=...)``)."""
+        return None if self.flight is None else self.flight.collective(op, purpose, tuple(sorted(ranks)))
+
+    def wait(self, work, *, op: str, group, purpose: str, entry: int | None = None) -> None:
+        """Wait for ``work`` (an async collective's handle) until the deadline; ``entry``: its flight entry."""
+        flight = self.flight if entry is not None else None
+        if flight is not None:
+            flight.waiting(entry)
+            began = time.perf_counter()
         try:
             if _timed(group):
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
@@ -93,18 +137,25 @@ class CommGuard:
         except AutoparError:
             raise
         except Exception as exc:  # noqa: BLE001 - a timeout (RuntimeError/DistBackendError) or a dead peer
-            raise self.error(op, group=group, purpose=purpose, exc=exc) from exc
+            raise self._failed(op, group=group, purpose=purpose, exc=exc, entry=entry) from exc
+        if flight is not None:
+            waited = time.perf_counter() - began
+            flight.comm_wait_s += waited
+            if waited > flight.longest_wait[0]:
+                flight.longest_wait = (waited, entry)
+            flight.end(entry)
 
     def run(self, op: str, fn, /, *args, group, purpose: str, async_op: bool = False, **kwargs):
         """``fn(*args, group=group, async_op=True, **kwargs)`` (a ``torch.distributed`` collective), then
         wait with the deadline; with ``async_op=True`` the caller waits later, on the :class:`GuardedWork`."""
+        entry = self._begin(op, group, purpose)
         try:
             work = fn(*args, group=group, async_op=True, **kwargs)
         except AutoparError:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer already gone, a closed connection
-            raise self.error(op, group=group, purpose=purpose, exc=exc) from exc
-        guarded = GuardedWork(work, guard=self, op=op, group=group, purpose=purpose)
+            raise self._failed(op, group=group, purpose=purpose, exc=exc, entry=entry) from exc
+        guarded = GuardedWork(work, guard=self, op=op, group=group, purpose=purpose, entry=entry)
         if async_op:
             return guarded
         guarded.wait()
@@ -112,22 +163,29 @@ class CommGuard:
 
     def call(self, op: str, fn, /, *args, group, purpose: str, **kwargs):
         """An object collective (no async form): run it, translating its errors (the group's timeout)."""
+        entry = self._begin(op, group, purpose)
+        if entry is not None:
+            self.flight.waiting(entry)
         try:
-            return fn(*args, group=group, **kwargs)
+            out = fn(*args, group=group, **kwargs)
         except AutoparError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise self.error(op, group=group, purpose=purpose, exc=exc) from exc
+            raise self._failed(op, group=group, purpose=purpose, exc=exc, entry=entry) from exc
+        if entry is not None:
+            self.flight.end(entry)
+        return out
 
 
 class GuardedWork:
-    """An async collective's handle whose ``wait`` keeps the guard's deadline and error."""
+    """An async collective's handle whose ``wait`` keeps the guard's deadline and error (and flight entry)."""
 
-    def __init__(self, work, *, guard: CommGuard, op: str, group, purpose: str):
+    def __init__(self, work, *, guard: CommGuard, op: str, group, purpose: str, entry: int | None = None):
         self.work, self.guard, self.op, self.group, self.purpose = work, guard, op, group, purpose
+        self.entry = entry
 
     def wait(self, timeout=None) -> bool:
-        self.guard.wait(self.work, op=self.op, group=self.group, purpose=self.purpose)
+        self.guard.wait(self.work, op=self.op, group=self.group, purpose=self.purpose, entry=self.entry)
         return True
 
     def is_completed(self) -> bool:

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.program_surface import ProgramSurface
+from autopar.runtime.step_report import group_lrs
 
 __all__ = ["DataParallelProgram"]
 
@@ -94,7 +95,9 @@ class DataParallelProgram(ProgramSurface):
         """One optimizer step on the global batch (tensors or a dict batch, read on dp rank 0); returns the
         mean loss, every rank."""
         inputs = self._batch(inputs, None, "train_step")  # a dict batch: its tensors in the graph's order
+        self._flight_step()
         self.events, t0 = [], time.perf_counter()
+        lrs = group_lrs(self.optimizer.param_groups)
         self.comm_log.reset()
         self.optimizer.zero_grad()
         mark = lambda name, start: self.events.append((name, start - t0, time.perf_counter() - t0))  # noqa: E731
@@ -123,8 +126,13 @@ class DataParallelProgram(ProgramSurface):
         mark("backward", start)
         self._reduce_gradients()
         if self.is_root:
-            self.optimizer.step()
+            with self.optimizer.stepping():
+                self.optimizer.step()
+        self.optimizer._opt_called = True  # every rank's scheduler counts this step (torch warns otherwise)
         comm.broadcast(loss, src=self.root, purpose="loss", **self._c())
+        self.step_count += 1
+        # the global batch (read on rank 0); no gradient norm: only rank 0 holds the gradients
+        self._report(loss, lrs=lrs, grad_norm=None, inputs=tuple(inputs), start=t0, dp=1)
         return loss
 
     @torch.no_grad()

@@ -22,6 +22,8 @@ Receives are posted one action ahead: while an action computes, the activations 
 reads (a forward's recv nodes) and the gradients it waits for (a backward's, as its forward's
 sends noted them) are already on their way, so a transfer's latency hides under compute.
 Only validated schedules run (the caller validates).
+Each action is an entry of the rank's flight record (runtime/flight_record.py) when the channel
+carries one, open while it runs, and its event notes the seconds it spent blocked in collectives.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from autopar.errors import ScheduleError
 from autopar.passes.pipeline_split import StageGraph
 from autopar.passes.mean_loss import LOSS_WEIGHT
 from autopar.runtime.item_count import weighted_loss
+from autopar.runtime.flight_record import ACTION
 from autopar.runtime.p2p import P2PChannel, forward_receives
 from autopar.runtime.schedules.action import Action, ActionKind
 
@@ -46,17 +49,20 @@ log = logging.getLogger(__name__)
 class ActionEvent(tuple):
     """(action string, start, end) in seconds since the step began.
 
-    ``wait_s``: the part of it spent blocked on a peer's transfer; ``origin``: the step's start
+    ``wait_s``: the part of it spent blocked on a peer's transfer; ``comm_s``: the part blocked in
+    collectives (a tensor-parallel all-reduce; known with a flight record); ``origin``: the step's start
     (``time.perf_counter()``), which lines up the events of ranks on one host (runtime/trace.py).
     """
 
     wait_s = 0.0
+    comm_s = 0.0
     origin = 0.0
 
     @classmethod
-    def timed(cls, action: str, t0: float, t1: float, *, origin: float, wait_s: float) -> ActionEvent:
+    def timed(cls, action: str, t0: float, t1: float, *, origin: float, wait_s: float,
+              comm_s: float = 0.0) -> ActionEvent:
         event = cls((action, t0 - origin, t1 - origin))
-        event.wait_s, event.origin = wait_s, origin
+        event.wait_s, event.comm_s, event.origin = wait_s, comm_s, origin
         return event
 
 
@@ -210,11 +216,15 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
     fused: set[tuple[int, int]] = set()  # (stage, microbatch) whose W its B already ran
     results: dict[int, object] = {}
     receives = {s: forward_receives(stage.gm) for s, stage in stages.items()}
+    flight = channel.flight
     start = time.perf_counter()
     for index, action in enumerate(actions):
         if index + 1 < len(actions):  # the next action's transfers land while this one computes
             _post_receives(actions[index + 1], receives=receives, channel=channel, train=train)
-        channel.action = str(action)
+        channel.action = name = str(action)
+        if flight is not None:
+            entry = flight.begin(ACTION, name, stage=action.stage, microbatch=action.microbatch)
+            comm = flight.comm_wait_s
         t0, waited = time.perf_counter(), channel.wait_s
         stage = stages[action.stage]
         if action.kind is ActionKind.F:
@@ -246,9 +256,11 @@ def run_actions(actions: tuple[Action, ...], *, stages: dict[int, StageGraph], m
                 _backward(stage, saved.pop((action.stage, action.microbatch)), len(microbatches))
             else:
                 _backward_weight(stage, saved.pop((action.stage, action.microbatch)))
+        if flight is not None:
+            flight.end(entry)
         if events is not None:
-            events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
-                                            wait_s=channel.wait_s - waited))
+            events.append(ActionEvent.timed(name, t0, time.perf_counter(), origin=start, wait_s=channel.wait_s - waited,
+                                            comm_s=flight.comm_wait_s - comm if flight is not None else 0.0))
     channel.flush()
     return results
 

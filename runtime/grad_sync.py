@@ -84,12 +84,13 @@ def sum_shared_gradients(shared: list[tuple[torch.nn.Parameter, list[int]]], *, 
         buffers = [torch.empty_like(mine) for _ in others]
         ops = [dist.P2POp(dist.isend, mine, r, group=group) for r in others]
         ops += [dist.P2POp(dist.irecv, b, r, group=group) for b, r in zip(buffers, others)]
+        purpose = "the gradient of a weight tied across stages"
+        entry = None if guard is None else guard.record("send/recv", purpose, peers)
         for work in dist.batch_isend_irecv(ops):
             if guard is None:
                 work.wait()
             else:
-                guard.wait(work, op=f"send/recv with ranks {others}", group=group,
-                           purpose="the gradient of a weight tied across stages")
+                guard.wait(work, op=f"send/recv with ranks {others}", group=group, purpose=purpose, entry=entry)
         # sum in global-rank order so every copy gets bitwise the same value
         contributions = sorted([(rank, mine)] + list(zip(others, buffers)), key=lambda x: x[0])
         total = contributions[0][1].clone()

@@ -8,16 +8,20 @@ Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.runtim
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.passes.graph_names import user_name
-from autopar.runtime.clip import clip_program_gradients
+from autopar.runtime.clip import clip_program_gradients, counted_parameters, squares_of
 from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.program_surface import ProgramSurface
+from autopar.runtime.stragglers import StragglerCheck
+from autopar.runtime.step_report import group_lrs
 from autopar.runtime.tp_grad_sync import sum_partial_gradients
 
 __all__ = ["RankProgram"]
@@ -40,6 +44,14 @@ class RankProgram(ProgramSurface):
                                       current_action=self._doing, zero3_runtimes=p.zero3,
                                       expert_owners=self.optimizer.expert_owner_of())
         self.loss_ranks = p.loss_ranks  # ranks whose stages compute the loss (two for Chimera: one per replica)
+        self.stragglers: list = []  # the last step's stragglers (runtime/stragglers.py)
+        self._straggler_check = None
+        if self.flight is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._straggler_check = StragglerCheck(
+                rank=self.info.rank, world=dist.get_world_size(), pp=self.info.coords["pp"],
+                action_names=[[str(a) for a in row] for row in self.schedule.actions], flight=self.flight,
+                device=self.info.device)
+        self.norm_counted = counted_parameters(self)  # this rank's share of the global gradient norm (runtime/clip.py)
 
     def _doing(self) -> str:
         """The schedule's action running now, or the step's phase outside the schedule (a bucket's launch label)."""
@@ -59,10 +71,15 @@ class RankProgram(ProgramSurface):
         if not self.captured.has_loss:
             raise PlanError("this program was compiled without a loss", where="train_step",
                             fix="pass loss_fn= (and example_target=) to autopar.compile, or a dict batch with labels")
+        self._flight_step()
+        start = time.perf_counter()
         self.phase = "counting the step's tokens"  # (a collective over dp: runtime/item_count.py)
-        batches = self._count_items(self._microbatches(self._batch(inputs, target, "train_step")))
+        tensors = self._batch(inputs, target, "train_step")
+        batches = self._count_items(self._microbatches(tensors))
         index_problem = self.index_guard.inspect(batches)  # reported with the non-finite check, on every rank
         self.optimizer.zero_grad()
+        if self._straggler_check is not None:
+            self._straggler_check.begin()
         self.events = []
         self.comm_log.reset()
         self.grad_sync.begin(len(batches))
@@ -77,15 +94,29 @@ class RankProgram(ProgramSurface):
         sum_partial_gradients(self.tp_partial_params, group=self.info.groups["tp"], guard=self.comm_guard)
         self.phase = "non-finite check and loss reduction"
         # runtime/numerics.py: a NaN/inf, or a bad index any rank found, stops the step on every rank;
-        # the step's loss is summed over the world on the same all-reduce
-        loss_total = check_finite(self, results, index_problem=index_problem, riders=self._loss_share(results))
-        if self.max_grad_norm is not None:  # runtime/clip.py: the global norm over every shard and axis
+        # the step's loss and the squared gradient norm (runtime/clip.py) are summed over the world on the
+        # same all-reduce; each rank's action figures ride on it too, for the straggler check (runtime/stragglers.py)
+        check = self._straggler_check
+        squares = squares_of(self.norm_counted, device=self.info.device)
+        riders = torch.cat([self._loss_share(results), squares.float().reshape(1)])
+        if check is not None:
+            riders = torch.cat([riders, check.riders(self.events)])
+        summed = check_finite(self, results, index_problem=index_problem, riders=riders)
+        loss_total, squares = summed[0], summed[1]
+        if check is not None:
+            self.stragglers = check.judge(summed[2:], step=self.step_count + 1)
+        norm = squares.clamp(min=0).sqrt()
+        if self.max_grad_norm is not None:  # the global norm over every shard and axis, scaled to max_grad_norm
             self.phase = "gradient clipping"
-            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm)
+            self.last_grad_norm = clip_program_gradients(self, max_norm=self.max_grad_norm, norm=norm)
         self.phase = "optimizer step"
-        self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
+        lrs = group_lrs(self.optimizer.param_groups)  # what this step uses (a scheduler changes them after)
+        with self.optimizer.stepping():
+            self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
         self.step_count += 1
-        return loss_total[0] / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
+        loss = loss_total / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
+        self._report(loss, lrs=lrs, grad_norm=float(norm), inputs=tensors, start=start)
+        return loss
 
     def _loss_share(self, results: dict) -> torch.Tensor:
         """This rank's part of the step's loss sum (1 element, fp32): the sum of its last-stage

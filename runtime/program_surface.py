@@ -9,10 +9,17 @@ A program is made of :class:`~autopar.runtime.rank_parts.RankParts` (built once,
 :class:`~autopar.runtime.rank_context.ProgramState` names, read by checkpoints, the non-finite
 check, clipping and the memory probe), the stage graphs to read, this rank's slice of a batch,
 the full state dict and checkpoints. Each kind adds its ``train_step`` and its forward.
+
+Every program keeps this rank's flight record (``program.flight``, :mod:`autopar.runtime.flight_record`:
+its last actions, collectives and transfers) and, on a world of two ranks or more, watches the job
+(``program.watch``, :mod:`autopar.runtime.flight_watch`): heartbeats, and the job-wide diagnosis when
+a collective or a transfer fails. ``flight_record=0`` turns both off; ``run_dir`` keeps the record in
+a file that outlives the process and receives the report.
 """
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,12 +28,16 @@ import torch.utils._pytree as pytree
 from autopar.errors import PlanError
 from autopar.runtime.executor import run_actions
 from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from autopar.runtime.flight_record import STEP, FlightRecord
+from autopar.runtime.flight_watch import start_watch
 from autopar.runtime.rank_context import MeshInfo, RankContext
+from autopar.runtime.param_groups import GroupTemplate
 from autopar.runtime.rank_parts import LoweredStages, build_parts
 from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
+from autopar.runtime.step_report import StepReport, batch_counts
 from autopar.runtime.zero3_ops import full_parameters
 from autopar.runtime.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.moe_groups import full_expert_parameters
@@ -39,16 +50,23 @@ class ProgramSurface:
 
     def __init__(self, *, lowered: LoweredStages, info: MeshInfo, schedule: Schedule, optimizer_factory,
                  state_keys: tuple[str, ...], p2p_timeout_s: float, masters: dict | None = None, materialize=None,
-                 unused: tuple = ()):
+                 unused: tuple = (), flight_record: int = 4096, run_dir: str | None = None,
+                 param_groups: GroupTemplate | None = None):
         """``lowered``: one tp rank's lowering; ``masters``: fp32 masters of bf16 graphs; ``materialize``:
         fills a meta-built model's pieces (runtime/materialize.py); ``unused``: the model's tensors no
-        stage graph reads, kept whole (runtime/unused_state.py)."""
+        stage graph reads, kept whole (runtime/unused_state.py); ``flight_record``: entries of the rank's
+        flight record (0: none, and no job watch); ``run_dir``: where its file and the diagnosis go;
+        ``param_groups``: the optimizer factory's groups over the whole model (runtime/param_groups.py;
+        None: those of this rank's own parameters)."""
         self.phase = "schedule"  # what the step is doing, for errors (the action itself while the schedule runs)
+        world = dist.get_world_size() if dist.is_initialized() else info.shape.world_size
+        self.flight = FlightRecord(rank=info.rank, capacity=flight_record, folder=run_dir,
+                                   meta={"world": world, "coords": dict(info.coords)}) if flight_record > 0 else None
         # the rank's groups, its collectives' deadline (naming what it is doing) and its dp traffic log
-        self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place)
+        self.ctx = RankContext.create(info, timeout_s=p2p_timeout_s, place=self._place, flight=self.flight)
         self.parts = parts = build_parts(lowered=lowered, ctx=self.ctx, schedule=schedule,
                                          optimizer_factory=optimizer_factory, state_keys=state_keys,
-                                         masters=masters, materialize=materialize)
+                                         masters=masters, materialize=materialize, param_groups=param_groups)
         self.plan, self.info, self.schedule, self.captured = parts.plan, info, schedule, parts.captured
         self.state_keys, self.stages, self.stage_ranks = state_keys, parts.stages, parts.stage_ranks
         self.comm_guard, self.comm_log, self.channel = self.ctx.guard, self.ctx.comm_log, parts.channel
@@ -58,12 +76,33 @@ class ProgramSurface:
         self.last_stage_rank = self.stage_ranks[len(self.stage_ranks) - 1]
         self.events: list = []
         self.step_count = 0  # completed optimizer steps (saved and restored by checkpoints)
+        self.last_step: StepReport | None = None  # what the last train_step reports (runtime/step_report.py)
+        self.watch = None  # heartbeats and the job-wide diagnosis (runtime/flight_watch.py)
+        if self.flight is not None:
+            self.flight.set_meta(stages=sorted(self.stages))
+            self.watch = start_watch(self.flight, world=world, run_dir=run_dir, timeout_s=p2p_timeout_s)
+            self.comm_guard.on_failure = self.watch.on_failure if self.watch is not None else None
+
+    def _flight_step(self) -> None:
+        """Mark the start of a training step in the flight record (numbered from 1, as errors name steps)."""
+        if self.flight is not None:
+            self.flight.step = self.step_count + 1
+            self.flight.end(self.flight.begin(STEP, "step"))
 
     # -- what a person reads -------------------------------------------------------------
     @property
     def graphs(self) -> dict[int, torch.fx.GraphModule]:
         """This rank's rewritten stage graphs, by stage index."""
         return {s: st.gm for s, st in sorted(self.stages.items())}
+
+    def _report(self, loss: torch.Tensor, *, lrs: tuple[float, ...], grad_norm: float | None, inputs: tuple,
+                start: float, dp: int | None = None) -> None:
+        """Set ``program.last_step`` (runtime/step_report.py); ``inputs``: the graph's inputs of this rank's
+        slice (the target last when compiled with a loss_fn), one of ``dp`` (default: the mesh's) equal ones."""
+        model_inputs = inputs[:-1] if self.captured.has_target else inputs
+        samples, tokens = batch_counts(model_inputs, dp=self.plan.mesh.dp if dp is None else dp)
+        self.last_step = StepReport(step=self.step_count, loss=float(loss), lrs=lrs, grad_norm=grad_norm,
+                                    num_samples=samples, num_tokens=tokens, seconds=time.perf_counter() - start)
 
     # -- batches and collectives' errors -----------------------------------------------------
     def _microbatches(self, tensors: tuple) -> list[dict]:
@@ -194,13 +233,15 @@ class ProgramSurface:
         return self.optimizer.owners_values(self.named_params)
 
     # -- checkpoints (runtime/checkpoint.py); collective: every rank calls them ----------------
-    def save_checkpoint(self, root: str) -> str:
-        """Save weights, buffers, optimizer state and step under ``root`` (atomically); the step folder."""
-        return save_checkpoint(self, root)
+    def save_checkpoint(self, root: str, *, extra=None) -> str:
+        """Save weights, buffers, optimizer state and groups, step, and the state of each ``extra`` object
+        ({name: object with state_dict()}, e.g. a scheduler) under ``root`` (atomically); the step folder."""
+        return save_checkpoint(self, root, extra=extra)
 
-    def load_checkpoint(self, path: str) -> int:
-        """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh; returns its step."""
-        step = load_checkpoint(self, path)
+    def load_checkpoint(self, path: str, *, extra=None) -> int:
+        """Load ``root``'s latest checkpoint (or one step folder), saved on any mesh, and each ``extra``
+        object's state (saved under the same name); returns its step."""
+        step = load_checkpoint(self, path, extra=extra)
         if self.mixed is not None:  # round the masters into the bf16 copies; ZeRO-1/2 owners broadcast them
             self.optimizer.publish_parameters()
         return step

@@ -5,7 +5,8 @@
   the mesh itself, so a program can also be built over a hand-made ``MeshInfo``).
 - :class:`AxisGroup`: one mesh axis from this rank: its group, the ranks along it, this rank's index.
 - :class:`RankContext`: the mesh info, the deadline of every collective with the error naming a
-  missed one (:class:`~autopar.runtime.comm_guard.CommGuard`) and the log of the step's dp traffic
+  missed one (:class:`~autopar.runtime.comm_guard.CommGuard`, which also writes each collective into
+  the rank's flight record, :mod:`autopar.runtime.flight_record`) and the log of the step's dp traffic
   (:class:`~autopar.runtime.comm_audit.CommLog`). Gradient sync, ZeRO's optimizer and the DDP
   buckets take it (or one of its axes) instead of a group, ranks, an index, a guard and a log each.
 - :class:`ProgramState`: what checkpoints, the non-finite check, clipping, ``rank_tensors``,
@@ -78,9 +79,11 @@ class RankContext:
     comm_log: CommLog  # this step's dp collectives (runtime/comm_audit.py)
 
     @classmethod
-    def create(cls, info: MeshInfo, *, timeout_s: float, place: Callable[[], str] = lambda: "") -> RankContext:
-        """The context of rank ``info.rank``; ``place`` says what the rank is doing, for a collective's error."""
-        guard = CommGuard(rank=info.rank, timeout_s=timeout_s, place=place)
+    def create(cls, info: MeshInfo, *, timeout_s: float, place: Callable[[], str] = lambda: "",
+               flight=None) -> RankContext:
+        """The context of rank ``info.rank``; ``place`` says what the rank is doing, for a collective's error;
+        ``flight``: the rank's FlightRecord, which its collectives are written into (None: no record)."""
+        guard = CommGuard(rank=info.rank, timeout_s=timeout_s, place=place, flight=flight)
         return cls(info=info, guard=guard, comm_log=CommLog(guard=guard))
 
     @property

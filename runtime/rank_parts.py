@@ -31,6 +31,7 @@ from autopar.runtime.moe_groups import add_expert_groups
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
 from autopar.runtime.p2p import P2PChannel, P2PNode
+from autopar.runtime.param_groups import GroupTemplate
 from autopar.runtime.rank_context import AxisGroup, RankContext
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.zero import ShardedOptimizer, stepped_here
@@ -137,14 +138,16 @@ def _edp_axis(info, *, ep: int) -> AxisGroup | None:
 
 
 def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule, optimizer_factory,
-                state_keys: tuple[str, ...], masters: dict | None = None, materialize=None) -> RankParts:
-    """This rank's parts of ``lowered`` (one tp rank's lowering: ``autopar.lowering.Lowered``)."""
+                state_keys: tuple[str, ...], masters: dict | None = None, materialize=None,
+                param_groups: GroupTemplate | None = None) -> RankParts:
+    """This rank's parts of ``lowered`` (one tp rank's lowering: ``autopar.lowering.Lowered``); ``param_groups``:
+    the optimizer factory's groups over the whole model (runtime/param_groups.py)."""
     plan, info = lowered.plan, ctx.info
     mine = _rank_stages(lowered, ctx=ctx, schedule=schedule, materialize=materialize)
     stages = {s.stage: s for s in mine}
     stage_ranks = {s: info.peer("pp", r) for s, r in enumerate(schedule.stage_to_rank)}
     channel = P2PChannel(rank=info.rank, stage_to_rank=stage_ranks, group=info.groups["pp"],
-                         timeout_s=ctx.guard.timeout_s, device=info.device)
+                         timeout_s=ctx.guard.timeout_s, device=info.device, guard=ctx.guard)
     if plan.expert_parallel > 1:  # MoE experts over ep ranks of dp: the ep and edp groups (runtime/moe_groups.py)
         add_expert_groups(info, ep=plan.expert_parallel)
     zero3 = _bind(mine, ctx=ctx, channel=channel)
@@ -156,13 +159,14 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     mixed = MasterWeights(named, masters, stepped=stepped) if masters is not None else None
     if mixed is not None:  # bf16 graphs: the runtime steps fp32 masters (runtime/mixed_precision.py)
         named = mixed.named
-    optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
-                                 comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
-                                 synced=mixed.compute if mixed is not None else None,
-                                 local=frozenset(plan.expert_params), edp=_edp_axis(info, ep=plan.expert_parallel))
     aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
                for s in lowered.stages for n in s.gm.graph.nodes
                if n.op == "get_attr" and get_meta(n, PARAM) is not None}
+    optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
+                                 comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
+                                 synced=mixed.compute if mixed is not None else None,
+                                 local=frozenset(plan.expert_params), edp=_edp_axis(info, ep=plan.expert_parallel),
+                                 template=param_groups, aliases=aliases)  # each tensor in its name's group
     return RankParts(
         plan=plan, ctx=ctx, schedule=schedule, captured=lowered.captured, state_keys=state_keys, stages=stages,
         stage_ranks=stage_ranks, channel=channel, named_params=named, mixed=mixed, optimizer=optimizer,

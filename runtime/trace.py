@@ -17,6 +17,9 @@ peer's transfer (``ActionEvent.wait_s``) and the step's start (``ActionEvent.ori
   from the measured one only by slower transfers (and a process woken late) and the ranks' start
   skew.
   :func:`bubble_report` prints them side by side.
+- :func:`measured_critical_path`: the run's own critical path, read after the fact: the step graph
+  (:mod:`autopar.runtime.schedules.step_graph`) with each action's measured duration and the
+  replay's transfer latency; its length is the replay's step time.
 
     >>> events = [[TraceEvent("0F0", 0.0, 1.0), TraceEvent("0B0", 2.0, 3.0, wait=0.5)],
     ...           [TraceEvent("1F0", 1.0, 2.0), TraceEvent("1B0", 2.0, 2.5)]]
@@ -34,10 +37,11 @@ import torch.distributed as dist
 
 from autopar.runtime.schedules.action import Action, Schedule
 from autopar.runtime.schedules.simulator import SimResult, StageCosts, simulate
+from autopar.runtime.schedules.step_graph import CriticalPath
 
 __all__ = ["TraceEvent", "gather_events", "chrome_trace", "write_chrome_trace", "plot_timeline",
            "measured_bubble", "action_durations", "transfer_latency", "replay", "bubble_report",
-           "from_simulation"]
+           "from_simulation", "measured_critical_path"]
 
 _KIND_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
 _ACTION = re.compile(r"^(\d+)([A-Z])(\d+)$")
@@ -184,13 +188,22 @@ def replay(schedule: Schedule, events: Sequence[Sequence[TraceEvent]], *, p2p: f
                     durations=action_durations(events))
 
 
+def measured_critical_path(schedule: Schedule, events: Sequence[Sequence[TraceEvent]], *,
+                           p2p: float | None = None) -> CriticalPath:
+    """The critical path of a measured step: which actions and transfers made it as long as it was, each
+    with its measured seconds (the :func:`replay`'s model, so its length is ``replay(...).step_time``)."""
+    return replay(schedule, events, p2p=p2p).critical_path
+
+
 def bubble_report(schedule: Schedule, events: Sequence[Sequence[TraceEvent]]) -> str:
-    """Measured and simulated (replayed) bubble per rank, as a few lines of text."""
+    """Measured and simulated (replayed) bubble per rank, and the step's critical path, as a few lines of text."""
     measured = measured_bubble(events)
-    simulated = replay(schedule, events).bubble_fraction
+    replayed = replay(schedule, events)
+    simulated = replayed.bubble_fraction
     lines = [f"{schedule.name}: bubble measured vs simulated with the measured action times"]
     for rank, (m, s) in enumerate(zip(measured, simulated)):
         lines.append(f"  rank {rank}: measured {m:6.1%}  simulated {s:6.1%}")
     lines.append(f"  mean  : measured {sum(measured) / len(measured):6.1%}  "
                  f"simulated {sum(simulated) / len(simulated):6.1%}")
+    lines.append("  " + replayed.critical_path.summary(unit="s"))
     return "\n".join(lines)

@@ -20,16 +20,25 @@
   unsharded update only if it treats every element on its own, so ZeRO-3 accepts the
   element-wise optimizers of torch.optim (:data:`ELEMENTWISE`) and refuses others with a
   :class:`~autopar.errors.PlanError` that says to use ZeRO-2.
+
+Whatever the stage, :class:`ShardedOptimizer` is a ``torch.optim.Optimizer`` whose ``param_groups`` are
+the factory's groups over the whole model (:mod:`autopar.runtime.param_groups`, decided by name on
+stand-ins of the model's full shapes): every rank has the same groups and settings, each holding the
+tensors of that group it steps (owned parameters, flat shards, experts, fp32 masters), and every step
+copies the groups' settings into the inner optimizer, so a learning-rate scheduler on
+``program.optimizer`` holds for every shard.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from autopar.errors import PlanError
 from autopar.runtime import comm_audit as comm
+from autopar.runtime.param_groups import GroupTemplate, group_template, settings_of
 from autopar.runtime.rank_context import AxisGroup
 
 __all__ = ["ShardedOptimizer", "partition_params", "stepped_here", "ELEMENTWISE", "check_elementwise"]
@@ -81,19 +90,33 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
                         "or an element-wise optimizer")
 
 
-class ShardedOptimizer:
-    """The user's optimizer over this rank's share of the parameters (``zero_stage`` 0-3)."""
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer over this rank's share of the parameters (``zero_stage`` 0-3), as one torch optimizer.
+
+    ``param_groups`` are the optimizer's groups as the factory made them over the whole model
+    (:mod:`autopar.runtime.param_groups`): the same groups, order and settings on every rank, each holding
+    the parameters of that group this rank steps (maybe none). They are the source of truth: a scheduler
+    or the user reads and sets ``lr``, ``weight_decay``, ``betas``, ... there, and every step copies the
+    settings into the groups of the inner optimizer (``self.optimizer``: the user's class over the same
+    tensors), so they hold for every shard of the group's parameters. ``state`` is the inner optimizer's,
+    so torch's ``state_dict()`` / ``load_state_dict()`` work on this rank's share (same mesh);
+    checkpoints move the state across meshes by name. ``step()`` runs only inside the program's
+    ``train_step`` (:meth:`stepping`): called by hand, after a step that already stepped, it raises.
+    """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  factory: Callable[[list], torch.optim.Optimizer], *, zero_stage: int,
                  dp: AxisGroup, comm_log: comm.CommLog | None = None,
                  publish: Callable[[], None] | None = None, synced: dict[str, torch.Tensor] | None = None,
-                 local: frozenset[str] = frozenset(), edp: AxisGroup | None = None):
+                 local: frozenset[str] = frozenset(), edp: AxisGroup | None = None,
+                 template: GroupTemplate | None = None, aliases: Mapping[str, Sequence[str]] | None = None):
         """``publish`` runs after the local step, before the owners' broadcast (mixed precision rounds the
         masters into the compute copies there); ``synced`` are the tensors the owners broadcast, by name
         (default: the parameters; the bf16 compute copies under mixed precision). ``local``: parameters every
         rank steps itself, outside the dp partition (MoE experts split over ep: runtime/moe_groups.py); under
-        ZeRO-1/2 they are partitioned over ``edp`` (the ranks holding the same experts) when it has several ranks."""
+        ZeRO-1/2 they are partitioned over ``edp`` (the ranks holding the same experts) when it has several ranks.
+        ``template``: the factory's groups over the whole model (None: those of this rank's parameters);
+        ``aliases``: every name of a tied weight, by the name used here."""
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         steps_all = [(n, p) for n, p in named_params if n in local]
         self.named = [(n, p) for n, p in named_params if n not in local]
@@ -111,11 +134,90 @@ class ShardedOptimizer:
             self.expert_owners[self.edp.index if self.edp else 0]
         self.local_names = mine
         self.sharded = sharded
-        self.optimizer = factory([by_name[n] for n in mine]) if mine else None
-        if zero_stage == 3 and dp.size > 1 and self.optimizer is not None:
-            check_elementwise(self.optimizer)
         self._by_name = by_name
         self._synced = synced
+        self._stepping, self._step_settings = False, None
+        template = template if template is not None else group_template(factory, self.named, named=False)
+        aliases = aliases or {}
+        group_of = {n: template.group_of(n, aliases.get(n, ())) for n in mine}
+        members = [[n for n in mine if group_of[n] == k] for k in range(len(template.settings))]
+        self._stepped = [n for n in mine if group_of[n] is not None]  # a name in no group is not stepped
+        self.groups_here = [k for k, names in enumerate(members) if names]  # inner group j is group groups_here[j]
+        self.optimizer = self._inner(factory, template, members) if self.groups_here else None
+        if zero_stage == 3 and dp.size > 1 and self.optimizer is not None:
+            check_elementwise(self.optimizer)
+        self._built = False
+        super().__init__([self._group(template, k, names) for k, names in enumerate(members)],
+                         dict(template.defaults))
+        self._built = True
+        self._link()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, while the groups are built; afterwards refused (a group only the wrapper had would not train)."""
+        if getattr(self, "_built", False):
+            raise PlanError("program.optimizer cannot take new parameter groups after compile: the groups are the "
+                            "optimizer factory's, over every shard of the model",
+                            where="program.optimizer.add_param_group", fix="build the groups in the optimizer factory")
+        super().add_param_group(param_group)
+
+    def _group(self, template: GroupTemplate, k: int, names: list[str]) -> dict:
+        """Group ``k`` of the template over this rank's tensors ``names``."""
+        group = {**template.settings[k], "params": [self._by_name[n] for n in names]}
+        if template.keeps_names:
+            group["param_names"] = list(names)
+        return group
+
+    def _inner(self, factory, template: GroupTemplate, members: list[list[str]]) -> torch.optim.Optimizer:
+        """The user's optimizer over this rank's stepped tensors, its groups set to the template's non-empty ones."""
+        local = [(n, self._by_name[n]) for names in members for n in names]
+        inner = factory(local if template.named else [p for _, p in local])
+        inner.param_groups = [self._group(template, k, members[k]) for k in self.groups_here]
+        return inner
+
+    def _link(self) -> None:
+        """One state for both: the inner optimizer's (torch's ``state_dict`` packs it by the groups here)."""
+        if self.optimizer is not None:
+            self.state = self.optimizer.state
+
+    # -- stepping ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stepping(self, settings: list[dict] | None = None):
+        """Allow ``step()`` for the duration (the program's own step); ``settings``: each group's settings to
+        step with instead of ``param_groups``' (the asynchronous schedules' per-batch snapshots)."""
+        self._stepping, self._step_settings = True, settings
+        try:
+            yield
+        finally:
+            self._stepping, self._step_settings = False, None
+
+    def apply_settings(self, settings: list[dict] | None = None) -> None:
+        """Copy each group's settings (``param_groups``', or ``settings``) into the inner optimizer's groups."""
+        if self.optimizer is None:
+            return
+        source = self.param_groups if settings is None else settings
+        for inner_group, k in zip(self.optimizer.param_groups, self.groups_here, strict=True):
+            inner_group.update(settings_of(source[k]))
+
+    def step(self, closure=None) -> None:
+        """Step this rank's parameters with the groups' settings, publish them (mixed precision), and broadcast
+        them from their owners. Only inside the program's step (:meth:`stepping`)."""
+        if not self._stepping or closure is not None:
+            raise PlanError("program.optimizer.step() was called outside the program's step: train_step already "
+                            "steps the optimizer (a second call would apply the same gradients again)",
+                            where="program.optimizer.step()",
+                            fix="drop the call; after program.train_step(...) a loop only steps its scheduler")
+        if self.optimizer is not None:
+            self.apply_settings(self._step_settings)
+            self.optimizer.step()
+        self.publish_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every parameter of the rank (stepped here or not)."""
+        for _, p in self.named:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def owner_of(self) -> dict[str, int] | None:
         """{parameter name: dp index that owns it} under ZeRO-1/2; None when nothing is owned whole."""
@@ -136,16 +238,6 @@ class ShardedOptimizer:
         A global gradient norm sums the squares of exactly these over dp.
         """
         return [self._by_name[n] for n in self.local_names]
-
-    def zero_grad(self) -> None:
-        for _, p in self.named:
-            p.grad = None
-
-    def step(self) -> None:
-        """Step this rank's parameters, publish them (mixed precision), and broadcast them from their owners."""
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self.publish_parameters()
 
     def publish_parameters(self) -> None:
         """Make every rank's copies current after this rank's parameters changed (a step, a load)."""
@@ -179,8 +271,13 @@ class ShardedOptimizer:
             _broadcast_parts(tensors, self.expert_owners, ranks=list(self.edp.ranks), group=self.edp.group,
                              index=self.edp.index, log=log, purpose=purpose)
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict() if self.optimizer is not None else {}
+    # -- torch's state_dict of this rank's share (same mesh); checkpoints use the named forms below ----
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (groups' settings and this rank's state, checked against the groups), into both."""
+        super().load_state_dict(state_dict)
+        if self.optimizer is not None:
+            self.optimizer.state = self.state
+        self.apply_settings()
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (the ZeRO saving, measurable)."""
@@ -192,7 +289,7 @@ class ShardedOptimizer:
     # -- checkpoints (autopar.runtime.checkpoint): the state of each parameter this rank steps, by name --
     def stepped_names(self) -> list[str]:
         """Names of the parameters this rank's optimizer steps (their state lives here)."""
-        return list(self.local_names) if self.optimizer is not None else []
+        return list(self._stepped)
 
     def named_state(self) -> dict[str, dict]:
         """{parameter name: its optimizer state ({'exp_avg': tensor, 'step': tensor, ...})}."""
@@ -202,24 +299,35 @@ class ShardedOptimizer:
                 if self._by_name[n] in self.optimizer.state}
 
     def hyperparameters(self) -> list[dict]:
-        """Each parameter group's settings (lr, betas, ...) without its parameters."""
-        if self.optimizer is None:
-            return []
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        """Each parameter group's settings (lr, betas, initial_lr, ...), the same on every rank."""
+        return [settings_of(g) for g in self.param_groups]
 
     def load_named_state(self, states: dict[str, dict], hyperparameters: list[dict] | None = None) -> None:
-        """Set the state of the parameters this rank steps from ``named_state``'s form (through the
-        optimizer's own ``load_state_dict``); group settings too when the group counts agree."""
+        """Set the state of the parameters this rank steps from ``named_state``'s form (through the inner
+        optimizer's own ``load_state_dict``), and each group's settings from ``hyperparameters``."""
+        if hyperparameters is not None:
+            assert len(hyperparameters) == len(self.param_groups), "checked by load_checkpoint"
+            for group, saved in zip(self.param_groups, hyperparameters):
+                for key, value in saved.items():
+                    group[key] = _like(group.get(key), value)
         if self.optimizer is None:
             return
         current = self.optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        groups = current["param_groups"]
-        if hyperparameters and len(hyperparameters) == len(groups):
-            groups = [{**g, **{k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in h.items()}}
-                      for g, h in zip(groups, hyperparameters)]
-        state = {index[id(self._by_name[n])]: s for n, s in states.items() if n in self.local_names}
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        state = {index[id(self._by_name[n])]: s for n, s in states.items()
+                 if n in self._by_name and id(self._by_name[n]) in index}
+        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+        self._link()
+        self.apply_settings()
+
+
+def _like(current, value):
+    """A saved setting in the type of the current one: JSON's lists as tuples (betas), a tensor filled in place."""
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(value)
+    if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
+        return current.fill_(value)
+    return value
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from equivalence import batches, build, make_optimizer, scrambled
+from equivalence import batches, build, make_optimizer, replica_record, scrambled
 
 ROOT_ENV = "AUTOPAR_TEST_CKPT"
 
@@ -52,13 +52,13 @@ def resume(case, mesh) -> dict:
     program, data = _compile(case, mesh, model=_scrambled(case))
     step = program.load_checkpoint(_root(case))
     losses = _train(program, data[step:])
-    return {"losses": losses, "state": program.full_state_dict(), "step": step}
+    return {"losses": losses, "state": program.full_state_dict(), "step": step, **replica_record(program)}
 
 
 def uninterrupted(case, mesh) -> dict:
     """The same run without a stop, on this mesh (judges optimizers whose state is not linear, AdamW)."""
     program, data = _compile(case, mesh)
-    return {"losses": _train(program, data), "state": program.full_state_dict()}
+    return {"losses": _train(program, data), "state": program.full_state_dict(), **replica_record(program)}
 
 
 def dropout_resume(case, mesh) -> dict:
@@ -223,7 +223,7 @@ def full_state_dict_roundtrip(case, mesh) -> dict:
     fresh, _ = _compile(case, mesh, model=_scrambled(case))
     fresh.load_full_state_dict(exported)
     return {"first": first, "exported": exported, "losses": _train(fresh, data[k:]),
-            "state": fresh.full_state_dict()}
+            "state": fresh.full_state_dict(), **replica_record(fresh)}
 
 
 def nonfinite(case, mesh) -> dict:

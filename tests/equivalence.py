@@ -8,8 +8,8 @@ same model, data and seed for a few optimizer steps with ``autopar.compile`` on 
 :func:`reference_run` does the same on one device. :func:`assert_equivalent` compares losses and every parameter (fp32, relative 1e-5).
 
 Every rank is judged, not rank 0 alone: each rank saves its own outcome, and :func:`run_cases`
-returns rank 0's result with an ``"error"`` when any rank raised, when a rank's losses differ from
-rank 0's, or when a dp replica's weights (``"replica"``: the compute parameters a rank holds whole)
+returns rank 0's result with an ``"error"`` when any rank raised, when a rank's losses or gathered full state
+dict differ from rank 0's (also inside a nested dict of results, such as a second program's), or when a dp replica's weights (``"replica"``: the compute parameters a rank holds whole)
 differ from those of the dp-index-0 rank with the same (pp, tp) coordinates. Replicas must agree
 bitwise: their gradients come from one all-reduce (or one owner's broadcast), and every rank steps
 the same values. The full state dict is rebuilt from dp index 0's shards only, so without this a
@@ -252,13 +252,33 @@ def run_cases(cases: list[Case], *, timeout_s: float = 600) -> list[dict]:
                              for r in range(world)]) for i in range(len(cases))]
 
 
+def _same_answer(rank: int, mine: dict, first: dict) -> str | None:
+    """What differs between two ranks' copies of one answer: the step losses, or the full state dict every
+    rank gathers (bitwise: one all-gather of the same shards)."""
+    if "losses" in mine and "losses" in first and mine["losses"] != first["losses"]:
+        return f"rank {rank} reports losses {mine['losses']}, rank 0 {first['losses']}"
+    if isinstance(mine.get("state"), dict) and isinstance(first.get("state"), dict):
+        if set(mine["state"]) != set(first["state"]):
+            return f"rank {rank}'s full state has keys {sorted(set(mine['state']) ^ set(first['state']))} rank 0's has not"
+        for key, value in mine["state"].items():
+            theirs = first["state"][key]
+            if not (isinstance(value, torch.Tensor) and isinstance(theirs, torch.Tensor)):
+                continue
+            if value.shape != theirs.shape or not torch.equal(value, theirs):
+                return f"rank {rank}'s full state differs from rank 0's at {key}"
+    return None
+
+
 def _rank_problem(rank: int, mine: dict, first: dict, replicas: dict) -> str | None:
     """What is wrong with ``rank``'s outcome: its error, losses other than rank 0's, or weights other
     than its dp replica's (``replicas``: the dp-index-0 outcome of each (pp, tp) position)."""
     if "error" in mine:
         return f"rank {rank} failed: {mine['error']}\n{mine.get('traceback', '')}"
-    if "losses" in mine and "losses" in first and mine["losses"] != first["losses"]:
-        return f"rank {rank} reports losses {mine['losses']}, rank 0 {first['losses']}"
+    for where, part, zero in [("", mine, first)] + [(f"{k}: ", v, first.get(k)) for k, v in mine.items()
+                                                   if isinstance(v, dict) and isinstance(first.get(k), dict)]:
+        problem = _same_answer(rank, part, zero)
+        if problem is not None:
+            return where + problem
     if "replica" not in mine:
         return None
     coords = mine["coords"]

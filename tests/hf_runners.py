@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from equivalence import replica_record
+
 SEED = 1234
 VOCAB = 128
 
@@ -64,7 +66,7 @@ def meta_train(case, mesh) -> dict:
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"losses": losses, "state": program.full_state_dict(), "held_bytes": held, "model_bytes": whole,
             "local_numel": local, "sharded": sorted(program.plan.param_shards),
-            "still_meta": all(p.is_meta for p in model.parameters())}
+            "still_meta": all(p.is_meta for p in model.parameters()), **replica_record(program)}
 
 
 def padded_batches(case):
@@ -136,7 +138,7 @@ def hf_train(case, mesh) -> dict:
         losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
     return {"losses": losses, "state": program.full_state_dict(), "use_cache": model.config.use_cache,
             "sharded": sorted(program.plan.param_shards),
-            "gathered": [c for r in program.plan.tp_regions for c in r.gathered]}
+            "gathered": [c for r in program.plan.tp_regions for c in r.gathered], **replica_record(program)}
 
 
 def shifted_mean_loss(output, target):
@@ -153,12 +155,14 @@ def own_loss_against_loss_fn(case, mesh) -> dict:
     program = autopar.compile(_build(case), mesh, example_inputs=data[0], **common)
     own = [program.train_step(program.shard_batch(b)).item() for b in data]
     own_state = program.full_state_dict()
+    record = replica_record(program)  # both programs' weights, compared across dp replicas (judge_ranks)
     program = autopar.compile(_build(case), mesh, example_inputs=(data[0]["input_ids"], data[0]["attention_mask"]),
                               loss_fn=shifted_mean_loss, example_target=data[0]["labels"], **common)
     positional = [program.train_step(program.shard_batch(b["input_ids"]), program.shard_batch(b["attention_mask"]),
                                      target=program.shard_batch(b["labels"])).item() for b in data]
+    record["replica"].update({f"loss_fn.{k}": v for k, v in replica_record(program)["replica"].items()})
     return {"losses": own, "state": own_state,
-            "reference": {"losses": positional, "state": program.full_state_dict()}}
+            "reference": {"losses": positional, "state": program.full_state_dict()}, **record}
 
 
 def _raw_batches(case):
@@ -197,4 +201,4 @@ def raw_train(case, mesh) -> dict:
     losses = [step(x, y) for x, _, y in data]
     gathered = [c for r in program.plan.tp_regions for c in r.gathered]
     return {"losses": losses, "state": program.full_state_dict(), "sharded": sorted(program.plan.param_shards),
-            "gathered": gathered}
+            "gathered": gathered, **replica_record(program)}

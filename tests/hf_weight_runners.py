@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from equivalence import batches, build, make_optimizer
+from equivalence import batches, build, make_optimizer, replica_record
 
 
 def _inference(case, mesh, model, **extra):
@@ -45,7 +45,7 @@ def pretrained_logits(case, mesh) -> dict:
         report = autopar.hf.load_pretrained(program, folder)
     outputs = [program(program.shard_batch(x)) for x, _ in data]
     return {"outputs": outputs, "report": report, "held_elements": _held_elements(program),
-            "state": program.full_state_dict()}
+            "state": program.full_state_dict(), **replica_record(program)}
 
 
 def train_save(case, mesh) -> dict:
@@ -68,7 +68,8 @@ def train_save(case, mesh) -> dict:
     infer, _ = _inference(case, mesh, build(case))
     infer.load_full_state_dict(state)
     outputs = [infer(infer.shard_batch(x)) for x, _ in data]
-    return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs}
+    return {"losses": losses, "loaded": loaded, "state": state, "folder": folder, "outputs": outputs,
+            **replica_record(program)}
 
 
 def loaded(case, mesh) -> dict:
@@ -83,8 +84,8 @@ def loaded(case, mesh) -> dict:
                               example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
                               **dict(case.options))
     autopar.hf.load_pretrained(program, dict(case.extra)["folder"])
-    result = {"state": program.full_state_dict()}
-    if program.mixed is not None:
+    result = {"state": program.full_state_dict(), **replica_record(program)}
+    if program.mixed is not None:  # every rank's own copies: the test reads each rank's answer
         values = dict(program.parameter_values())
         result["rounded"] = all(torch.equal(compute.detach(), values[name].to(compute.dtype))
                                 for name, compute, _ in program.mixed.pairs)

@@ -185,6 +185,16 @@ def _norm(program) -> float | None:
     return None if program.last_grad_norm is None else program.last_grad_norm.item()
 
 
+def _replica(program) -> dict:
+    """:func:`equivalence.replica_record` with the ep rank in the position: ranks of one ep group hold other
+    experts, so a replica is the rank with the same (pp, tp, dp mod ep) at edp index 0."""
+    record = replica_record(program)
+    ep = program.plan.expert_parallel
+    coords = dict(record["coords"])
+    record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
+    return record
+
+
 def train(case: Case, mesh, more: dict | None = None) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
     with _Logged("autopar.passes.block_template") as template:
@@ -196,10 +206,7 @@ def train(case: Case, mesh, more: dict | None = None) -> dict:
     with _CountExchanges() as counted:
         losses.append(step(data[-1]).item())
     norms.append(_norm(program))
-    record = replica_record(program)
-    ep = program.plan.expert_parallel
-    coords = dict(record["coords"])
-    record["coords"] = {"dp": coords["dp"] // ep, "pp": coords["pp"], "tp": (coords["tp"], coords["dp"] % ep)}
+    record = _replica(program)
     state = program.full_state_dict()
     pretrained = _pretrained_round_trip(case, program, state) if pretrained_round_trip(case) else None
     reloaded = _reload(case, program) if dict(case.extra).get(WEIGHTS) and dict(case.extra).get(SAVE) else None
@@ -284,9 +291,10 @@ def resume(case: Case, mesh) -> dict:
     start = program.load_checkpoint(_ckpt_root(case))
     losses = [step(b).item() for b in data[start:]]
     state = program.full_state_dict()
+    record = _replica(program)  # before the load below replaces the trained weights
     other = {k: v.detach().clone() for k, v in _scrambled(case).state_dict().items()}
     program.load_full_state_dict(other)
     back = program.full_state_dict()
     return {"losses": losses, "state": state, "step": start,
             "full_state_round_trip": all(torch.equal(back[k], other[k]) for k in back)
-            and set(back) == set(other)}
+            and set(back) == set(other), **record}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from equivalence import batches, build, make_optimizer
+from equivalence import batches, build, make_optimizer, replica_record
 
 
 def rebalance_run(case, mesh) -> dict:
@@ -38,7 +38,7 @@ def rebalance_run(case, mesh) -> dict:
         balancer.observe()
     return {"losses": losses, "state": program.full_state_dict(), "proposal": proposal.stage_starts,
             "before": tuple(bad.pipeline.stage_starts), "after": tuple(program.plan.pipeline.stage_starts),
-            "stage_seconds": proposal.stage_seconds, "step_count": program.step_count}
+            "stage_seconds": proposal.stage_seconds, "step_count": program.step_count, **replica_record(program)}
 
 
 def auto_run(case, mesh) -> dict:
@@ -55,7 +55,7 @@ def auto_run(case, mesh) -> dict:
     losses = [program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt)).item()
               for idx, tgt in data]
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
-            "table": program.planner.table()}
+            "table": program.planner.table(), **replica_record(program)}
 
 
 def calibration_run(case, mesh) -> dict:

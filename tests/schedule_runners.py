@@ -16,7 +16,7 @@ import torch.distributed as dist
 from equivalence import Case, build, make_optimizer, replica_record, run_cases
 
 __all__ = ["text_batches", "async_run", "trace_run", "layout_of", "SYNC_CASES", "INFER_CASES", "ASYNC_CASES",
-           "TRACE_CASE", "results"]
+           "TRACE_CASE", "CRITICAL_PATH_CASES", "results"]
 
 
 def text_batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,6 +100,8 @@ SYNC_CASES = [
     _case("llama_tiny", (1, 4, 1), "chimera", 4),
     _case("gpt_tiny", (2, 2, 1), "looped_bfs", 2, layers=4),
     _case("gpt_tiny", (1, 2, 2), "zb_v", 4),
+    _case("llama_tiny", (1, 2, 2), "interleaved_1f1b", 4, layers=4),  # several stages per rank, with tp
+    _case("gpt_tiny", (1, 2, 2), "looped_bfs", 2, layers=4),
     _case("llama_tiny", (2, 2, 1), "chimera", 2),
     _case("llama_tiny", (1, 2, 1), "dualpipev", 4),
     _case("gpt_tiny", (1, 4, 1), "dualpipev", 8, layers=6),
@@ -116,6 +118,10 @@ ASYNC_CASES = [
     _case("llama_tiny", (1, 2, 1), "pipemare", 2, kind="schedule_runners:async_run", steps=4,
           pipemare_lr_warmup_updates=4),
     _case("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=3),  # dp, tied
+    # max_grad_norm under 2BW: each batch's update clipped by the global norm of its gradient over every stage
+    # and dp rank (PipeDream and PipeMare refuse it: docs/schedules.md)
+    _case("gpt_tiny", (1, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=4, max_grad_norm=0.5),
+    _case("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, kind="schedule_runners:async_run", steps=3, max_grad_norm=0.5),
 ] + [dataclasses.replace(c, extra=(("padded_targets", True),)) for c in [  # token-mean weights per update
     # (an update of one microbatch on one dp rank is its own token mean: dp=2, or 2BW's updates of m)
     _case("gpt_tiny", (1, 2, 1), "pipedream_2bw", 4, kind="schedule_runners:async_run", steps=3),
@@ -132,7 +138,11 @@ ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_los
                          options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
 if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
     ASYNC_DICT_CASES = []
-ALL_CASES = SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES  # TRACE_CASE runs alone (its timing test)
+#: a measured step's own critical path (runtime/trace.py measured_critical_path): 1F1B and ZB-V on pp=2
+CRITICAL_PATH_CASES = [_case("gpt_tiny", (1, 2, 1), "1f1b", 4, kind="schedule_runners:trace_run", steps=2),
+                       _case("gpt_tiny", (1, 2, 1), "zb_v", 4, layers=4, kind="schedule_runners:trace_run", steps=2)]
+ALL_CASES = (SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES
+             + CRITICAL_PATH_CASES)  # TRACE_CASE runs alone (its timing test)
 
 
 @functools.lru_cache(maxsize=None)

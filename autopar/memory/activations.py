@@ -42,20 +42,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StageActivations:
-    """Per microbatch: bytes held for backward, and the largest recompute transient."""
+    """Per microbatch: bytes held for backward, and the largest recompute transient.
+
+    ``pieces``: the bytes of each saved storage, in the order the forward saved them (they sum to
+    ``saved``); ``regions``: per recompute region met, in order, the pieces its plain run saves and
+    the pieces it holds (its transient is their difference). :mod:`autopar.memory.formula` reads
+    them at two shapes to write each piece as a monomial of the microbatch size and sequence length.
+    """
 
     saved: int
     transient: int = 0
+    pieces: tuple[int, ...] = ()
+    regions: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 class _FakeRun(fx.Interpreter):
     """Interprets a stage graph on fake tensors with autograd on, for the saved-tensor ledger."""
 
     def __init__(self, gm: fx.GraphModule, *, mode: FakeTensorMode, ledger: SavedLedger, fakes: dict,
-                 transients: dict, seen: set):
+                 transients: dict, seen: dict):
         super().__init__(gm)
         self.mode, self.ledger, self.fakes = mode, ledger, fakes
-        self.transients, self.seen = transients, seen  # {region key: bytes} (memo), keys met in this stage
+        # {region key: (bytes, (plain pieces, held pieces))} (memo), keys met in this stage (a dict: in order)
+        self.transients, self.seen = transients, seen
 
     def get_attr(self, target, args, kwargs):
         real = super().get_attr(target, args, kwargs)
@@ -123,9 +132,9 @@ class _FakeRun(fx.Interpreter):
             plain.excluded = self.ledger.excluded
             with plain.watch():
                 _FakeRun(module.body, mode=self.mode, ledger=plain, fakes=self.fakes, transients={},
-                         seen=set()).run(*args)
-            self.transients[key] = max(0, plain.total() - held.total())
-        self.seen.add(key)
+                         seen={}).run(*args)
+            self.transients[key] = (max(0, plain.total() - held.total()), (plain.sizes(), held.sizes()))
+        self.seen[key] = None
         return out
 
 
@@ -213,12 +222,13 @@ def stage_activations(gm: fx.GraphModule, *, memo: dict | None = None) -> StageA
 
 def _stage_activations(gm: fx.GraphModule, *, transients: dict) -> StageActivations:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    ledger, seen = SavedLedger(), set()
+    ledger, seen = SavedLedger(), {}
     inputs = _placeholder_fakes(gm, mode)
     ledger.exclude(inputs)
     with mode, torch.enable_grad(), ledger.watch():
         _FakeRun(gm, mode=mode, ledger=ledger, fakes={}, transients=transients, seen=seen).run(*inputs)
-    return StageActivations(saved=ledger.total(), transient=max((transients[k] for k in seen), default=0))
+    return StageActivations(saved=ledger.total(), transient=max((transients[k][0] for k in seen), default=0),
+                            pieces=ledger.sizes(), regions=tuple(transients[k][1] for k in seen))
 
 
 def peak_bytes(row, per_stage: dict[int, int], *, split_backward: bool) -> int:

@@ -18,7 +18,7 @@ from autopar.errors import PlanError
 from autopar.options import CompileOptions, resolve_plan
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
-from autopar.planner.cost_model import Estimate
+from autopar.planner.cost_model import CostModel, Estimate
 from autopar.planner.precision import precision_note
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
@@ -46,6 +46,10 @@ class PlannerReport:
         """The ranked candidates (est. step time, memory per rank) and some rejected ones with reasons."""
         return format_table(self.result, top=top, rejected=rejected)
 
+    def critical_path(self, *, optimizer: str = "adam"):
+        """The critical path of the chosen plan's pipeline under the planner's stage times (seconds)."""
+        return CostModel(self.profile, self.cluster, optimizer=optimizer).critical_path(self.best.candidate)
+
     def summary(self) -> str:
         return "\n".join([f"planned for {self.result.world} ranks of {self.cluster.name} "
                           f"({self.cluster.device.name}, {self.cluster.device.memory_gb:g} GB), "
@@ -56,11 +60,13 @@ class PlannerReport:
         return self.table() + "\n\n" + self.summary()
 
 
-def optimizer_kind(factory) -> str:
-    """The memory calculator's optimizer kind of an optimizer factory (``sgd``, ``momentum``, ``adam``)."""
+def optimizer_kind(factory, *, named: bool = False) -> str:
+    """The memory calculator's optimizer kind of an optimizer factory (``sgd``, ``momentum``, ``adam``);
+    ``named``: the factory takes ``(name, parameter)`` pairs (``optimizer_params="named"``)."""
     if factory is None:
         return "adam"
-    probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    probe_param = torch.nn.Parameter(torch.zeros(1))
+    probe = factory([("probe", probe_param)] if named else [probe_param])
     name = type(probe).__name__.lower()
     if name == "sgd":
         return "momentum" if any(g.get("momentum", 0) for g in probe.param_groups) else "sgd"
@@ -190,7 +196,7 @@ def plan_for_compile(model, mesh, *, example_inputs, loss_fn, example_target, mo
         shape = mesh_info(mesh).shape
     report = choose_plan(model, shape, example_inputs=example_inputs, loss_fn=loss_fn,
                          example_target=example_target, mode=mode, cluster=cluster, options=options,
-                         optimizer=optimizer_kind(optimizer))
+                         optimizer=optimizer_kind(optimizer, named=options.get("optimizer_params") == "named"))
     if mesh is None:
         m = report.plan.mesh
         mesh = init_mesh(dp=m.dp, pp=m.pp, tp=m.tp)

@@ -3,6 +3,8 @@
     autopar plan autopar.models.examples:gpt_tiny --world 8 --cluster cpu-2core
     autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16
     autopar plan autopar.models.examples:gpt_tiny --world 4 --mesh tp=2 --schedule 1f1b --rank 0
+    autopar plan autopar.models.examples:llama2_7b_meta --cluster a100-80g-8x --world 8 --mesh tp=8 \
+        --precision bf16 --max-seq
 """
 from __future__ import annotations
 
@@ -27,7 +29,11 @@ TARGET is MODULE:CALLABLE returning (model, example_inputs, loss_fn, example_tar
 'autopar inspect'. Models built under torch.device("meta") plan without allocating weights.
 --input-shape, --input-dtype and --vocab replace the inputs a target returns (the target is
 resized along with them: same shape as the first input, or the same batch); the shape planned
-for is printed first. Warnings say when the global batch is too small for the plan.
+for is printed first. Warnings say when the global batch is too small for the plan. The last
+lines are the chosen pipeline's critical path (the actions and transfers that make its step as
+long as it is) and, with --max-seq, the memory of the fullest rank as a formula of the microbatch
+size and the sequence length, solved for the longest sequence (and the largest microbatch) that
+fits the cluster's devices with the chosen plan.
 
 --explain prints where the estimated step time goes and, given your measured step time
 (--measured-step-s), which part most likely differs. --published ID estimates a run of autopar's
@@ -41,6 +47,8 @@ examples:
   autopar plan autopar.models.examples:gpt_tiny --world 4 --mesh tp=2 --rank 0
   autopar plan autopar.models.examples:llama2_70b_meta --cluster a100-80g-8x --nodes 128 --precision bf16 \
       --input-shape 1024x4096
+  autopar plan autopar.models.examples:llama2_7b_meta --cluster a100-80g-8x --world 1 --precision bf16 \
+      --optimizer sgd --max-seq
   autopar plan autopar.models.examples:gpt_tiny --world 4 --cluster cpu-2core --mesh dp=1,pp=2,tp=2 \
       --explain --measured-step-s 0.5
   autopar plan --published megatron21-t1-gpt-1008b --explain
@@ -106,12 +114,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     shapes = [list(t.shape) for t in kwargs_inputs if isinstance(t, torch.Tensor)]
     ranks = [args.rank] if args.rank is not None else [0]
     result = autopar.plan(kwargs.pop("model"), shape, plan="auto", cluster=cluster, ranks=ranks,
-                          **kwargs, **_pins(args))
+                          optimizer=args.optimizer, **kwargs, **_pins(args))
+    fit = _max_seq(result, args) if args.max_seq else None
     if args.json:
         print(json.dumps({"plan": json.loads(result.plan.model_dump_json()), "inputs": shapes,
                           "estimate_s": result.planner.best.step_time,
                           "memory_bytes": result.planner.best.memory,
-                          "warnings": result.planner.warnings}, indent=2))
+                          "warnings": result.planner.warnings, **({"max_seq": fit[1]} if fit else {})}, indent=2))
         return 0
     print(f"planned for inputs {', '.join(_describe(t) for t in kwargs_inputs)} "
           f"(global batch {result.planner.result.global_batch})")
@@ -120,6 +129,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(result.planner.summary())
     print()
     print(result.summary())
+    print(result.planner.critical_path(optimizer=args.optimizer).summary(unit="s"))
+    if fit:
+        print("\n".join(fit[0]))
     if args.rank is not None:
         print()
         print(result.describe_rank(args.rank))
@@ -156,6 +168,24 @@ def _run_published(args: argparse.Namespace) -> int:
           f"({(c.step_time / row.estimate.step_time - 1) * 100:+.0f}% against the run's configuration), "
           f"{c.memory / 2**30:.1f} GiB of {c.capacity / 2**30:.1f} GiB on the fullest rank")
     return 0
+
+
+def _max_seq(result, args) -> tuple[list[str], int | None]:
+    """(the lines --max-seq prints, the longest sequence) for the chosen plan on the cluster's devices."""
+    from autopar.memory.formula import memory_formula
+    from autopar.memory.solve import fit_report, longest_sequence
+    from autopar.planning import rank_of
+
+    shape = result.plan.mesh
+    for pp in range(shape.pp):  # tp rank 0 of every pp and dp rank (their graphs are built once per pp rank)
+        for dp in range(shape.dp):
+            result.rank_program(rank_of(dp=dp, pp=pp, tp=0, shape=shape))
+    formula = memory_formula(result, optimizer=args.optimizer)
+    cluster = result.planner.cluster
+    capacity = min(cluster.usable_bytes(r) for r in range(shape.world_size))
+    where = f"{cluster.device.name} {cluster.device.memory_gb:g} GB less the {cluster.memory_reserve:.0%} reserve"
+    lines = fit_report(formula, capacity=capacity, step=args.seq_step, where=where)
+    return lines, longest_sequence(formula, capacity=capacity, step=args.seq_step)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -237,6 +267,13 @@ def add_plan_command(sub) -> None:
     p.add_argument("--zero", dest="zero_stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
     p.add_argument("--recompute", default=None, choices=("none", "selective", "full"), help="pin recomputation")
     p.add_argument("--precision", default=None, choices=("fp32", "bf16"), help="compute precision (default fp32)")
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"),
+                   help="the optimizer whose state memory is sized (default adam)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="also print the fullest rank's memory as a formula of microbatch size and sequence length, "
+                        "and the longest sequence and largest microbatch that fit with the chosen plan")
+    p.add_argument("--seq-step", type=positive_int, default=1, metavar="N",
+                   help="with --max-seq: sequence lengths are multiples of N (default 1)")
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="rows of the ranked table (default 10)")
     p.add_argument("--rank", type=int, default=None, metavar="R", help="also print rank R's rewritten program")
     p.add_argument("--json", action="store_true", help="print the chosen Plan (and its estimate) as JSON")

@@ -137,7 +137,7 @@ def schedule_of(name: str, pp: int, m: int, v: int):
     pipelines of the common families use their closed forms instead (no action list).
     """
     row = family(name)
-    if pp > 8 and row.closed_form is not None:
+    if pp > 8 and row.closed_form is not None and row.replicas == 1 and not row.asynchronous:
         return _closed_form(name, pp, m, v)
     short = m if m <= 2 * pp else 2 * pp  # (fewer microbatches than ranks: the generator refuses or runs them)
     schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
@@ -375,6 +375,21 @@ class CostModel:
             if splits_backward(c.schedule) and s > 0:  # the first stage runs its backward whole (executor)
                 out[2][-1] += device.split_backward_overhead * (out[1][-1] + out[2][-1])
         return out
+
+    def pipeline_costs(self, c: Candidate) -> StageCosts:
+        """The per-stage seconds of one microbatch and the p2p time the pipeline is simulated with."""
+        chunks = self.profile.chunks[c.tp]
+        ranges = _stage_ranges(c.cuts, len(chunks))
+        fwd, bwd, wgt, _comm = self.stage_times(c)
+        boundary = max((chunks[lo].recv_bytes for lo, _ in ranges[1:]), default=0.0) * self._b(c)
+        p2p = _pp_link(self.cluster, c).p2p(boundary) if c.pp > 1 else 0.0
+        return StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
+
+    def critical_path(self, c: Candidate):
+        """The critical path of ``c``'s pipeline (its full schedule, lone-rank stage times: with ranks sharing
+        cores the planner's figure comes from processor sharing, which has no single path)."""
+        full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+        return simulate(full, costs=self.pipeline_costs(c)).critical_path
 
     def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:
         """Step time and peak memory of ``c`` (its ``cuts`` must be set when pp x v > 1).

@@ -49,8 +49,9 @@ OPTION_HELP = {
     "precision": "`fp32`, or `bf16` (bf16 compute, fp32 master weights and gradients)",
     "block_capture": "identical blocks: `every` captures each, `once` captures a few and repeats the last, "
                      "`auto` is `once` for models on the meta device with 8 or more identical blocks",
-    "max_grad_norm": "clip gradients to this global norm, computed over every shard on every rank; `None`: no "
-                     "clipping",
+    "max_grad_norm": "clip gradients to this global norm, computed over every shard on every rank (asynchronous "
+                     "schedules: 2BW clips each batch's update, PipeDream and PipeMare refuse it, "
+                     "[schedules.md](schedules.md)); `None`: no clipping",
     "pipemare_lr_warmup_updates": "PipeMare only: updates until the learning rate is no longer cut by the delay",
     "pipemare_correction_decay": "PipeMare only: decay of the weight-velocity average used to correct stale "
                                  "weights",

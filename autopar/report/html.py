@@ -2,8 +2,9 @@
 
 :func:`render_report` takes what :func:`autopar.plan` returned and builds one HTML document with no
 external script, style sheet or image: the Plan (summary and JSON), the ranks of the mesh, the
-schedule (its action lists and a timeline drawn from the simulator as inline SVG), memory per
-rank, with expert parallelism which rank holds which experts and where tokens move
+schedule (its action lists and a timeline drawn from the simulator as inline SVG, its critical
+path outlined and listed), memory per rank and as a formula of the microbatch size and sequence
+length (with the longest sequence that fits a device), with expert parallelism which rank holds which experts and where tokens move
 (:mod:`autopar.report.experts_view`), every distinct rewritten stage graph (one section per stage and
 tensor-parallel rank, with the ranks that run it), and the captured graph before any transform.
 
@@ -20,7 +21,7 @@ from autopar.planning import coords_of
 from autopar.report.collect import graph_groups, original_graph
 from autopar.report.experts_view import expert_placement, experts_html
 from autopar.report.graph_view import graph_section, legend_html, original_section, stage_color
-from autopar.report.memory_view import memory_html, rank_memory
+from autopar.report.memory_view import formula_html, memory_html, rank_memory
 from autopar.report.timeline import simulate_plan, timeline_svg
 
 __all__ = ["render_report", "write_report"]
@@ -50,7 +51,7 @@ svg.strip{display:block;margin:6px 0;border:1px solid #ddd}
 table.memory td.bar{width:380px}.stack{display:flex;height:14px;background:#f2f2f2;width:380px}
 .stack .seg{display:block;height:100%}.key{display:inline-block;width:10px;height:10px;margin:0 3px 0 8px}
 td.experts{font-family:ui-monospace,Menlo,monospace;text-align:center}
-.figures td{padding-right:18px}.stage-chip{display:inline-block;width:10px;height:10px;margin-right:4px}
+.figures td{padding-right:18px}#formula code{font-size:12px}.stage-chip{display:inline-block;width:10px;height:10px;margin-right:4px}
 """
 
 
@@ -100,16 +101,55 @@ def _schedule_section(result) -> str:
             f"{schedule.num_microbatches} microbatches"
     return (f'<section id="schedule"><h2>Schedule</h2><p>{escape(title)}. Simulated with each stage costing its '
             f"forward FLOPs per microbatch for F and as much again for each of B and W (tensor-parallel rank 0: "
-            f"{escape(flops)}). One time unit is {escape(timing.unit)}.</p>"
-            f'<figure id="timeline">{timeline_svg(sim, title=title)}</figure>'
+            f"{escape(flops)}). One time unit is {escape(timing.unit)}. The critical path is outlined.</p>"
+            f'<figure id="timeline">{timeline_svg(sim, title=title, critical=True)}</figure>'
             f'<table class="figures"><tr><th></th><th>bubble</th><th>peak microbatches held</th></tr>{rows}'
             f"<tr><td>step</td><td>{sim.mean_bubble:.1%} mean</td><td>step time {sim.step_time:.2f} units</td>"
-            f"</tr></table><details><summary>action lists</summary><pre id=\"actions\">{escape(lists)}</pre>"
+            f"</tr></table>{_critical_path_html(sim.critical_path)}"
+            f"<details><summary>action lists</summary><pre id=\"actions\">{escape(lists)}</pre>"
             f"</details></section>")
 
 
-def render_report(result, *, title: str | None = None) -> str:
-    """The HTML text of the report of ``result`` (an :class:`autopar.PlanResult`)."""
+def _critical_path_html(path, *, unit: str = "units", anchor: str = "") -> str:
+    """The critical path: its length, what each kind and each rank contributes, and the path itself."""
+    total = path.length or 1.0
+    kinds = {"F": "forward", "B": "backward", "W": "weight grad", "transfer": "transfers"}
+    rows = "".join(f"<tr><td>{kinds[k]}</td><td>{v:.4g}</td><td>{v / total:.0%}</td></tr>"
+                   for k, v in path.by_kind().items())
+    rows += "".join(f"<tr><td>pp rank {r}</td><td>{v:.4g}</td><td>{v / total:.0%}</td></tr>"
+                    for r, v in path.by_rank().items())
+    return (f'<h3>Critical path</h3><p id="{anchor}critical-path">The actions and transfers that make the step '
+            f"{path.length:.4g} {unit} long: each starts the moment the one before it ends, so shortening any of them "
+            f"shortens the step (runtime/schedules/step_graph.py).</p>"
+            f'<table class="figures critical"><tr><th></th><th>{unit}</th><th>share</th></tr>{rows}</table>'
+            f'<pre id="{anchor}critical-actions">{escape(" ".join(s.label for s in path.steps))}</pre>')
+
+
+def _measured_section(result, events) -> str:
+    """A measured step (``runtime.trace.gather_events``): replayed with its own action times, its critical path."""
+    from autopar.runtime.trace import measured_bubble, replay
+
+    sim = replay(result.schedule, events)
+    measured = measured_bubble(events)
+    rows = "".join(f"<tr><td>pp rank {r}</td><td>{m:.1%}</td><td>{s:.1%}</td></tr>"
+                   for r, (m, s) in enumerate(zip(measured, sim.bubble_fraction)))
+    return (f'<section id="measured"><h2>Measured step</h2><p>A step as it ran: each action with its measured '
+            f"time, placed by the schedule's dependencies with the step's least transfer latency (the replay of "
+            f"runtime/trace.py; times in seconds). The critical path is outlined.</p>"
+            f'<figure id="measured-timeline">{timeline_svg(sim, title="measured step (s)", critical=True)}</figure>'
+            f'<table class="figures"><tr><th></th><th>bubble measured</th><th>replayed</th></tr>{rows}</table>'
+            f"{_critical_path_html(sim.critical_path, unit='s', anchor='measured-')}</section>")
+
+
+def render_report(result, *, title: str | None = None, formula: bool = True, capacity: float | None = None,
+                  events=None) -> str:
+    """The HTML text of the report of ``result`` (an :class:`autopar.PlanResult`).
+
+    ``formula``: add memory as a formula of microbatch size and sequence length (plans the model twice
+    more, at other sizes); with ``capacity`` (bytes per device; by default the planner's cluster when it
+    chose the Plan), the longest sequence and largest microbatch that fit. ``events``: a measured step
+    of this plan (:func:`autopar.runtime.trace.gather_events`), shown with its own critical path.
+    """
     plan = result.plan
     title = title or f"autopar report: {plan.model_name} on {plan.mesh}"
     groups = graph_groups(result)
@@ -118,25 +158,29 @@ def render_report(result, *, title: str | None = None) -> str:
         _plan_section(result),
         _ranks_section(result, groups),
         _schedule_section(result),
-        f'<section id="memory"><h2>Memory per rank</h2>{memory_html(rank_memory(result))}</section>',
+        f'<section id="memory"><h2>Memory per rank</h2>{memory_html(rank_memory(result))}'
+        f"{formula_html(result, capacity=capacity) if formula else ''}</section>",
         *([f'<section id="experts"><h2>Experts</h2>{experts_html(placement)}</section>'] if placement else []),
+        *([_measured_section(result, events)] if events is not None else []),
         f'<section id="graphs"><h2>Rewritten graphs</h2><p>{len(groups)} distinct stage graphs: one per stage and '
         f"tensor-parallel rank. Collectives and pipeline transfers are nodes of the graph.</p>{legend_html()}"
         + "".join(graph_section(g, open_=i == 0) for i, g in enumerate(groups)) + "</section>",
         f'<section id="captured"><h2>Before</h2>{original_section(original_graph(result))}</section>',
     ]
     links = (("plan", "Plan"), ("ranks", "Ranks"), ("schedule", "Schedule"), ("memory", "Memory"),
-             *((("experts", "Experts"),) if placement else ()), ("graphs", "Graphs"), ("captured", "Before"))
+             *((("experts", "Experts"),) if placement else ()), *((("measured", "Measured"),) if events else ()),
+             ("graphs", "Graphs"), ("captured", "Before"))
     nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in links)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
             f"<h1>{escape(title)}</h1><nav>{nav}</nav>" + "".join(sections) + "</body></html>\n")
 
 
-def write_report(result, path, *, title: str | None = None) -> Path:
+def write_report(result, path, *, title: str | None = None, formula: bool = True,
+                 capacity: float | None = None, events=None) -> Path:
     """Write :func:`render_report` of ``result`` to ``path``; returns the path."""
     path = Path(path)
-    text = render_report(result, title=title)
+    text = render_report(result, title=title, formula=formula, capacity=capacity, events=events)
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as exc:

@@ -14,7 +14,7 @@ from html import escape
 from autopar.passes.meta_keys import PARAM, TENSOR, get_meta
 from autopar.planning import coords_of
 
-__all__ = ["MemoryTable", "rank_memory", "param_bytes", "memory_html", "format_bytes"]
+__all__ = ["MemoryTable", "rank_memory", "param_bytes", "memory_html", "format_bytes", "formula_html"]
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +102,33 @@ def memory_html(table: MemoryTable) -> str:
     return (f'<p class="source">Figures from {escape(table.source)}. {legend}</p>{note}'
             f'<table class="memory"><tr><th>rank</th><th>coords</th>{head}<th>total</th><th></th></tr>'
             + "".join(body) + "</table>")
+
+
+def formula_html(result, *, capacity: float | None = None) -> str:
+    """Memory as a formula of microbatch size ``b`` and sequence length ``s`` (per pp rank, the fullest of its
+    ranks), and with a capacity the longest sequence and largest microbatch that fit; a note if it cannot."""
+    from autopar.memory.formula import memory_formula
+    from autopar.memory.solve import describe, fit_report
+
+    try:
+        formula = memory_formula(result)
+    except Exception as exc:  # the report must render even when the formula cannot be made
+        log.warning("memory formula unavailable (%s)", exc)
+        return f'<p class="note" id="formula">Memory as a formula: not available ({escape(type(exc).__name__)}: ' \
+               f"{escape(str(exc))}).</p>"
+    if capacity is None and getattr(result, "planner", None) is not None:
+        cluster = result.planner.cluster
+        capacity = min(cluster.usable_bytes(r) for r in range(result.plan.mesh.world_size))
+    fullest = {}
+    for rank in formula.states:
+        pp = formula.coords[rank]["pp"]
+        if pp not in fullest or formula.bytes(rank) > formula.bytes(fullest[pp]):
+            fullest[pp] = rank
+    rows = "".join(f'<tr class="formula-row"><td>pp rank {pp} (rank {r})</td><td><code>{escape(describe(formula.expr(r)))}'
+                   f"</code></td></tr>" for pp, r in sorted(fullest.items()))
+    solved = "".join(f"<li>{escape(line)}</li>" for line in fit_report(formula, capacity=capacity)[1:]) \
+        if capacity else "<li>give write_report(capacity=bytes per device) for the longest sequence that fits</li>"
+    return (f'<h3>As a formula</h3><div id="formula"><p class="source">Bytes of the fullest rank of each pipeline '
+            f"rank, b = microbatch size (now {formula.microbatch_size}), s = sequence length (now "
+            f"{formula.seq_len}); equal to the calculator at every size (autopar.memory.memory_formula).</p>"
+            f'<table class="memory-formula">{rows}</table><ul id="fits">{solved}</ul></div>')

@@ -3,7 +3,9 @@
 :func:`simulate_plan` times the plan's schedule with the simulator
 (:func:`autopar.runtime.schedules.simulator.simulate`), each stage costing its forward FLOPs (read
 from ``autopar.cost`` on tensor-parallel rank 0's stage graphs) for F, and as much again for each of
-B and W. :func:`timeline_svg` draws one row per pipeline rank and one bar per action.
+B and W. :func:`timeline_svg` draws one row per pipeline rank and one bar per action; with
+``critical=True`` the step's critical path (``SimResult.critical_path``) is outlined in black and
+joined by a line, transfers included.
 
     >>> from autopar.runtime.schedules.gpipe import gpipe
     >>> from autopar.runtime.schedules.simulator import StageCosts, simulate
@@ -11,6 +13,8 @@ B and W. :func:`timeline_svg` draws one row per pipeline rank and one bar per ac
     >>> svg = timeline_svg(sim)
     >>> svg.startswith("<svg") and svg.count('class="ev ev-F"')
     4
+    >>> timeline_svg(sim, critical=True).count(' crit"')  # the path's actions: outlined
+    6
 """
 from __future__ import annotations
 
@@ -63,15 +67,16 @@ def _ticks(span: float) -> list[float]:
     return [i * step for i in range(int(span / step) + 1)]
 
 
-def _bar(event, x0: float, scale: float, y: float) -> str:
+def _bar(event, x0: float, scale: float, y: float, critical: bool = False) -> str:
     action = event.action
     kind = action.kind.name if hasattr(action.kind, "name") else str(action.kind)
     x, w = x0 + event.start * scale, max((event.end - event.start) * scale, 0.5)
     color = KIND_COLORS.get(kind, "#8C8C8C")
     title = f"{action}: stage {action.stage}, {kind}, microbatch {action.microbatch}, " \
-            f"{event.start:.2f} to {event.end:.2f}"
-    out = [f'<rect class="ev ev-{kind}" data-action="{escape(str(action))}" x="{x:.1f}" y="{y + 2:.1f}" '
-           f'width="{w:.1f}" height="{_ROW_H - 4}" fill="{color}" stroke="#fff" stroke-width="0.6">'
+            f"{event.start:.2f} to {event.end:.2f}" + (", on the critical path" if critical else "")
+    stroke = 'stroke="#111" stroke-width="1.6"' if critical else 'stroke="#fff" stroke-width="0.6"'
+    out = [f'<rect class="ev ev-{kind}{" crit" if critical else ""}" data-action="{escape(str(action))}" '
+           f'x="{x:.1f}" y="{y + 2:.1f}" width="{w:.1f}" height="{_ROW_H - 4}" fill="{color}" {stroke}>'
            f'<title>{escape(title)}</title></rect>']
     if w >= 14:
         label = str(action.microbatch) if w < 34 else f"{action.stage}{kind}{action.microbatch}"
@@ -80,9 +85,25 @@ def _bar(event, x0: float, scale: float, y: float) -> str:
     return "".join(out)
 
 
-def timeline_svg(sim: SimResult, *, width: int = 960, title: str = "") -> str:
-    """One row per pipeline rank, one bar per action (F blue, B green, W orange), a time axis below."""
+def _path_line(sim: SimResult, path, x0: float, scale: float, top: float) -> str:
+    """A line through the critical path: along each action, and across each transfer to the next rank."""
+    row_of = {str(e.action): r for r, row in enumerate(sim.events) for e in row}
+    points = []
+    for step in path.steps:
+        if step.kind == "transfer":
+            continue
+        y = top + row_of[step.label] * _ROW_H + _ROW_H / 2
+        points += [(x0 + step.start * scale, y), (x0 + (step.start + step.seconds) * scale, y)]
+    coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+    return (f'<polyline class="critical-path" points="{coords}" fill="none" stroke="#111" stroke-width="1.2" '
+            f'stroke-dasharray="3,2"><title>critical path: {escape(path.summary())}</title></polyline>')
+
+
+def timeline_svg(sim: SimResult, *, width: int = 960, title: str = "", critical: bool = False) -> str:
+    """One row per pipeline rank, one bar per action (F blue, B green, W orange), a time axis below; with
+    ``critical``, the critical path's bars outlined and joined."""
     rows = sim.events
+    on_path = set(sim.critical_path.actions) if critical else set()
     span = max((e.end for row in rows for e in row), default=0.0) or 1.0
     plot_w = width - _LABEL_W - 2 * _PAD
     scale = plot_w / span
@@ -98,7 +119,9 @@ def timeline_svg(sim: SimResult, *, width: int = 960, title: str = "") -> str:
         parts.append(f'<text x="{_LABEL_W}" y="{y + _ROW_H / 2 + 4}" text-anchor="end" font-size="11">'
                      f'pp rank {rank}</text>')
         parts.append(f'<rect x="{x0}" y="{y + 2}" width="{plot_w}" height="{_ROW_H - 4}" fill="#f2f2f2"/>')
-        parts.extend(_bar(e, x0, scale, y) for e in row)
+        parts.extend(_bar(e, x0, scale, y, str(e.action) in on_path) for e in row)
+    if critical:
+        parts.append(_path_line(sim, sim.critical_path, x0, scale, top))
     axis_y = top + len(rows) * _ROW_H + 4
     parts.append(f'<line x1="{x0}" y1="{axis_y}" x2="{x0 + plot_w}" y2="{axis_y}" stroke="#555"/>')
     for t in _ticks(span):

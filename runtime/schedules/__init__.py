@@ -2,8 +2,9 @@
 
     >>> from autopar.runtime.schedules import StageCosts, build_schedule, simulate
     >>> schedule = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
-    >>> round(simulate(schedule, costs=StageCosts(forward=1, backward=1, weight=0)).mean_bubble, 4)
-    0.2727
+    >>> result = simulate(schedule, costs=StageCosts(forward=1, backward=1, weight=0))
+    >>> round(result.mean_bubble, 4), result.critical_path.length == result.step_time
+    (0.2727, True)
 """
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
@@ -18,6 +19,7 @@ from autopar.runtime.schedules.one_f_one_b import one_f_one_b
 from autopar.runtime.schedules.registry import ASYNC_SCHEDULES, build_schedule, schedule_names
 from autopar.runtime.schedules.simulator import Event, SimResult, StageCosts, simulate
 from autopar.runtime.schedules.staleness import StalenessRule
+from autopar.runtime.schedules.step_graph import CriticalPath, critical_path, step_graph
 from autopar.runtime.schedules.validator import validate
 from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
@@ -50,4 +52,7 @@ __all__ = [
     "SimResult",
     "Event",
     "simulate",
+    "step_graph",
+    "critical_path",
+    "CriticalPath",
 ]

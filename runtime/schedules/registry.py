@@ -28,6 +28,7 @@ from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.chimera import chimera
+from autopar.runtime.schedules.closed_form import ClosedForm, closed_forms_markdown
 from autopar.runtime.schedules.dualpipe import dualpipe, dualpipev
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.interleaved import interleaved_1f1b, looped_bfs
@@ -37,27 +38,14 @@ from autopar.runtime.schedules.zb_v import zb_v
 from autopar.runtime.schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["Family", "ClosedForm", "family", "build_schedule", "schedule_names", "splits_backward",
-           "default_stages_per_rank", "planner_schedules", "ASYNC_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES"]
+           "default_stages_per_rank", "planner_schedules", "closed_forms_table", "ASYNC_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES"]
 
 logger = logging.getLogger(__name__)
 
 
-class ClosedForm(NamedTuple):
-    """A family's figures without building its action list (the planner's deep pipelines).
-
-    ``placement(pp, v)``: ``stage_to_rank``; ``peaks(pp, m, v)``: per rank, the microbatches whose
-    activations it holds at its peak (ScheduleError where the generator would refuse ``m``);
-    ``bubble(pp, m, v)``: the mean idle share of a step when every stage's F, B and W take equal
-    time, for ``m >= 2·pp`` (interleaved: a multiple of pp), the published formulas.
-    """
-
-    placement: Callable[[int, int], tuple[int, ...]]
-    peaks: Callable[[int, int, int], tuple[int, ...]]
-    bubble: Callable[[int, int, int], float]
-
-
 class Family(NamedTuple):
-    """One schedule family: its generator and what every other module reads of it."""
+    """One schedule family: its generator and what every other module reads of it (its closed forms:
+    :attr:`closed_form`)."""
 
     build: Callable[..., Schedule]
     stages_per_rank: int = 1  # num_virtual when none is given (per replica): compile, plan and build_schedule
@@ -68,8 +56,8 @@ class Family(NamedTuple):
     replicas: int = 1  # model replicas the stages come in (Chimera: a second pipeline the other way)
     peak_grows: bool = False  # in-flight peak grows with every microbatch (else steady by 2·pp microbatches)
     bounded: bool = False  # planner/pipeline_bound.py's lower bound holds (one replica, one F, B, W each)
-    closed_form: ClosedForm | None = None
     searched: int | None = None  # its place in the planner's default search (None: only when asked for)
+    closed_form: ClosedForm | None = None  # placement, step, bubble and peaks in p, m, v (closed_form.py)
 
 
 def _in_order(pp: int, v: int) -> tuple[int, ...]:
@@ -80,50 +68,62 @@ def _v_shape(pp: int, v: int) -> tuple[int, ...]:
     return tuple(s if s < pp else 2 * pp - 1 - s for s in range(pp * v))
 
 
-def _one_f_one_b_peaks(pp: int, m: int, v: int) -> tuple[int, ...]:
-    if m < pp:
-        raise ScheduleError(f"1f1b needs num_microbatches >= {pp}, got {m}")
-    return tuple(min(pp - q, m) for q in range(pp))
+def _two_replicas(pp: int, v: int) -> tuple[int, ...]:
+    """Chimera's and DualPipe's: the down replica on ranks 0..p-1, the up one back on p-1..0."""
+    return _v_shape(pp, 2 * v)
 
 
-def _interleaved_peaks(pp: int, m: int, v: int) -> tuple[int, ...]:
-    if m % pp:
-        raise ScheduleError(f"interleaved_1f1b needs num_microbatches to be a multiple of {pp}, got {m}")
-    return tuple(min(m * v, 2 * (pp - q - 1) + (v - 1) * pp + 1) for q in range(pp))
+_ONE_BATCH = dict(step="3*(m + p - 1)", busy="3*m", note="one batch of the stream")
+_V_STEP = dict(step="Max(6*m + p - 1, 4*m + 4*p - 2)", busy="6*m")
+_HALVES = "Piecewise((ceiling(m/2) + 1 + r, r < p/2), (floor(m/2) + p - r, True))"  # even mbs down, odd up
 
-
-def _fill(work: int):
-    """The bubble ``(p - 1) / (work·m + p - 1)`` of a pipeline whose only idle time is its fill and drain."""
-    return lambda pp, m, v: (pp - 1) / (work * v * m + pp - 1)
-
-
-_GPIPE = ClosedForm(_in_order, lambda pp, m, v: (m,) * pp, _fill(1))
-_ONE_F_ONE_B = ClosedForm(_in_order, _one_f_one_b_peaks, _fill(1))
-_INTERLEAVED = ClosedForm(_in_order, _interleaved_peaks, _fill(1))
-_ZB_H1 = ClosedForm(_in_order, lambda pp, m, v: (min(pp, m),) * pp, _fill(3))
-_ZB_H2 = ClosedForm(_in_order, lambda pp, m, v: (min(2 * pp - 1, m),) * pp, _fill(3))
-_ZB_V = ClosedForm(_v_shape, lambda pp, m, v: (min(2 * pp, 2 * m),) * pp, lambda pp, m, v: (pp - 1) / (6 * m + pp - 1))
-
+#: Every family: its generator, its facts, and its closed forms (the unit: runtime/schedules/closed_form.py).
 _FAMILIES: Mapping[str, Family] = types.MappingProxyType({
-    "naive": Family(naive, bounded=True),
-    "gpipe": Family(gpipe, peak_grows=True, bounded=True, closed_form=_GPIPE, searched=3),
-    "1f1b": Family(one_f_one_b, bounded=True, closed_form=_ONE_F_ONE_B, searched=0),
-    "interleaved_1f1b": Family(interleaved_1f1b, stages_per_rank=2, fixed=False, minimum=2, bounded=True,
-                               closed_form=_INTERLEAVED, searched=1),
-    "looped_bfs": Family(looped_bfs, stages_per_rank=2, fixed=False, bounded=True),
-    "zb_h1": Family(zb_h1, split_backward=True, bounded=True, closed_form=_ZB_H1, searched=2),
-    "zb_h2": Family(zb_h2, split_backward=True, bounded=True, closed_form=_ZB_H2),
-    "zb_v": Family(zb_v, stages_per_rank=2, split_backward=True, bounded=True, closed_form=_ZB_V, searched=4),
-    "dualpipev": Family(dualpipev, stages_per_rank=2, split_backward=True),
-    "dualpipe": Family(dualpipe, split_backward=True, replicas=2),  # one stage per rank in each of two replicas
-    "chimera": Family(chimera, replicas=2),  # one stage per rank in each of its two replicas
-    "pipedream": Family(pipedream, asynchronous=True),
-    "pipedream_2bw": Family(pipedream_2bw, asynchronous=True),
-    "pipemare": Family(pipemare, asynchronous=True),
+    "naive": Family(naive, bounded=True, closed_form=ClosedForm(_in_order, step="3*p*m", busy="3*m", peak="1")),
+    "gpipe": Family(gpipe, peak_grows=True, bounded=True, searched=3,
+                    closed_form=ClosedForm(_in_order, step="3*(m + p - 1)", busy="3*m", peak="m")),
+    "1f1b": Family(one_f_one_b, bounded=True, searched=0, closed_form=ClosedForm(
+        _in_order, step="3*(m + p - 1)", busy="3*m", peak="p - r",
+        requires=("m >= p", "1f1b needs num_microbatches >= {p}"))),
+    "interleaved_1f1b": Family(interleaved_1f1b, stages_per_rank=2, fixed=False, minimum=2, bounded=True, searched=1,
+                               closed_form=ClosedForm(
+        _in_order, step="3*(m*v + p - 1)", busy="3*m*v", peak="Min(m*v, 2*(p - r - 1) + (v - 1)*p + 1)",
+        requires=("Eq(Mod(m, p), 0)", "interleaved_1f1b needs num_microbatches to be a multiple of {p}"))),
+    "looped_bfs": Family(looped_bfs, stages_per_rank=2, fixed=False, peak_grows=True, bounded=True,
+                         closed_form=ClosedForm(_in_order, step="3*(v*Max(m, p) + Min(m, p) - 1)", busy="3*m*v",
+                                                peak="m*v")),
+    "zb_h1": Family(zb_h1, split_backward=True, bounded=True, searched=2, closed_form=ClosedForm(
+        _in_order, step="Max(3*m + p - 1, 2*m + 2*p - 1)", busy="3*m", peak="Min(m, p)")),
+    "zb_h2": Family(zb_h2, split_backward=True, bounded=True, closed_form=ClosedForm(
+        _in_order, step="Max(3*m + p - 1, 2*p + 1 + floor(5*(m - 1)/2))", busy="3*m", peak="Min(m, 2*p - 1)")),
+    "zb_v": Family(zb_v, stages_per_rank=2, split_backward=True, bounded=True, searched=4, closed_form=ClosedForm(
+        _v_shape, **_V_STEP, peak="Min(2*p, 2*m, m + r + 1)")),
+    "dualpipev": Family(dualpipev, stages_per_rank=2, split_backward=True, closed_form=ClosedForm(
+        _v_shape, **_V_STEP, peak="Min(2*p + 1, 2*m, m + r + 1)", step_holds="(m <= p) | (m >= 2*p)",
+        note="between p and 2p microbatches (its order built for 2p, then cut) the step is irregular")),
+    "dualpipe": Family(dualpipe, split_backward=True, replicas=2, closed_form=ClosedForm(  # a stage per rank per replica
+        _two_replicas, step="3*m + p/2 - 1", busy="3*m", peak=f"Min(p + 1, m, {_HALVES})",
+        step_holds="Eq(Mod(m, 2), 0) & (m >= 2*p)",
+        requires=("Eq(Mod(p, 2), 0)", "dualpipe needs an even number of ranks, got p={p} with m"))),
+    "chimera": Family(chimera, replicas=2, closed_form=ClosedForm(  # one stage per rank in each of its two replicas
+        _two_replicas, step="3*p - 4 + 4*ceiling(m/2) + (ceiling(2*ceiling(m/2)/p) - 1)*Max(2*p - 3, p)", busy="3*m",
+        peak=f"Min(m, p + Min(1, r, p - 1 - r), {_HALVES})", step_holds="Eq(Mod(p, 2), 0)",
+        peak_holds="Eq(Mod(p, 2), 0)", note="greedy list scheduling: read off the simulator, checked on the grid")),
+    "pipedream": Family(pipedream, asynchronous=True,
+                        closed_form=ClosedForm(_in_order, **_ONE_BATCH, peak="Min(p - r, m)")),
+    "pipedream_2bw": Family(pipedream_2bw, asynchronous=True, closed_form=ClosedForm(
+        _in_order, **_ONE_BATCH, peak="p - r", requires=("m >= p", "pipedream_2bw needs num_microbatches >= {p}"))),
+    "pipemare": Family(pipemare, asynchronous=True,
+                       closed_form=ClosedForm(_in_order, **_ONE_BATCH, peak="Min(p - r, m)")),
 })
 
 ASYNC_SCHEDULES = tuple(n for n, f in _FAMILIES.items() if f.asynchronous)
 SPLIT_BACKWARD_SCHEDULES = tuple(n for n, f in _FAMILIES.items() if f.split_backward)
+
+
+def closed_forms_table() -> str:
+    """Every family's closed forms as the markdown table docs/schedules.md prints (tests/docs compare them)."""
+    return closed_forms_markdown({name: row.closed_form for name, row in _FAMILIES.items()})
 
 
 def schedule_names(*, asynchronous: bool = True) -> tuple[str, ...]:

@@ -121,3 +121,44 @@ def test_parse_mesh():
     assert (parse_mesh("dp=2, tp=4").dp, parse_mesh("dp=2, tp=4").pp, parse_mesh("dp=2, tp=4").tp) == (2, 1, 4)
     with pytest.raises(PlanError, match="--mesh"):
         parse_mesh("pp=-1")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
+def test_inspect_prints_the_critical_path_as_long_as_the_simulated_step(schedule, capsys, monkeypatch):
+    """1F1B and ZB-V on pp=4: the line's length is the report's simulated step time, its actions run from
+    stage 0's first forward to a last action of a rank."""
+    import autopar.models.examples as examples
+    from autopar.models import build_model, lm_loss
+    from autopar.report.timeline import simulate_plan
+
+    def deep_gpt():
+        model = build_model("gpt_tiny", seq_len=32, num_layers=8)
+        tokens = examples.lm_batch(vocab_size=model.cfg.vocab_size)[0]
+        return model, (tokens,), lm_loss, tokens
+
+    monkeypatch.setattr(examples, "deep_gpt", deep_gpt, raising=False)
+    assert main(["inspect", "autopar.models.examples:deep_gpt", "--mesh", "pp=4", "--schedule", schedule,
+                 "--microbatches", "8"] + (["--virtual", "2"] if schedule == "zb_v" else [])) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("critical path "))
+    model, (tokens,), loss, target = deep_gpt()
+    result = autopar.plan(model, (1, 4, 1), example_inputs=(tokens,), loss_fn=loss, example_target=target,
+                          schedule=schedule, num_microbatches=8)
+    sim = simulate_plan(result).sim
+    assert float(line.split()[2]) == pytest.approx(sim.step_time, rel=1e-3)
+    assert line.split(": ", 1)[1].split()[0] == "0F0"
+    assert f"critical path {sim.critical_path.length:.4g}" in line
+
+
+def test_plan_prints_the_chosen_pipeline_critical_path(capsys):
+    """`autopar plan`: the critical path of the chosen pipeline under the planner's stage times is its
+    simulated pipeline time (the step less data-parallel communication and the optimizer)."""
+    args = ["plan", GPT, "--cluster", "a100-80g-8x", "--world", "2", "--mesh", "pp=2", "--schedule", "zb_h1",
+            "--microbatches", "4"]
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("critical path "))
+    model, inputs, loss, target = __import__("autopar.models.examples", fromlist=["gpt_tiny"]).gpt_tiny()
+    report = autopar.plan(model, {"world": 2, "pp": 2}, example_inputs=inputs, loss_fn=loss, example_target=target,
+                          plan="auto", cluster="a100-80g-8x", ranks=[0], schedule="zb_h1", num_microbatches=4).planner
+    pipeline = report.best.step_time - report.best.parts["dp_comm"] - report.best.parts["optimizer"]
+    assert float(line.split()[2]) == pytest.approx(pipeline, rel=1e-3)
+    assert report.critical_path().length == pytest.approx(pipeline, rel=1e-9)

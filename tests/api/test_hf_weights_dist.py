@@ -144,14 +144,16 @@ def test_pretrained_folder_gives_the_eager_logits(case):
     result = _result(case)
     folder = dict(case.extra)["folder"]
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == (case.model == "hf_llama")
-    for got, expected in zip(result["outputs"], _eager_logits(case, folder)):
-        torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-5)
+    eager = _eager_logits(case, folder)
+    for rank, mine in enumerate(result["rank_results"]):  # every rank returns the logits (dp=1: the whole batch)
+        for got, expected in zip(mine["outputs"], eager, strict=True):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
+        report = mine["report"]  # each rank read what it holds and nothing else
+        assert report.elements_read == mine["held_elements"] < report.checkpoint_elements, f"rank {rank}"
     expected = _folder_state(case)
     assert set(result["state"]) == set(expected)
     for key, value in result["state"].items():
         assert torch.equal(value, expected[key]), key
-    report = result["report"]  # rank 0 (stage 0, tp shard 0) read what it holds and nothing else
-    assert report.elements_read == result["held_elements"] < report.checkpoint_elements
 
 
 @pytest.mark.parametrize("case", _cases_of("train_save"))
@@ -171,10 +173,14 @@ def test_trained_and_saved_folder_loads_in_transformers(case):
     assert type(saved) is type(pretrained)
     for key, value in saved.state_dict().items():
         assert torch.equal(value, result["state"][key]), key
+    local = case.batch // case.mesh[0]
     with torch.no_grad():
-        for (x, _), got in zip(batches(case, saved.config.vocab_size), result["outputs"]):
-            expected = saved.eval()(x).logits[:got.shape[0]]  # rank 0 holds dp slice 0 (dp=2: half)
-            torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-5)
+        logits = [saved.eval()(x).logits for x, _ in batches(case, saved.config.vocab_size)]
+    for rank, mine in enumerate(result["rank_results"]):  # each rank's logits: its own dp slice of the batch
+        start = mine["coords"]["dp"] * local
+        for got, expected in zip(mine["outputs"], logits, strict=True):
+            torch.testing.assert_close(got, expected[start:start + local], rtol=RTOL, atol=1e-5,
+                                       msg=lambda m, r=rank: f"rank {r}: {m}")
     assert not [f for f in os.listdir(_root()) if f.startswith(".")], "a temporary folder was left behind"
 
 
@@ -185,8 +191,9 @@ def test_pretrained_weights_set_zero3_blocks_and_fp32_masters_with_their_bf16_co
     assert set(result["state"]) == set(expected)
     for key, value in result["state"].items():
         assert torch.equal(value, expected[key]), key
-    if dict(case.options).get("precision") == "bf16":
-        assert result["compute_dtype"] == "torch.bfloat16" and result["rounded"]
+    if dict(case.options).get("precision") == "bf16":  # every rank's copies, not rank 0's alone
+        assert [(r["compute_dtype"], r["rounded"]) for r in result["rank_results"]] == \
+            [("torch.bfloat16", True)] * case.world_size
 
 
 def _reference_from(case: Case, pretrained) -> dict:

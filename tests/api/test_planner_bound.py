@@ -92,3 +92,29 @@ def test_the_relaxed_bound_holds_for_every_cut():
         path = sum(loads) - (sum(weight) if schedule.split_backward else 0.0)
         relaxed = relaxed_bound(path=path, work=sum(loads), num_ranks=pp, num_microbatches=m, num_virtual=1)
         assert relaxed <= _bound(schedule, costs) * (1 + 1e-9)
+
+
+def _in_flight_cases():
+    from autopar.runtime.schedules.registry import family, schedule_names
+    for name in schedule_names(asynchronous=False):
+        row = family(name)
+        if row.replicas > 1:
+            continue
+        for pp, m in ((2, 12), (3, 16), (10, 24), (10, 40)):  # beyond 2·pp (the planner's short schedule) and pp > 8
+            v = row.stages_per_rank
+            try:
+                row.closed_form.peaks(pp, m, v)
+            except ScheduleError:
+                continue
+            yield name, pp, m, v
+
+
+@pytest.mark.parametrize(("name", "pp", "m", "v"), list(_in_flight_cases()))
+def test_the_planner_counts_the_microbatches_the_simulator_holds(name, pp, m, v):
+    """What the cost model keeps in flight per rank (a short schedule scaled, or the registry's closed form
+    beyond 8 ranks) is the simulator's peak on the whole schedule."""
+    from autopar.planner.cost_model import schedule_of
+
+    _schedule, counts = schedule_of(name, pp, m, v)
+    full = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
+    assert tuple(counts) == simulate(full, costs=StageCosts(forward=1, backward=1, weight=1)).peak_activations

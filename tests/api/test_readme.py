@@ -58,3 +58,13 @@ def test_readme_shell_commands_run(tmp_path):
         done = shell_runs(command, tmp_path)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         assert "Plan for" in done.stdout
+
+
+def test_readme_names_the_pinned_transformers_and_installs_the_pins():
+    """The README's test command installs constraints.txt, and the transformers version it names is the pinned one."""
+    text = README.read_text()
+    pins = dict(line.split("==", 1) for line in (README.parent / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert 'pip install -e ".[test]" -c constraints.txt' in text
+    assert f"transformers {pins['transformers']}" in text
+    assert "torch" not in pins  # the README and .ci/run install torch==2.13.0 themselves

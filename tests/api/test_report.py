@@ -14,6 +14,7 @@ from autopar.models import examples
 from autopar.report import graph_diff, render_report, timeline_svg, write_report
 from autopar.report import memory_view
 from autopar.report.collect import graph_groups, original_graph
+from autopar.report.timeline import simulate_plan
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 from autopar.runtime.p2p import p2p_nodes
 from autopar.runtime.schedules.gpipe import gpipe
@@ -67,8 +68,11 @@ def test_nodes_show_shapes_placements_and_stage_colours(page):
 def test_timeline_is_an_inline_svg_of_every_action(result, page):
     svg = re.search(r'<svg class="timeline".*?</svg>', page, flags=re.S).group(0)
     m, stages = result.plan.pipeline.num_microbatches, result.schedule.num_stages
-    assert svg.count('class="ev ev-F"') == svg.count('class="ev ev-B"') == m * stages
+    kinds = re.findall(r'class="ev ev-([FBW])( crit)?"', svg)
+    assert sum(k == "F" for k, _ in kinds) == sum(k == "B" for k, _ in kinds) == m * stages
     assert 'data-action="1B3"' in svg
+    outlined = re.findall(r'class="ev ev-[FBW] crit" data-action="(\w+)"', svg)  # the critical path, in order
+    assert outlined and set(outlined) == set(simulate_plan(result).sim.critical_path.actions)
 
 
 def test_memory_per_rank_from_the_calculator(page):

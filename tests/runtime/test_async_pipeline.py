@@ -1,49 +1,71 @@
-"""Asynchronous schedules: the distributed runtime reproduces the single-process emulation of each rule.
+"""Asynchronous schedules: the distributed runtime reproduces an oracle of each rule that shares no code with it.
 
-The emulation (runtime/async_emulation.py) is plain torch on the unsplit model; the rules are data
-(runtime/schedules/staleness.py). Spawned cases: tests/schedule_runners.py (pp=2 for each rule, and
-2BW with GPT's tied weight on dp=2 x pp=2).
+The oracle (tests/async_oracle.py) is a plain loop on the unsplit model that keeps every stage's weight
+versions by hand, its rules written from the papers; it imports nothing from autopar. The tests tell it
+the rule by the schedule's name and the stage cut literally (:data:`STAGE_STARTS`, checked against the
+program's plan, never read from it). Hand-computed two-stage traces pin the oracle itself: which version
+each microbatch's forward and backward read, written out below. Spawned cases: tests/schedule_runners.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
+from async_oracle import Oracle, run_oracle
 from autopar.models import build_model, lm_loss
-from autopar.runtime.async_emulation import StageLayout, emulate
 from autopar.runtime.schedules import StageCosts, StalenessRule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, stream_segment
 from case_marks import by_world
 from equivalence import ATOL, RTOL, build, make_optimizer
 from schedule_runners import ASYNC_CASES, ASYNC_DICT_CASES, results
 
+#: where the tiny models' two stages are cut (the partitioner's cost-balanced cut of two equal blocks)
+STAGE_STARTS = {"llama_tiny": ("layers.1",), "gpt_tiny": ("blocks.1",)}
+#: the rule of each schedule name, and compile's documented PipeMare defaults (docs/api.md)
+KINDS = {"pipedream": "pipedream", "pipedream_2bw": "2bw", "pipemare": "pipemare"}
+PIPEMARE_DEFAULTS = {"pipemare_lr_warmup_updates": 100, "pipemare_correction_decay": 0.5}
 
-def _emulate(case, result, rule=None):
-    layout = StageLayout(result["layout"]["param_stages"], result["layout"]["stage_starts"])
-    return emulate(build(case), rule=rule or result["rule"], layout=layout,
-                   batches=[((x,), y) for x, y in result["data"]], num_microbatches=result["num_microbatches"],
-                   loss_fn=lm_loss, optimizer=make_optimizer(case), dp=case.mesh[0],
-                   count_tokens=lambda target: (target != -100).sum())  # lm_loss is a token mean
+
+def _oracle_of(case, **change) -> Oracle:
+    """The rule and cut of ``case``, from its own options and the literal cut above."""
+    options = {**PIPEMARE_DEFAULTS, **dict(case.options)}
+    o = Oracle(kind=KINDS[options["schedule"]], num_stages=case.mesh[1], num_microbatches=options["num_microbatches"],
+               stage_starts=STAGE_STARTS[case.model], lr_warmup_updates=options["pipemare_lr_warmup_updates"],
+               correction_decay=options["pipemare_correction_decay"], max_grad_norm=options.get("max_grad_norm"))
+    return dataclasses.replace(o, **change)
+
+
+def _oracle_run(case, result, oracle: Oracle):
+    padded = dict(case.extra).get("padded_targets")
+    return run_oracle(build(case), oracle, batches=[((x,), y) for x, y in result["data"]], loss_fn=lm_loss,
+                      optimizer=make_optimizer(case), dp=case.mesh[0],
+                      count_tokens=(lambda target: (target != -100).sum()) if padded else None)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", by_world(ASYNC_CASES, ids=lambda c: c.name()))
-def test_distributed_run_is_the_emulated_staleness_rule(case):
+def test_distributed_run_is_the_oracle_of_its_rule(case):
     result = results(case.world_size)[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
-    expected = _emulate(case, result)
+    assert result["layout"]["stage_starts"] == STAGE_STARTS[case.model], "the partitioner cut elsewhere"
+    oracle = _oracle_of(case)
+    expected = _oracle_run(case, result, oracle)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected.losses), rtol=RTOL, atol=0)
     assert set(result["state"]) == set(expected.state)
     for key, value in expected.state.items():
         torch.testing.assert_close(result["state"][key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
-    # the check has teeth: another rule gives other weights
-    rule = result["rule"]
-    other = StalenessRule(kind="2bw", num_stages=rule.num_stages,  # another update cadence
-                          updates_every=1 if rule.kind == "2bw" else result["num_microbatches"])
-    wrong = _emulate(case, result, other)
-    assert any(not torch.allclose(wrong.state[k], v, rtol=RTOL, atol=ATOL) for k, v in expected.state.items())
+    # the check has teeth: another rule gives other weights (2BW's updates read without their batch of delay;
+    # the others' read once per batch), and so does clipping left out
+    others = [dataclasses.replace(oracle, batches_late=0) if oracle.kind == "2bw" else
+              dataclasses.replace(oracle, kind="2bw")]
+    if oracle.max_grad_norm is not None:
+        others.append(dataclasses.replace(oracle, max_grad_norm=None))
+    for other in others:
+        wrong = _oracle_run(case, result, other)
+        assert any(not torch.allclose(wrong.state[k], v, rtol=RTOL, atol=ATOL) for k, v in expected.state.items())
     # the loss falls on real text, and the runtime held the weight versions the simulator counts
     assert result["losses"][-1] < result["losses"][0]
     generate = {"pipedream": pipedream, "pipedream_2bw": pipedream_2bw, "pipemare": pipemare}[
@@ -77,6 +99,7 @@ def test_rules_are_the_published_formulas(p, m):
             assert mare.forward_version(s, i) == max(0, i - (p - 1 - s)) and mare.backward_version(s, i) == i
             assert two.forward_version(s, i) == two.backward_version(s, i) == max(0, i // m - 1)
     assert [two.closes_update(i) for i in range(2 * m)] == ([False] * (m - 1) + [True]) * 2
+    assert [two.update_of(i) for i in range(2 * m)] == [0] * m + [1] * m  # whole updates, ints
 
 
 @pytest.mark.parametrize(("generate", "p", "m"), [(pipedream, 3, 2), (pipedream_2bw, 3, 3), (pipemare, 4, 1)])
@@ -121,14 +144,106 @@ def test_simulated_weight_versions():
     assert long.mean_bubble == pytest.approx(6 / (2 * 512 + 6))
 
 
-def test_emulation_of_one_stage_is_plain_per_microbatch_training():
+def test_pipemare_rescales_the_rate_by_delay_then_releases_it():
+    rule = StalenessRule(kind="pipemare", num_stages=4, lr_warmup_updates=10, correction_decay=0.5)
+    assert rule.lr_scale(0, 0) == pytest.approx(1 / 3) and rule.lr_scale(3, 0) == 1.0
+    assert rule.lr_scale(0, 5) == pytest.approx(3 ** -0.5) and rule.lr_scale(0, 10) == 1.0
+    assert rule.lr_scale(0, 25) == 1.0  # past the warm-up the full rate, never more
+    assert dataclasses.replace(rule, lr_warmup_updates=0).lr_scale(0, 0) == 1.0
+
+
+# -- the oracle against traces computed by hand ------------------------------------------------------
+# Two stages (stage 0: h = tanh(w0 x); stage 1: out = w1 h; loss (out - y)^2), two batches of two
+# microbatches, plain SGD. Which version (weights after that many updates) each microbatch's F and B read
+# on each stage, written out from the papers: PipeDream updates after every microbatch and stage 0 runs
+# one forward ahead, so its F and B (stashed) read one update behind stage 1. 2BW updates once per batch
+# with its mean gradient, one batch late: batches 0 and 1 both read W(0). PipeMare's F reads PipeDream's
+# version, its B the newest, corrected back by lag (B - F) times delta, the running average of the
+# stage's steps (decay 1/2); the gradient of stage 0 is taken at its forward input with those weights.
+HAND_VERSIONS = {  # kind: ((stage 0 F, stage 0 B), (stage 1 F, stage 1 B)), microbatches 0..3
+    "pipedream": (([0, 0, 1, 2], [0, 0, 1, 2]), ([0, 1, 2, 3], [0, 1, 2, 3])),
+    "2bw": (([0, 0, 0, 0], [0, 0, 0, 0]), ([0, 0, 0, 0], [0, 0, 0, 0])),
+    "pipemare": (([0, 0, 1, 2], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 1, 2, 3])),
+}
+HAND_UPDATES_AFTER = {"pipedream": [0, 1, 2, 3], "2bw": [1, 3], "pipemare": [0, 1, 2, 3]}  # closing microbatches
+
+
+def _hand_trace(kind: str, microbatches, *, lr: float, max_norm=None, versions=None, correction: float = 1.0):
+    """Scalar arithmetic, no autograd, no torch: (each microbatch's loss, the final (w0, w1))."""
+    (f0, b0), (f1, b1) = versions or HAND_VERSIONS[kind]
+    weights, delta, grads, losses = [(0.5, -0.75)], [0.0, 0.0], [], []
+    for i, (x, y) in enumerate(microbatches):
+        h = math.tanh(weights[f0[i]][0] * x)  # stage 0's forward: the input stage 1 records
+        losses.append((weights[f1[i]][1] * h - y) ** 2)
+        a = weights[b0[i]][0] - correction * (b0[i] - f0[i]) * delta[0]  # backward weights, corrected
+        b = weights[b1[i]][1] - correction * (b1[i] - f1[i]) * delta[1]
+        d = 2 * (b * h - y)  # d loss / d out, stage 1 recomputed on its recorded input h
+        grads.append((d * b * (1 - math.tanh(a * x) ** 2) * x, d * h))
+        if i in HAND_UPDATES_AFTER[kind]:
+            n = 2 if kind == "2bw" else 1
+            g0, g1 = (sum(g[k] for g in grads[-n:]) / n for k in (0, 1))
+            if max_norm is not None:  # torch's clip_grad_norm_: both stages' gradients of this update together
+                coef = min(1.0, max_norm / (math.hypot(g0, g1) + 1e-6))
+                g0, g1 = g0 * coef, g1 * coef
+            old = weights[-1]
+            new = (old[0] - lr * g0, old[1] - lr * g1)
+            if kind == "pipemare":
+                delta = [0.5 * dl + 0.5 * (n_ - o_) for dl, n_, o_ in zip(delta, new, old)]
+            weights.append(new)
+    return losses, weights[-1]
+
+
+@pytest.mark.parametrize(("kind", "max_norm"), [("pipedream", None), ("2bw", None), ("pipemare", None), ("2bw", 0.05)],
+                         ids=["pipedream", "2bw", "pipemare", "2bw-clipped"])
+def test_oracle_follows_a_hand_computed_trace_at_p2_m2(kind, max_norm):
+    """The oracle the distributed runtime is judged by gives the losses and weights of the trace above."""
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.Tanh(), torch.nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[2].weight.fill_(-0.75)
+    xs, ys = [[1.0, 2.0], [-1.0, 0.5]], [[0.3, -0.2], [0.1, 0.4]]
+    batches = [((torch.tensor(x).view(2, 1),), torch.tensor(y).view(2, 1)) for x, y in zip(xs, ys)]
+    oracle = Oracle(kind=kind, num_stages=2, num_microbatches=2, stage_starts=("2",), correction_decay=0.5,
+                    max_grad_norm=max_norm)
+    got = run_oracle(model, oracle, batches=batches, loss_fn=torch.nn.functional.mse_loss,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    flat = [(x, y) for bx, by in zip(xs, ys) for x, y in zip(bx, by)]
+    losses, (w0, w1) = _hand_trace(kind, flat, lr=0.1, max_norm=max_norm)
+    assert got.losses == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-6)
+    assert got.state["0.weight"].item() == pytest.approx(w0, rel=1e-6)  # fp32 against float64 arithmetic
+    assert got.state["2.weight"].item() == pytest.approx(w1, rel=1e-6)
+    # the trace has teeth: read at the newest weights (no staleness) it ends elsewhere; PipeMare's correction
+    # with the other sign too; and clipping is active at this bound
+    newest = [0, 1, 2, 3] if kind != "2bw" else [0, 0, 1, 1]
+    elsewhere = [_hand_trace(kind, flat, lr=0.1, max_norm=max_norm, versions=((newest, newest), (newest, newest)))]
+    if kind == "pipemare":
+        elsewhere.append(_hand_trace(kind, flat, lr=0.1, max_norm=max_norm, correction=-1.0))
+    if max_norm is not None:
+        elsewhere.append(_hand_trace(kind, flat, lr=0.1))
+    for _, (v0, v1) in elsewhere:  # 10x the tolerance the oracle is held to above
+        assert max(abs(v0 - w0) / abs(w0), abs(v1 - w1) / abs(w1)) > 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipemare"])
+def test_clipping_under_an_update_per_microbatch_is_refused(schedule, one_rank_mesh):
+    """The last stage would wait for stage 0's backward across the step's loss exchange: a PlanError that
+    says so and names 2BW, never a hang (docs/schedules.md, "Gradient clipping")."""
+    import autopar
+    model = build_model("llama_tiny", num_layers=1, seq_len=8)
+    x = torch.randint(0, 128, (2, 8))
+    with pytest.raises(autopar.PlanError, match="cannot be applied exactly") as info:
+        autopar.compile(model, one_rank_mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x,
+                        schedule=schedule, num_microbatches=2, max_grad_norm=1.0)
+    assert "pipedream_2bw" in str(info.value)
+
+
+def test_oracle_of_one_stage_is_plain_per_microbatch_training():
     torch.manual_seed(0)
     model = build_model("gpt_tiny", num_layers=1, seq_len=8)
     x = torch.randint(0, 128, (4, 8))
-    layout = StageLayout({n: (0,) for n, _ in model.named_parameters()}, ())
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    got = emulate(model, rule=StalenessRule(kind="pipedream", num_stages=1), layout=layout,
-                  batches=[((x,), x), ((x,), x)], num_microbatches=2, loss_fn=lm_loss, optimizer=sgd)
+    got = run_oracle(model, Oracle(kind="pipedream", num_stages=1, num_microbatches=2, stage_starts=()),
+                     batches=[((x,), x), ((x,), x)], loss_fn=lm_loss, optimizer=sgd)
     reference = build_model("gpt_tiny", num_layers=1, seq_len=8)
     reference.load_state_dict(model.state_dict())
     opt = sgd(list(reference.parameters()))
@@ -141,60 +256,23 @@ def test_emulation_of_one_stage_is_plain_per_microbatch_training():
         torch.testing.assert_close(got.state[name], value)
 
 
-# the weight version each microbatch of a 2-stage stream reads, written out by hand from the papers:
-# PipeDream (Narayanan et al. 2019) updates after every microbatch; stage s of p reads the weights
-# after i - (p - 1 - s) updates (the last stage the newest, stage 0 one behind), in forward and in
-# backward (weight stashing). 2BW (Narayanan et al. 2021) updates once per batch of m = 2 with the
-# batch's mean gradient, W(t+1) = W(t) - lr * grad f(W(t-1)): batches 0 and 1 both read W(0).
-HAND_VERSIONS = {"pipedream": ([0, 0, 1, 2], [0, 1, 2, 3]), "2bw": ([0, 0, 0, 0], [0, 0, 0, 0])}
-HAND_UPDATES_AFTER = {"pipedream": [0, 1, 2, 3], "2bw": [1, 3]}  # microbatches that close an update
+@pytest.mark.parametrize("bad", [dict(kind="pipedream", num_stages=0), dict(kind="2bw", num_stages=2, updates_every=0),
+                                 dict(kind="pipemare", num_stages=2, lr_warmup_updates=-1),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=1.0),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=-0.5),
+                                 dict(kind="pipemare", num_stages=2, correction_decay=1.5)],
+                         ids=["no-stages", "no-microbatch-per-update", "negative-warmup", "decay-1", "decay-negative",
+                              "decay-above-1"])
+def test_a_rule_out_of_range_is_a_schedule_error(bad):
+    from autopar.errors import ScheduleError
+    with pytest.raises(ScheduleError):
+        StalenessRule(**bad)
 
 
-def _hand_trace(kind: str, w0: float, w1: float, microbatches, lr: float, versions=None):
-    """Scalar arithmetic, no autograd: out = w1 * (w0 * x), loss (out - y)^2, gradients by hand."""
-    v0, v1 = versions or HAND_VERSIONS[kind]
-    weights, grads, losses = [(w0, w1)], [], []
-    for i, (x, y) in enumerate(microbatches):
-        a, b = weights[v0[i]][0], weights[v1[i]][1]
-        h = a * x
-        d = 2 * (b * h - y)
-        losses.append((b * h - y) ** 2)
-        grads.append((d * b * x, d * h))  # d loss / d w0 (at stage 0's version), d loss / d w1
-        if i in HAND_UPDATES_AFTER[kind]:
-            n = 1 if kind == "pipedream" else 2
-            g0, g1 = (sum(g[k] for g in grads[-n:]) / n for k in (0, 1))
-            weights.append((weights[-1][0] - lr * g0, weights[-1][1] - lr * g1))
-    return losses, weights[-1]
-
-
-@pytest.mark.parametrize("kind", ["pipedream", "2bw"])
-def test_emulation_follows_a_hand_computed_staleness_trace_at_p2_m2(kind):
-    """Two stages of one scalar weight each, two batches of two microbatches, plain SGD: the emulation
-    (which the distributed runtime is judged against above) gives the losses and weights of the trace
-    computed by hand from the published update rules, not from runtime/schedules/staleness.py."""
-    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False))
-    with torch.no_grad():
-        model[0].weight.fill_(0.5)
-        model[1].weight.fill_(-0.75)
-    xs, ys = [[1.0, 2.0], [-1.0, 0.5]], [[0.3, -0.2], [0.1, 0.4]]
-    batches = [((torch.tensor(x).view(2, 1),), torch.tensor(y).view(2, 1)) for x, y in zip(xs, ys)]
-    rule = StalenessRule(kind=kind, num_stages=2, **({"updates_every": 2} if kind == "2bw" else {}))
-    layout = StageLayout({"0.weight": (0,), "1.weight": (1,)}, ("1",))
-    got = emulate(model, rule=rule, layout=layout, batches=batches, num_microbatches=2,
-                  loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    flat = [(x, y) for bx, by in zip(xs, ys) for x, y in zip(bx, by)]
-    losses, (w0, w1) = _hand_trace(kind, 0.5, -0.75, flat, lr=0.1)
-    assert got.losses == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-6)
-    assert got.state["0.weight"].item() == pytest.approx(w0, rel=1e-6)  # fp32 against float64 arithmetic
-    assert got.state["1.weight"].item() == pytest.approx(w1, rel=1e-6)
-    # the trace has teeth: the same updates read at the newest weights (no staleness) end elsewhere
-    newest = [0, 1, 2, 3] if kind == "pipedream" else [0, 0, 1, 1]
-    _, fresh = _hand_trace(kind, 0.5, -0.75, flat, lr=0.1, versions=(newest, newest))
-    assert abs(fresh[0] - w0) > 1e-3 * abs(w0)
-
-
-def test_pipemare_rescales_the_rate_by_delay_then_releases_it():
-    rule = StalenessRule(kind="pipemare", num_stages=4, lr_warmup_updates=10, correction_decay=0.5)
-    assert rule.lr_scale(0, 0) == pytest.approx(1 / 3) and rule.lr_scale(3, 0) == 1.0
-    assert rule.lr_scale(0, 5) == pytest.approx(3 ** -0.5) and rule.lr_scale(0, 10) == 1.0
-    assert dataclasses.replace(rule, lr_warmup_updates=0).lr_scale(0, 0) == 1.0
+def test_a_rule_is_frozen_keyword_data_whose_pipemare_has_no_warmup_by_default():
+    rule = StalenessRule(kind="pipemare", num_stages=4)
+    assert rule.lr_scale(0, 0) == 1.0  # lr_warmup_updates defaults to 0: the full rate from the start
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.num_stages = 2
+    with pytest.raises(TypeError):
+        StalenessRule("pipedream", 2)

@@ -89,6 +89,23 @@ def test_two_node_launch_trains_like_one_device(tmp_path):
     assert final["attempt"] == 0 and len(lines) == 5
 
 
+@pytest.mark.slow  # a torchrun launch of its own; tests/runtime/test_flight_faults.py covers SIGKILL by default
+def test_a_rank_killed_under_torchrun_is_named_by_the_survivor_before_torchrun_stops_it(tmp_path):
+    """Rank 1 dies by SIGKILL in its forward of microbatch 2 in step 2; torchrun SIGTERMs rank 0 at once,
+    and rank 0 still writes the diagnosis (its SIGTERM waits for it) naming rank 1, gone, and the action."""
+    ckpt, out, run_dir = tmp_path / "ckpt", tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    cmd = _torchrun("--nproc-per-node", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", SCRIPT, "--mesh", "1,2,1", "--ckpt", str(ckpt),
+                    "--out", str(out), "--run-dir", str(run_dir), "--sigkill-step", "2")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+    assert run.returncode != 0
+    text = (run_dir / "diagnosis.txt").read_text()
+    assert "culprit: rank 1: it is gone (no heartbeat for" in text, text + run.stderr[-4000:]
+    assert "its last action: 1F2 (stage 1, microbatch 2), step 2" in text
+    assert "job-wide diagnosis (made by rank 0; rank 0 logs it)" in run.stderr
+
+
 def _result(case):
     result = groups.result(case)
     assert "error" not in result, f"{case.name()}:\n{result.get('traceback', result['error'])}"

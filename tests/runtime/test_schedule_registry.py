@@ -1,8 +1,8 @@
 """The schedule registry is the one table of families: nothing else lists them, and its facts hold.
 
 The facts are checked against what they describe: the defaults against compile/plan and
-build_schedule, split backward and asynchrony against the built Schedule, the closed forms
-(placement, in-flight peaks, bubble) against the generator, the memory count and the simulator.
+build_schedule, split backward and asynchrony against the built Schedule (the closed forms against
+the simulator: tests/runtime/test_schedule_closed_forms.py).
 """
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.memory.activations import peak_bytes
 from autopar.models import build_model, lm_loss
-from autopar.runtime.schedules import StageCosts, simulate
 from autopar.runtime.schedules.registry import (
     ASYNC_SCHEDULES,
     build_schedule,
@@ -30,7 +28,6 @@ SOURCES = ("autopar", "passes", "runtime", "models")  # the product (bench/ pick
 REGISTRY = ROOT / "runtime" / "schedules" / "registry.py"
 # StalenessRule's own kinds ("pipedream", "2bw", "pipemare"): a vocabulary of weight-version rules, not families
 NOT_FAMILY_LISTS = {"runtime/schedules/staleness.py": [["pipedream", "pipemare"]]}
-UNIT = StageCosts(forward=1, backward=1, weight=1)
 
 
 def _family_lists(path: pathlib.Path) -> list[tuple[int, list[str]]]:
@@ -65,30 +62,6 @@ def test_each_family_builds_what_its_row_says(name):
     assert schedule.split_backward == row.split_backward
     assert (schedule.staleness is not None) == row.asynchronous == (name in ASYNC_SCHEDULES)
     assert default_stages_per_rank(name) == row.stages_per_rank and default_stages_per_rank(name, 3) == 3
-
-
-@pytest.mark.parametrize("name", [n for n in schedule_names() if family(n).closed_form is not None])
-@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 6), (4, 8), (4, 12)])
-def test_closed_forms_match_the_built_schedule(name, pp, m):
-    row = family(name)
-    v = row.stages_per_rank
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
-    form = row.closed_form
-    assert form.placement(pp, v) == schedule.stage_to_rank
-    counts = tuple(peak_bytes(r, dict.fromkeys(range(schedule.num_stages), 1), split_backward=schedule.split_backward)
-                   for r in schedule.actions)
-    if v == 1:  # (with several stages per rank the closed form bounds the peak by its largest stage)
-        assert form.peaks(pp, m, v) == counts
-    else:
-        assert all(c <= p * v for c, p in zip(counts, form.peaks(pp, m, v)))
-    assert simulate(schedule, costs=UNIT).mean_bubble == pytest.approx(form.bubble(pp, m, v), abs=1e-9)
-
-
-def test_closed_forms_refuse_what_the_generators_refuse():
-    with pytest.raises(autopar.ScheduleError, match="1f1b needs num_microbatches >= 4"):
-        family("1f1b").closed_form.peaks(4, 2, 1)
-    with pytest.raises(autopar.ScheduleError, match="multiple of 4"):
-        family("interleaved_1f1b").closed_form.peaks(4, 6, 2)
 
 
 def test_the_planner_searches_the_registry_families_in_their_order():

@@ -1,6 +1,8 @@
 """The validator rejects broken schedules and prints them with the bad steps marked."""
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 import pytest
@@ -179,12 +181,36 @@ def test_deadlock_names_each_blocked_rank_and_what_it_waits_on():
     assert "schedule 'crossed' deadlocks" in message
     assert "rank 0 is blocked at 0B0 (step 1) waiting on 1B0 (rank 1 step 2" in message
     assert "rank 1 is blocked at 1F1 (step 1) waiting on 0F1 (rank 0 step 2" in message
-    assert message.endswith(
+    assert ("the cycle: 0B0 (rank 0 step 1) waits for its input 1B0 (rank 1 step 2), which runs after 1F1 "
+            "(rank 1 step 1), which waits for its input 0F1 (rank 0 step 2), which runs after 0B0 (rank 0 step 1)"
+            in message)
+    assert message.endswith(  # the cycle's actions are marked
         "schedule 'crossed': 2 ranks, 2 stages, 2 microbatches\n"
-        "rank 0 | 0F0 [0B0] 0F1  0B1\n"
-        "rank 1 | 1F0 [1F1] 1B0  1B1"
+        "rank 0 | 0F0 [0B0][0F1] 0B1\n"
+        "rank 1 | 1F0 [1F1][1B0] 1B1"
     )
     assert "reorder" in error.fix
+
+
+def test_two_ranks_each_receiving_first_are_reported_as_their_cycle():
+    """Rank 0 waits for microbatch 0's gradient before sending microbatch 1; rank 1 starts with microbatch 1."""
+    schedule = Schedule.from_csv("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", name="receive_first")
+    message = str(_error(schedule))
+    assert ("the cycle: 0B0 (rank 0 step 1) waits for its input 1B0 (rank 1 step 3), which runs after 1F1 "
+            "(rank 1 step 0), which waits for its input 0F1 (rank 0 step 2), which runs after 0B0" in message)
+    assert message.endswith("rank 0 | 0F0 [0B0][0F1] 0B1\nrank 1 |[1F1] 1B1  1F0 [1B0]")
+
+
+def test_a_cycle_through_three_ranks_names_every_wait():
+    """1F1B on 3 ranks with rank 2 taking microbatch 1 first: rank 0 and 1 wait round through rank 2."""
+    rows = ["0F0,0F1,0B0,0F2,0B1,0B2", "1F0,1B0,1F1,1F2,1B1,1B2", "2F1,2B1,2F0,2B0,2F2,2B2"]
+    message = str(_error(Schedule.from_csv("\n".join(rows) + "\n", name="three")))
+    cycle = message[message.index("the cycle: "):].split(". Where")[0]
+    waits = cycle.removeprefix("the cycle: ").split(", which ")
+    assert waits[0].startswith("1B0 (rank 1 step 1) waits for its input 2B0")
+    assert len(waits) >= 4 and waits[-1].endswith("1B0 (rank 1 step 1)")
+    ranks = {int(w) for w in re.findall(r"\(rank (\d) step", cycle)}
+    assert ranks == {1, 2}
 
 
 def test_v_shape_deadlock_across_three_ranks():

@@ -1,0 +1,139 @@
+"""One model of the step, two evaluations: the simulator (event by event) and the step graph (networkx).
+
+The simulator's step time must equal the longest path of runtime/schedules/step_graph.py on any
+schedule, costs and transfer time (hypothesis draws them), and the critical path must be a path
+of actions and transfers the simulator timed back to back. Golden paths are derived by hand.
+"""
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.runtime.schedules import StageCosts, build_schedule, simulate
+from autopar.runtime.schedules.registry import family, schedule_names
+from autopar.runtime.schedules.step_graph import END, critical_path, step_graph
+from autopar.runtime.trace import action_durations, bubble_report, measured_critical_path, replay, transfer_latency
+from schedule_runners import CRITICAL_PATH_CASES, results
+
+UNIT = StageCosts(forward=1, backward=1, weight=1)
+
+
+@st.composite
+def _cases(draw):
+    name = draw(st.sampled_from(schedule_names()))
+    row = family(name)
+    p = draw(st.sampled_from((2, 4)) if name in ("dualpipe",) else st.integers(2, 5))
+    v = row.stages_per_rank if row.fixed else draw(st.integers(2, 3))
+    m = draw(st.integers(1, 2 * p + 2))
+    if name in ("1f1b", "pipedream_2bw"):
+        m = max(m, p)
+    if name == "interleaved_1f1b":
+        m = p * draw(st.integers(1, 2))
+    schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_virtual=v)
+    quarter = st.integers(1, 16).map(lambda k: k / 4)
+    per_stage = st.lists(quarter, min_size=schedule.num_stages, max_size=schedule.num_stages)
+    costs = StageCosts(forward=draw(per_stage), backward=draw(per_stage), weight=draw(per_stage),
+                       p2p=draw(st.sampled_from((0.0, 0.25, 1.5))))
+    return schedule, costs
+
+
+def _assert_path_is_tight(schedule, costs, sim, path):
+    """Each action of the path starts, in the simulation, when the path says (its predecessor's end plus the
+    transfer), the path follows the graph's edges, and its pieces add up to the step."""
+    start = {str(e.action): e.start for row in sim.events for e in row}
+    graph = step_graph(schedule, costs=costs)
+    actions = [s for s in path.steps if s.kind != "transfer"]
+    assert actions[0].start == 0.0 and not any(True for _ in graph.predecessors(_action(schedule, actions[0].label)))
+    for step in actions:
+        assert start[step.label] == pytest.approx(step.start, abs=1e-9), step
+    for a, b in zip(actions, actions[1:]):
+        assert graph.has_edge(_action(schedule, a.label), _action(schedule, b.label)), (a, b)
+    assert sum(s.seconds for s in path.steps) == pytest.approx(sim.step_time, abs=1e-9)
+
+
+def _action(schedule, label):
+    return next(a for row in schedule.actions for a in row if str(a) == label)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cases())
+def test_the_longest_path_is_the_simulated_step(case):
+    schedule, costs = case
+    sim = simulate(schedule, costs=costs)
+    graph = step_graph(schedule, costs=costs)
+    assert nx.dag_longest_path_length(graph, weight="weight") == pytest.approx(sim.step_time, abs=1e-9)
+    assert sim.critical_path.length == pytest.approx(sim.step_time, abs=1e-9)
+    _assert_path_is_tight(schedule, costs, sim, sim.critical_path)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_cases(), st.randoms(use_true_random=False))
+def test_measured_durations_give_the_same_equality(case, rng):
+    """Per-action durations (a measured step's replay) instead of per-stage costs."""
+    schedule, costs = case
+    durations = {a: rng.choice((0.5, 1.0, 1.25, 3.0)) for row in schedule.actions for a in row}
+    sim = simulate(schedule, costs=costs, durations=durations)
+    path = critical_path(schedule, costs=costs, durations=durations)
+    assert path.length == pytest.approx(sim.step_time, abs=1e-9)
+    assert all(s.seconds == durations[_action(schedule, s.label)] for s in path.steps if s.kind != "transfer")
+
+
+def test_1f1b_critical_path_on_4_ranks_by_hand():
+    """1F1B, p = 4, m = 8, F = 1, B = 2: microbatch 0 goes down (4 F), the last rank runs its whole list
+    (8 F and 8 B) and microbatch 7's gradient comes back up (3 B): 4 + 24 + 6 - 1 = 33 = 3 (m + p - 1)."""
+    schedule = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    path = simulate(schedule, costs=StageCosts(forward=1, backward=2, weight=0)).critical_path
+    assert path.length == 33
+    assert path.actions[:4] == ("0F0", "1F0", "2F0", "3F0")
+    assert path.actions[3:19] == tuple(str(a) for a in schedule.actions[3])
+    assert path.actions[19:] == ("2B7", "1B7", "0B7")
+    assert path.by_kind() == {"F": 11, "B": 22} and path.by_rank() == {0: 3, 1: 3, 2: 3, 3: 24}
+
+
+def test_zb_v_critical_path_on_4_ranks_by_hand():
+    """ZB-V, p = 4, m = 8, F = B = W = 1: rank 3 holds both arms of the V's turn (stages 3 and 4) and, once
+    microbatch 0 is down the first three ranks, never idles: the path is 0F0 1F0 2F0 then rank 3's whole
+    list, 3 + 6 m = 51 (the registry's Max(6m + p - 1, 4m + 4p - 2))."""
+    schedule = build_schedule("zb_v", num_ranks=4, num_microbatches=8)
+    sim = simulate(schedule, costs=UNIT)
+    path = sim.critical_path
+    assert sim.step_time == path.length == 51
+    assert path.actions == ("0F0", "1F0", "2F0", *(str(a) for a in schedule.actions[3]))
+    assert path.by_kind() == {"F": 3 + 16, "B": 16, "W": 16} and path.by_rank() == {0: 1, 1: 1, 2: 1, 3: 48}
+
+
+def test_the_graph_ends_at_every_rank_last_action_and_marks_transfers():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    graph = step_graph(schedule, costs=StageCosts(forward=1, backward=1, weight=1, p2p=0.5))
+    assert sorted(str(u) for u in graph.predecessors(END)) == ["0B1", "1B1"]
+    first, second = (_action(schedule, x) for x in ("0F0", "1F0"))
+    assert graph.edges[first, second]["kinds"] == {"data"} and graph.edges[first, second]["transfer"] == 0.5
+    own = (_action(schedule, "1F0"), _action(schedule, "1B0"))
+    assert graph.edges[own]["kinds"] == {"order", "data"} and graph.edges[own]["transfer"] == 0.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CRITICAL_PATH_CASES, ids=lambda c: dict(c.options)["schedule"])
+def test_a_measured_step_gives_its_own_critical_path(case):
+    """A real 2-rank pp=2 run (1F1B, ZB-V): each step's events give the step graph with the measured durations,
+    and its critical path is made of the run's own action times and its transfer latency, as long as the
+    replayed step (runtime/trace.py replay)."""
+    result = results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    schedule = result["schedule"]
+    assert schedule.name == dict(case.options)["schedule"] and schedule.num_ranks == 2
+    for events in result["steps"]:
+        durations, latency = action_durations(events), transfer_latency(schedule, events)
+        path = measured_critical_path(schedule, events)
+        assert path.length == pytest.approx(replay(schedule, events).step_time, rel=1e-12)
+        assert path.length > 0 and {s.rank for s in path.steps} == {0, 1}  # the fill crosses the ranks
+        for step in path.steps:
+            expected = latency if step.kind == "transfer" else durations[_action(schedule, step.label)]
+            assert step.seconds == pytest.approx(expected, rel=1e-12), step
+        graph = step_graph(schedule)
+        actions = [_action(schedule, a) for a in path.actions]
+        assert all(graph.has_edge(a, b) for a, b in zip(actions, actions[1:]))
+        assert graph.has_edge(actions[-1], END)  # it ends with the last action of a rank
+        assert f"critical path {path.length:.4g} s" in bubble_report(schedule, events)

@@ -1,0 +1,147 @@
+"""Mutation score of the modules where a small bug gives a wrong number, against the single-process tests
+that cover them (cosmic-ray, the ``mutation`` extra of pyproject.toml).
+
+    python tests/tools/mutation.py                          # every module below, one after another
+    python tests/tools/mutation.py runtime/item_count.py    # one module
+    python tests/tools/mutation.py passes/tp_rules.py --lines 374-470   # only mutants on those lines
+
+For each module: ``cosmic-ray init`` (every mutant of the module), the operator filter below, an optional
+line filter, then ``nice -n 19 cosmic-ray exec``: each mutant is written into the module in place, the
+module's test command runs, and the mutant is *killed* when the tests fail (or time out). The survivors
+are printed with their line and the mutated code; docs/testing.md records the score and explains each
+survivor no test kills. The module is checked back to its committed text afterwards (``git diff``), and
+restored with ``git checkout`` if a run was cut short. Runs are CPU heavy: one module at a time.
+
+Operators: cosmic-ray's, less the replacements that only multiply the count of one site without another
+question to ask of the tests (of the 11 replacements of each binary operator, the one that flips its meaning:
+``+`` and ``-``, ``*`` and ``/``, ``//`` and ``/``, ``%`` and ``//``, ``**`` and ``*``, ``|`` and ``&``; of
+the comparisons, the boundary and the negation: ``<`` and ``<=``, ``==`` and ``!=``, ``in`` and ``not in``,
+``is`` and ``is not``); every other operator (numbers, ``not`` added or removed, ``and``/``or``, ``True``/
+``False``, a loop run zero times, a decorator removed, ``break``/``continue``) is kept whole.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider --no-header"
+
+#: module -> the single-process tests that cover it
+MODULES = {
+    "runtime/item_count.py": "tests/runtime/test_item_count.py",
+    "runtime/weight_versions.py": "tests/runtime/test_weight_versions.py",
+    "runtime/schedules/staleness.py": "tests/runtime/test_async_pipeline.py -m 'not dist'",
+    "runtime/schedules/interleaved.py": "tests/runtime/test_schedule_generators.py "
+                                        "tests/runtime/test_schedule_torch_orders.py",
+    "runtime/schedules/one_f_one_b.py": "tests/runtime/test_schedule_generators.py",
+    "runtime/schedules/asynchronous.py": "tests/runtime/test_async_pipeline.py -m 'not dist' "
+                                         "tests/runtime/test_schedule_generators.py",
+    "passes/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
+    "runtime/zero.py": "tests/runtime/test_zero_units.py",
+    "runtime/grad_sync.py": "tests/runtime/test_zero_units.py",
+}
+
+_KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Div_FloorDiv", "Mod_FloorDiv",
+                "Pow_Mul", "BitOr_BitAnd", "BitAnd_BitOr")
+_KEEP_COMPARISON = ("Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt", "Eq_NotEq", "NotEq_Eq", "In_NotIn", "NotIn_In",
+                    "Is_IsNot", "IsNot_Is")
+EXCLUDE_OPERATORS = [
+    rf"core/ReplaceBinaryOperator_(?!({'|'.join(_KEEP_BINARY)})$)",
+    rf"core/ReplaceComparisonOperator_(?!({'|'.join(_KEEP_COMPARISON)})$)",
+    r"core/ReplaceUnaryOperator_(?!(USub_UAdd|Delete_USub|Delete_Not)$)",
+]
+
+
+def _config(module: str, tests: str, lines: str | None, timeout: float) -> str:
+    lines_section = ""
+    if lines:
+        lines_section = f'\n[cosmic-ray.filters.line-filter.lines]\n"{ROOT / module}" = ["{lines}"]\n'
+    command = (PYTEST + " " + tests).replace('"', '\\"')
+    return f'''[cosmic-ray]
+module-path = "{ROOT / module}"
+timeout = {timeout}
+excluded-modules = []
+test-command = "{command}"
+
+[cosmic-ray.distributor]
+name = "local"
+
+[cosmic-ray.filters.operators-filter]
+exclude-operators = {json.dumps(EXCLUDE_OPERATORS)}
+{lines_section}'''
+
+
+def _tool(name: str, *args: str) -> None:
+    subprocess.run([str(Path(sys.executable).parent / name), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def _survivors(session: Path) -> tuple[int, int, list[tuple]]:
+    """(mutants run, killed, [(line, operator, occurrence)] of the survivors)."""
+    db = sqlite3.connect(session)
+    rows = db.execute("""select s.start_pos_row, s.operator_name, s.occurrence, r.worker_outcome, r.test_outcome
+                         from mutation_specs s join work_results r on s.job_id = r.job_id""").fetchall()
+    ran = [r for r in rows if str(r[3]).upper() != "SKIPPED"]
+    alive = sorted((r[0], r[1].removeprefix("core/"), r[2]) for r in ran if str(r[4]).upper() == "SURVIVED")
+    return len(ran), len(ran) - len(alive), alive
+
+
+def run(module: str, *, lines: str | None = None, timeout: float = 300.0, keep: Path | None = None) -> dict:
+    """Mutate ``module`` against its tests; the score and the survivors."""
+    folder = Path(keep or tempfile.mkdtemp(prefix="autopar-mutation-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    name = module.replace("/", "_").removesuffix(".py")
+    config, session = folder / f"{name}.toml", folder / f"{name}.sqlite"
+    config.write_text(_config(module, MODULES[module], lines, timeout))
+    session.unlink(missing_ok=True)
+    _tool("cosmic-ray", "init", str(config), str(session))
+    _tool("cr-filter-operators", str(session), str(config))
+    if lines:
+        _tool("cr-filter-lines", "--config", str(config), str(session))
+    try:
+        subprocess.run(["nice", "-n", "19", str(Path(sys.executable).parent / "cosmic-ray"), "exec", str(config),
+                        str(session)], check=True, cwd=ROOT)
+    finally:
+        if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=ROOT).returncode != 0:
+            subprocess.run(["git", "checkout", "--", module], cwd=ROOT, check=True)
+            print(f"{module}: restored to its committed text after an interrupted run", file=sys.stderr)
+    ran, killed, alive = _survivors(session)
+    source = (ROOT / module).read_text().splitlines()
+    return {"module": module, "lines": lines, "mutants": ran, "killed": killed,
+            "score": killed / ran if ran else None,
+            "survivors": [{"line": line, "operator": op, "occurrence": occ, "code": source[line - 1].strip()}
+                          for line, op, occ in alive]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", default=list(MODULES), help="modules to mutate (default: all)")
+    parser.add_argument("--lines", help="only mutants on these lines of the one module given, e.g. 374-470")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's tests")
+    parser.add_argument("--keep", type=Path, help="keep the sessions (cr-report, cr-html read them) in this folder")
+    args = parser.parse_args(argv)
+    if args.lines and len(args.modules) != 1:
+        parser.error("--lines needs exactly one module")
+    for module in args.modules:
+        if module not in MODULES:
+            parser.error(f"{module} has no test command here; known: {', '.join(MODULES)}")
+        if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=ROOT).returncode != 0:
+            parser.error(f"{module} has uncommitted changes: cosmic-ray writes mutants into it in place")
+    for module in args.modules:
+        result = run(module, lines=args.lines, timeout=args.timeout, keep=args.keep)
+        score = "n/a" if result["score"] is None else f"{result['score']:.1%}"
+        print(f"{module}{' lines ' + args.lines if args.lines else ''}: {result['killed']} of {result['mutants']} "
+              f"mutants killed ({score})")
+        for s in result["survivors"]:
+            print(f"  survived: line {s['line']} {s['operator']} #{s['occurrence']}: {s['code']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
