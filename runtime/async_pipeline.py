@@ -61,7 +61,6 @@ from autopar.runtime.weight_versions import WeightVersions, corrected_weights, u
 __all__ = ["AsyncProgram"]
 
 log = logging.getLogger(__name__)
-_TAG_MICROBATCHES = 4096  # p2p tags hold 12 bits of microbatch; a few are in flight at once
 
 
 def _snapshot(groups: list[dict]) -> list[dict]:
@@ -213,6 +212,7 @@ class AsyncProgram(ProgramSurface):
         self._count_items(batches, per_update=self.rule.updates_every)
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
                                step=f"training step {self.step_count + 1}")  # runtime/index_guard.py
+        self.comm_log.reset()  # this step's dp collectives (its updates' ZeRO-1 broadcasts), as a synchronous step
         first = self._fed
         # the settings (lr, ...) this batch's updates step with, whenever each stage runs them
         settings = self._settings[first // len(batches)] = _snapshot(self.optimizer.param_groups)
@@ -265,33 +265,41 @@ class AsyncProgram(ProgramSurface):
     def _run(self, *, end: int | None) -> dict[int, torch.Tensor]:
         """Run this rank's segment of the stream up to the forward of microbatch ``end`` (None: drain)."""
         pp = self.info.coords["pp"]
-        next_forward = self._cursor[0]
-        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=next_forward,
+        actions, self._cursor = stream_segment(rank=pp, num_ranks=self.plan.mesh.pp, next_forward=self._cursor[0],
                                                next_backward=self._cursor[1], end=end)
         self.events, results = [], {}
         start = time.perf_counter()
         for action in actions:
-            self.channel.action, self.channel.microbatch = str(action), action.microbatch % _TAG_MICROBATCHES
+            self.channel.action, self.channel.microbatch = str(action), action.microbatch
             entry = None if self.flight is None else self.flight.begin(ACTION, str(action), stage=action.stage,
                                                                        microbatch=action.microbatch)
             t0, waited = time.perf_counter(), self.channel.wait_s
             if action.kind is ActionKind.F:
-                next_forward = action.microbatch + 1
                 loss = self._forward(action)
                 if loss is not None:
                     results[action.microbatch] = loss
             else:
                 self._backward(action)
-            # snapshots a later forward may read stay; in-flight stashes live in their autograd graphs
-            self.versions.release_below(self.rule.forward_version(self.stage.stage, next_forward))
+            # a weight copy goes with the last backward that read it (WeightVersions.done)
             self.peak_versions = max(self.peak_versions, len(self.versions.held | set(self._stashed.values())))
             if entry is not None:
                 self.flight.end(entry)
             self.events.append(ActionEvent.timed(str(action), t0, time.perf_counter(), origin=start,
                                                  wait_s=self.channel.wait_s - waited))
-        # a send completes when its receiver takes it, maybe only in the next call: wait at the drain only
-        self.channel.flush() if end is None else self.channel.prune()
+        # a send completes when its receiver takes it, maybe only in the next call: wait for those taken
+        self.channel.flush() if end is None else self.channel.prune(self._taken)
         return results
+
+    def _taken(self, stage: int, microbatch: int, is_grad: bool) -> bool:
+        """Whether ``stage`` has received this rank's send of ``microbatch``, judged from what it sent since.
+
+        In the 1F1B stream a stage with ``w`` warm-up forwards runs B(k) right after F(k + w): an activation
+        it takes at F(i) precedes its B(j) for j >= i - w; a gradient it takes at B(i) precedes its F(j)
+        for j > i + w. The newest of each this rank has received from ``stage`` says how far it got."""
+        w = self.rule.delay(stage)
+        if is_grad:
+            return self.channel.heard.get((stage, False), -1) > microbatch + w
+        return self.channel.heard.get((stage, True), -1) >= microbatch - w
 
     def _forward(self, action: Action):
         i, s = action.microbatch, self.stage.stage
@@ -300,7 +308,9 @@ class AsyncProgram(ProgramSurface):
         batch = self._inputs[i] if not self.rule.stashes else self._inputs.pop(i)
         args = tuple(batch[n] for n in self.stage.input_names)
         if self.rule.stashes:
-            leaves = [t.detach().requires_grad_() for t in self.versions.snapshot(version)]
+            # a copy only where this stage applies an update before the backward (after w more forwards)
+            copy = self.rule.forward_version(s, i + self.rule.delay(s)) != version
+            leaves = [t.requires_grad_() for t in self.versions.read(version, copy=copy, microbatch=i)]
             out = weigh_loss(self.stage, functional_call(self.stage.gm, self._by_gm_name(leaves), args), batch)
             self._held[i], self._stashed[i] = (out, leaves), version
         else:  # no stash: no autograd now; B recomputes from the inputs kept here
@@ -316,11 +326,13 @@ class AsyncProgram(ProgramSurface):
 
     def _backward(self, action: Action) -> None:
         i, s = action.microbatch, self.stage.stage
+        self.channel.post_backward(stage=s, microbatch=i)  # the receives its forward's sends noted
         if self.rule.stashes:
             out, leaves = self._held.pop(i)
             del self._stashed[i]
             roots, grads = _roots(self.stage, out, self.rule.updates_every)
             torch.autograd.backward(roots, grads)
+            self.versions.done(i)
         else:
             version, received = self._held.pop(i)
             self.versions.apply_through(self.rule.backward_version(s, i), self._update)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,20 +124,28 @@ class GradBuckets:
         self.armed = True
 
     def _hook(self, name: str):
+        # the hook lives on the parameter (in C++, out of the garbage collector's sight): a strong reference
+        # to the buckets would keep them, the program and every tensor it holds alive after it is dropped
+        owner = weakref.ref(self)
+
         def on_grad(param: torch.Tensor) -> None:
-            if not self.armed:
-                return
-            bucket = self.bucket_of[name]
-            if bucket.work is not None:
-                raise RuntimeCommError(f"gradient of {name} accumulated again after its bucket was reduced",
-                                       where=f"dp bucket {bucket.index}",
-                                       fix="report this: the step ran more backward passes than planned")
-            self.counts[name] += 1
-            if self.counts[name] == self.expected[name]:
-                bucket.ready += 1
-                if bucket.ready == len(bucket.names):
-                    self._launch(bucket)
+            buckets = owner()
+            if buckets is not None and buckets.armed:
+                buckets._counted(name)
         return on_grad
+
+    def _counted(self, name: str) -> None:
+        """One more accumulation of ``name``'s gradient: launch its bucket when all of it is in."""
+        bucket = self.bucket_of[name]
+        if bucket.work is not None:
+            raise RuntimeCommError(f"gradient of {name} accumulated again after its bucket was reduced",
+                                   where=f"dp bucket {bucket.index}",
+                                   fix="report this: the step ran more backward passes than planned")
+        self.counts[name] += 1
+        if self.counts[name] == self.expected[name]:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.names):
+                self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.flat = self._gather(bucket)

@@ -12,6 +12,12 @@
   (ZeRO-3 frees gathered weights) counts zero.
 - :func:`measure_activations` runs one ``train_step`` with a ledger around every stage forward
   and returns the bytes per (stage, microbatch).
+- :func:`weight_version_bytes` sums what an asynchronous program holds besides its live weights:
+  the weight copies its in-flight forwards read, the gradients of updates not applied yet and
+  PipeMare's velocity (:mod:`autopar.memory.versions` predicts it).
+- :func:`live_storages` counts every storage of a tensor the garbage collector finds alive in this
+  process, and the collector's objects: what a long run must hold steady from one step to the next
+  (tests/runtime/test_soak_held.py, bench/bench_soak.py).
 
 The memory calculator (:mod:`autopar.memory`) uses the same ledger on fake tensors, so a
 measured figure and a predicted one count the same things.
@@ -19,13 +25,15 @@ measured figure and a predicted one count the same things.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
 
 from autopar.runtime.rank_context import ProgramState
 
-__all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations"]
+__all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations",
+           "weight_version_bytes", "LiveStorages", "live_storages"]
 
 
 def _storage_key(t: torch.Tensor):
@@ -126,6 +134,18 @@ def held_state_bytes(program: ProgramState) -> StateBytes:
     return StateBytes(params.total, masters.total, grads.total, state.total, buffers.total)
 
 
+def weight_version_bytes(program) -> int:
+    """Bytes of the storages an asynchronous program (runtime/async_pipeline.py) holds for weight versions
+    now: copies, pending updates' gradients, PipeMare's velocity; 0 for a synchronous program."""
+    versions = getattr(program, "versions", None)
+    if versions is None:
+        return 0
+    held = _Counter()
+    for t in versions.buffers() + list(getattr(program, "delta", None) or []):
+        held.add(t)
+    return held.total
+
+
 @contextlib.contextmanager
 def recording_activations(program, results: dict | None = None):
     """A context: a fresh ledger around every stage forward; yields {(stage, microbatch): bytes saved}."""
@@ -163,3 +183,31 @@ def measure_activations(program, *inputs: torch.Tensor, target: torch.Tensor) ->
     with recording_activations(program) as results:
         program.train_step(*inputs, target=target)
     return results
+
+
+@dataclass(frozen=True)
+class LiveStorages:
+    """What this process holds alive: tensor storages (each once) and their bytes, and the collector's objects."""
+
+    count: int
+    nbytes: int
+    objects: int
+
+
+def live_storages() -> LiveStorages:
+    """Collect garbage, then count the storages of every tensor the collector finds (views and tied
+    weights count their storage once) and every other object it tracks. Storages only C++ holds
+    (autograd's saved tensors, a collective's buffer) are seen through the Python tensors that keep
+    them alive. Python storage objects are left out of ``objects``: counting creates them, and they
+    live as long as their storage."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    objects = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.UntypedStorage):
+            continue
+        objects += 1
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return LiveStorages(count=len(storages), nbytes=sum(storages.values()), objects=objects)

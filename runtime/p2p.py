@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ _MB_BITS = 12
 
 
 def _tag(edge: int, microbatch: int, is_grad: bool) -> int:
-    return ((edge * 2 + int(is_grad)) << _MB_BITS) | microbatch
+    """A transfer's tag: its edge, direction and microbatch (modulo 4096: only a few are in flight at once)."""
+    return ((edge * 2 + int(is_grad)) << _MB_BITS) | (microbatch % (1 << _MB_BITS))
 
 
 class P2PChannel:
@@ -50,7 +52,9 @@ class P2PChannel:
         self.microbatch = 0
         self.action = "?"
         self.wait_s = 0.0  # seconds spent blocked on peers' transfers so far (traces subtract it)
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        # sends not waited yet: (work, buffer, destination stage, microbatch, is_grad)
+        self._pending: list[tuple[object, torch.Tensor, int, int, bool]] = []
+        self.heard: dict[tuple[int, bool], int] = {}  # (source stage, is_grad) -> newest microbatch received
         self._local: dict[int, torch.Tensor] = {}
         self._posted: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (src, tag) -> irecv, buffer
         self._gradients: dict[tuple[int, int], list[tuple]] = {}  # (stage, microbatch) -> its backward's receives
@@ -62,7 +66,7 @@ class P2PChannel:
         if dst == self.rank:
             self._local[tag] = tensor
             return
-        self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
+        self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor, stage, microbatch, is_grad))
         if self.flight is not None:
             self.flight.begin(SEND, "gradient" if is_grad else "activation", stage=-1, microbatch=microbatch,
                               peer=dst, peer_stage=stage, seq=edge, state=DONE)
@@ -95,6 +99,7 @@ class P2PChannel:
         src = self.stage_to_rank[stage]
         tag = _tag(edge, microbatch, is_grad)
         if src == self.rank:
+            self._heard(stage, microbatch, is_grad)
             return self._local.pop(tag)
         self.post(shape, dtype, stage=stage, edge=edge, microbatch=microbatch, is_grad=is_grad)
         work, buffer = self._posted.pop((src, tag))
@@ -120,17 +125,32 @@ class P2PChannel:
             self.flight.end(entry)
             if waited > self.flight.longest_wait[0]:
                 self.flight.longest_wait = (waited, entry)
+        self._heard(stage, microbatch, is_grad)
         return buffer
 
-    def prune(self) -> None:
-        """Forget the sends that have completed; the rest stay pending (a pipeline that never drains)."""
-        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+    def _heard(self, stage: int, microbatch: int, is_grad: bool) -> None:
+        self.heard[(stage, is_grad)] = max(microbatch, self.heard.get((stage, is_grad), microbatch))
+
+    def prune(self, taken: Callable[[int, int, bool], bool]) -> None:
+        """Finish the sends a receiver has taken, ``taken(stage, microbatch, is_grad)``; the rest stay pending.
+
+        For a pipeline that never drains (runtime/async_pipeline.py): gloo reports a send complete only
+        once it is waited on, and a wait returns only once the receiver has posted its receive, so only
+        a send the caller knows was taken (from what that stage has sent since) is waited on here."""
+        keep = []
+        for work, tensor, stage, microbatch, is_grad in self._pending:
+            if work.is_completed() or taken(stage, microbatch, is_grad):
+                work.wait()
+            else:
+                keep.append((work, tensor, stage, microbatch, is_grad))
+        self._pending = keep
 
     def flush(self) -> None:
         """Wait for every send of this step (their buffers stay alive until then)."""
-        for work, _ in self._pending:
+        for work, *_ in self._pending:
             work.wait()
         self._pending.clear()
+        self.heard.clear()
         self._gradients.clear()  # (a backward whose receives were not posted ahead posted them itself)
         if self._posted:  # every posted receive is one the schedule's next action reads
             raise RuntimeCommError(f"{len(self._posted)} posted receives were never read: "

@@ -44,6 +44,16 @@ CLIP = [_case((1, 2, 1), max_grad_norm=0.05), _case((2, 1, 1), model="llama_tiny
 PRECISION = [_case((1, 2, 1), precision="bf16", recompute="selective"),
              _case((1, 1, 2), model="llama_tiny", precision="bf16")]
 ALL = MEMORY + RECOMPUTE + CLIP + PRECISION
+# Asynchronous schedules (kind ASYNC_KIND): the weight versions a rank holds between actions, at their peak over
+# a stream past its fill (8 batches), against the calculator; 2BW's tied weight; PipeDream's p - s copies on pp=4.
+ASYNC_KIND = "memory_harness:async_measured_run"
+ASYNC = [Case(model=m, mesh=mesh, options=(("schedule", s), ("num_microbatches", mb)), kind=ASYNC_KIND, steps=8,
+              overrides=over)
+         for m, mesh, s, mb, over in [("llama_tiny", (1, 2, 1), "pipedream", 2, ()),
+                                      ("gpt_tiny", (1, 2, 1), "pipedream_2bw", 2, ()),
+                                      ("llama_tiny", (1, 2, 1), "pipemare", 2, ()),
+                                      ("llama_tiny", (1, 4, 1), "pipedream", 4, (("num_layers", 4),)),
+                                      ("gpt_tiny", (2, 2, 1), "pipedream_2bw", 2, ())]]
 # bf16 under ZeRO-1/2/3 with Adam: after training, a checkpoint round trip (fp32 masters from their owners).
 ROUND_TRIP = [c for c in MEMORY if c.mesh[0] == 4 and ("precision", "bf16") in c.options
               and dict(c.options)["zero_stage"] > 0]
@@ -109,10 +119,42 @@ def _checkpoint_round_trip(program, batch) -> dict:
             "rounded": every, "masters": {k: str(v.dtype) for k, v in back.items()}}
 
 
+def async_measured_run(case: Case, mesh) -> dict:
+    """Train an asynchronous ``case``; every rank's peak weight-version bytes between actions, and model states."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import lm_loss
+    from autopar.runtime.memory_probe import held_state_bytes, weight_version_bytes
+
+    model = build(case)
+    data = batches(case, model.cfg.vocab_size)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                              example_target=data[0][1], optimizer=make_optimizer(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    peak = [0]
+
+    def measured(run):
+        def action(*args):
+            out = run(*args)
+            peak[0] = max(peak[0], weight_version_bytes(program))
+            return out
+        return action
+
+    program._forward, program._backward = measured(program._forward), measured(program._backward)
+    for idx, tgt in data:
+        program.train_step(program.shard_batch(idx), target=program.shard_batch(tgt))
+    mine = {"rank": program.info.rank, "weight_versions": peak[0], "states": held_state_bytes(program)}
+    program.flush()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"ranks": {r["rank"]: r for r in every}}
+
+
 @functools.lru_cache(maxsize=None)
 def results(world: int) -> dict:
     """{case: rank 0's result} for every case of ``world`` ranks (one spawned group per session)."""
-    cases = [c for c in ALL if c.world_size == world]
+    cases = [c for c in ALL + ASYNC if c.world_size == world]
     return dict(zip(cases, run_cases(cases)))
 
 
@@ -127,16 +169,16 @@ def estimate(case: Case):
     options = dict(case.options)
     zero = options.pop("zero_stage", 1)
     options.pop("max_grad_norm", None)
-    result = _plan(case.model, case.mesh, tuple(sorted(options.items())))
+    result = _plan(case.model, case.mesh, tuple(sorted(options.items())), case.overrides)
     return estimate_memory(result, optimizer=OPTIMIZER_KIND[case.optimizer], zero_stage=zero)
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(model_name: str, mesh: tuple, options: tuple):
+def _plan(model_name: str, mesh: tuple, options: tuple, overrides: tuple = ()):
     import autopar
     from autopar.models import lm_loss
 
-    case = Case(model=model_name, mesh=mesh, options=options, kind=KIND, steps=2)
+    case = Case(model=model_name, mesh=mesh, options=options, kind=KIND, steps=2, overrides=overrides)
     model = build(case)
     x, y = batches(case, model.cfg.vocab_size)[0]
     return autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, **dict(options))

@@ -1,4 +1,4 @@
-"""The spawned process groups that the checkpoint, fault and real-world-model tests share.
+"""The spawned process groups that the checkpoint, fault, real-world-model and held-storage tests share.
 
 Starting a group costs seconds, so every spawned case of those tests is listed here and each group
 runs once per pytest session (``result(case)``, cached). The default suite runs the 2-rank group
@@ -18,6 +18,7 @@ from case_marks import by_world
 from equivalence import Case, run_cases
 
 from ckpt_runners import ROOT_ENV
+from soak_runners import SOAK_CASES, SOAK_CASES_FOUR
 
 _GPT4 = dict(model="gpt_tiny", overrides=(("num_layers", 4),), steps=4)
 _R = "ckpt_runners:"
@@ -84,8 +85,10 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
 # (group, its cases): each group runs in the order listed, a checkpoint's saver before its loaders
 GROUPS = {
     "two": [*HF_CASES, SAVE_T, *RESUME_T, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
-            CRASH, BAD, ROUNDTRIP, UNUSED_SAVE, UNUSED_RESUME, NONFINITE, P2P_TIMEOUT, COLLECTIVE_TIMEOUT],
-    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE],
+            CRASH, BAD, ROUNDTRIP, UNUSED_SAVE, UNUSED_RESUME, NONFINITE, *SOAK_CASES, P2P_TIMEOUT,
+            COLLECTIVE_TIMEOUT],
+    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE,
+             *SOAK_CASES_FOUR],
     "two_from_four": RESUME_A[3:],
 }
 _AFTER = {"two_from_four": "four"}  # loads the checkpoints that group saves
@@ -117,7 +120,7 @@ def _results(group: str) -> dict:
     if group in _AFTER:
         _results(_AFTER[group])
     cases = GROUPS[group]
-    return dict(zip(cases, run_cases(cases)))
+    return dict(zip(cases, run_cases(cases, timeout_s=900)))  # a hang guard: the 2-rank group takes ~5 min loaded
 
 
 def result(case: Case) -> dict:

@@ -11,8 +11,11 @@
 For each rank: parameters, fp32 masters (bf16 only), gradients and optimizer state
 (:mod:`autopar.memory.states`, by ZeRO stage and precision), buffers, and activations
 (:mod:`autopar.memory.activations`: bytes saved per microbatch of each stage, weighted by the
-schedule's in-flight microbatches, plus the largest recompute transient). Ranks that share
-(pp, tp) coordinates share their graphs, so a 1,024-rank plan costs one fake forward per stage.
+schedule's in-flight microbatches, plus the largest recompute transient), and under an asynchronous
+schedule the weight versions (:mod:`autopar.memory.versions`: the weight copies in-flight
+microbatches read, the gradients of updates not applied yet and PipeMare's velocity, each the size
+of the rank's weights; such a rank keeps no other gradient). Ranks that share (pp, tp)
+coordinates share their graphs, so a 1,024-rank plan costs one fake forward per stage.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 from autopar.memory.activations import StageActivations, peak_bytes, stage_activations
 from autopar.memory.states import StateFigures, owned_names, rank_params, state_figures
+from autopar.memory.versions import steady_stream, weight_buffers
 
 __all__ = ["RankMemory", "MemoryEstimate", "estimate_memory"]
 
@@ -40,6 +44,7 @@ class RankMemory:
     activations: int  # peak: in-flight microbatches' saved bytes + the largest recompute transient
     peak_in_flight: int  # most (stage, microbatch) forwards held at once (the simulator's peak_activations)
     per_microbatch: dict = field(default_factory=dict)  # {stage: bytes one microbatch saves}
+    weight_versions: int = 0  # asynchronous schedules: weight copies, pending updates' gradients, velocity (peak)
 
     @property
     def model_states(self) -> int:
@@ -48,7 +53,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.buffers + self.activations
+        return self.model_states + self.buffers + self.activations + self.weight_versions
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class MemoryEstimate:
         r = self.peak_rank()
         parts = [("params", r.params), ("masters", r.master_params), ("grads", r.grads),
                  ("optimizer", r.optimizer), ("activations", r.activations), ("buffers", r.buffers)]
+        if r.weight_versions:
+            parts.append(("weight versions", r.weight_versions))
         body = ", ".join(f"{name} {value / GiB:.2f}" for name, value in parts)
         return (f"peak rank {r.rank} {r.coords}: {r.total / GiB:.2f} GiB ({body}); "
                 f"ZeRO-{self.zero_stage}, {self.precision}, {self.optimizer}")
@@ -102,6 +109,7 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     stage_to_rank = result.schedule.stage_to_rank
     local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp = dp / ep
     activations, groups, memo = {}, {}, {}
+    copies = weight_buffers(steady_stream(result.schedule))  # per pp rank; 0 under a synchronous schedule
     for graphs in result.ranks.values():
         c = graphs.coords
         stages = [s for s in _stages(result, c["pp"], c["tp"]) if stage_to_rank[s.stage] == c["pp"]]
@@ -119,10 +127,12 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
                                              precision=plan.precision, optimizer=optimizer, owned=owned,
                                              local=local, ep=plan.expert_parallel)
         peak, count, saved = activations[c["pp"]]
+        versions = copies[c["pp"]] * sum(p.numel * p.itemsize for p in params)  # each a copy of the weights
+        asynchronous = result.schedule.staleness is not None  # its gradients are among the versions' buffers
         ranks[rank] = RankMemory(rank=rank, coords=dict(c), params=states.params,
-                                 master_params=states.master_params, grads=states.grads,
+                                 master_params=states.master_params, grads=0 if asynchronous else states.grads,
                                  optimizer=states.optimizer, buffers=states.buffers, activations=peak,
-                                 peak_in_flight=count, per_microbatch=saved)
+                                 peak_in_flight=count, per_microbatch=saved, weight_versions=versions)
     return MemoryEstimate(ranks=dict(sorted(ranks.items())), optimizer=optimizer, zero_stage=zero,
                           precision=plan.precision)
 

@@ -163,3 +163,32 @@ def test_70b_shaped_model_on_1024_ranks_on_meta():
     assert first[3].params == 2 * layer
     assert first[3].peak_in_flight == 5  # 1F1B: pp - stage microbatches in flight
     assert "GiB" in estimate.summary()
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_asynchronous_weight_versions_are_the_published_bounds(p):
+    """Weight-sized buffers besides the live weights, per stage s of p, written out from the schedules' rules:
+    PipeDream p - s (its paper's stashed versions), 2BW 3 and 2 on the last stage (one copy and two update
+    gradients, the last stage copying nothing), PipeMare 2 (a gradient and the velocity); synchronous none."""
+    from autopar.memory.versions import steady_stream, weight_buffers
+
+    def buffers(name, m):
+        return weight_buffers(steady_stream(build_schedule(name, num_ranks=p, num_microbatches=m)))
+
+    for m in (p, 2 * p):
+        assert buffers("pipedream", m) == tuple(p - s for s in range(p))
+        assert buffers("pipedream_2bw", m) == (3,) * (p - 1) + (2,)
+        assert buffers("pipemare", m) == (2,) * p
+        assert buffers("1f1b", m) == (0,) * p
+    # one batch of 2BW never reads a version across an update: the steady stream is what a long run holds
+    assert weight_buffers(build_schedule("pipedream_2bw", num_ranks=p, num_microbatches=p)) == (1,) * p
+
+
+def test_asynchronous_ranks_hold_weight_versions_instead_of_gradients():
+    sync = estimate_memory(_plan((1, 2, 1), schedule="1f1b"), optimizer="momentum")
+    two_bw = estimate_memory(_plan((1, 2, 1), schedule="pipedream_2bw"), optimizer="momentum")
+    for rank, expected in [(0, 3), (1, 2)]:
+        r, s = two_bw.ranks[rank], sync.ranks[rank]
+        assert (r.params, r.optimizer, r.grads, s.weight_versions) == (s.params, s.optimizer, 0, 0)
+        assert r.weight_versions == expected * s.params  # fp32: a weight-sized buffer is the parameters' bytes
+        assert r.total == r.params + r.optimizer + r.buffers + r.activations + r.weight_versions

@@ -1,5 +1,6 @@
 """Measured memory equals the calculator to the byte: model states per rank (ZeRO 0-3, dp 2 and 4, fp32
-and bf16), and bytes saved for backward per microbatch, under every recompute mode.
+and bf16), bytes saved for backward per microbatch, under every recompute mode, and the weight versions
+an asynchronous schedule keeps.
 
 Both sides count storages (a tensor's memory once, whatever views it has). Model states are read
 off the program after a step; activations are recorded by saved-tensor hooks around each stage
@@ -12,7 +13,7 @@ import pytest
 
 from case_marks import by_world
 from equivalence import assert_equivalent, reference_run
-from memory_harness import ALL, MEMORY, RECOMPUTE, estimate, results
+from memory_harness import ALL, ASYNC, MEMORY, RECOMPUTE, estimate, results
 
 pytestmark = pytest.mark.dist
 
@@ -70,3 +71,16 @@ def test_recompute_lowers_measured_memory_as_predicted():
 def test_fp32_memory_cases_still_train_like_one_device(case):
     """ZeRO 0-3 over dp=4 with clipping: the norm each rank counts (owned parameters, shards) adds up."""
     assert_equivalent(case, _result(case), reference_run(case))
+
+
+@pytest.mark.parametrize("case", by_world(ASYNC, ids=lambda c: c.name().split("-", 1)[1]))
+def test_async_weight_versions_match_the_calculator(case):
+    """The most bytes each rank held between actions for weight copies, pending updates' gradients and
+    PipeMare's velocity equal the calculator's ``weight_versions``; no other gradient is kept, and the
+    parameters and optimizer state are the synchronous figures."""
+    predicted = estimate(case)
+    for rank, seen in _result(case)["ranks"].items():
+        want = predicted.ranks[rank]
+        assert seen["weight_versions"] == want.weight_versions > 0, (rank, seen["weight_versions"], want)
+        for field in STATE_FIELDS:
+            assert getattr(seen["states"], field) == getattr(want, field), (rank, field, seen["states"], want)
