@@ -122,9 +122,10 @@ class StragglerCheck:
             if compute > slowest_s:
                 slowest, slowest_s = i, compute
         blocked = self.flight.comm_wait_s - self._comm_at_start + sum(getattr(e, "wait_s", 0.0) for e in events)
-        rows = torch.zeros(self.world, len(FIELDS), dtype=torch.float32)
-        rows[self.rank] = torch.tensor([self.pp, forward, backward, blocked, slowest, max(slowest_s, 0.0)])
-        return rows.reshape(-1).to(self.device)
+        rows = torch.zeros(self.world, len(FIELDS), dtype=torch.float32, device=self.device)
+        rows[self.rank] = torch.tensor([self.pp, forward, backward, blocked, slowest, max(slowest_s, 0.0)],
+                                       dtype=torch.float32, device=self.device)
+        return rows.reshape(-1)
 
     def judge(self, summed: torch.Tensor, *, step: int) -> list[Straggler]:
         """The stragglers of the step from the summed riders; warns (module docstring)."""

@@ -100,7 +100,7 @@ def block_scores(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, q_pos, k
         s = spec.softcap * t
     if bias is not None and bias.dtype != torch.bool:
         low = torch.finfo(bias.dtype).min / 2
-        s = s + torch.where(bias > low, bias, torch.zeros((), dtype=bias.dtype)).float()
+        s = s + torch.where(bias > low, bias, torch.zeros((), dtype=bias.dtype, device=bias.device)).float()
     if spec.alibi_slopes is not None:
         hkv = q.shape[1]
         slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=q.device).view(1, hkv, -1, 1, 1)

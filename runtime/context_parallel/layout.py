@@ -141,8 +141,10 @@ def shard_batch(batch: Mapping[str, torch.Tensor], *, layout: CpLayout, rank: in
             batch["document_ids"] = docs
             keys = keys + ("document_ids",)
     else:
-        lead = next(iter(batch[k] for k in keys)).shape[:seq_dim] if keys else ()
-        batch["position_ids"] = torch.arange(layout.seq_len).expand(*lead, layout.seq_len)
+        first = next(iter(batch[k] for k in keys), None)
+        lead = first.shape[:seq_dim] if first is not None else ()
+        device = first.device if first is not None else None
+        batch["position_ids"] = torch.arange(layout.seq_len, device=device).expand(*lead, layout.seq_len)
         keys = keys + ("position_ids",)
     return {k: (layout.shard(v, dim=seq_dim, rank=rank) if k in keys else v) for k, v in batch.items()}
 
