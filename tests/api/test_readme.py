@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_blocks import (assert_loss_falls, blocks, commands, output_mismatch, printed_losses, printed_problems,
+from doc_blocks import (assert_loss_falls, blocks, command_lines, commands, fences, output_mismatch, printed_losses, printed_problems,
                         run_python, shell_runs)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -71,6 +71,20 @@ def test_readme_shell_commands_print_what_the_readme_shows(tmp_path):
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         diff = output_mismatch(block.output, done.stdout)
         assert diff is None, f"{command}\n{diff}"
+
+
+def test_every_readme_block_runs_or_says_why():
+    """Each fence names a language the tests know, and a bash block whose lines the tests do not run says why
+    on its first line (``# not run: <reason>``), as docs/ pages do."""
+    problems = []
+    for block in fences(README):
+        if not block.lang:
+            problems.append(f"fence {block.index} is tagged {block.tag!r}: tag it python, bash or text")
+        elif block.lang == "bash" and not block.not_run:
+            idle = [c for c in command_lines(block) if c not in commands(block)]
+            if idle:
+                problems.append(f"bash block {block.index} has commands the tests do not run: {idle}")
+    assert not problems, "README: " + "; ".join(problems)
 
 
 def test_readme_names_the_pinned_transformers_and_installs_the_pins():
