@@ -86,6 +86,13 @@ _VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, inter
                patch_size=4, num_labels=_NUM_LABELS)
 
 
+_LATENT = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=64, bos_token_id=0,
+               eos_token_id=0)
+
+
 def _raw(family: str, config: str, model: str, inputs: str = "tokens", **fields) -> HfSpec:
     return HfSpec(family, config, model, tuple(fields.items()), inputs)
 
@@ -143,6 +150,13 @@ HF_RAW: dict[str, HfSpec] = {
                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                  max_position_embeddings=_POSITIONS, pad_token_id=1, bos_token_id=0, eos_token_id=2,
                  decoder_start_token_id=2),
+    # multi-head latent attention (q and kv down-projections of low rank, per-head up-projections, a rotary
+    # key every head shares, keys built in place) and routed plus shared experts; layer 0 dense
+    "deepseek_v3": _raw("DeepSeek-V3 (latent attention, routed and shared experts)", "DeepseekV3Config",
+                        "DeepseekV3ForCausalLM", **_LATENT),
+    # the same attention with its rotary part as complex numbers (view_as_complex), a grouped router
+    "deepseek_v2": _raw("DeepSeek-V2 (latent attention, complex rotary)", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+                        **_LATENT),
     "vit": _raw("ViT (vision, classifier)", "ViTConfig", "ViTForImageClassification", "images", **_VISION),
     "clip_vision": _raw("CLIP vision tower (classifier)", "CLIPConfig", "CLIPForImageClassification", "images",
                         vision_config=_VISION, num_labels=_NUM_LABELS),

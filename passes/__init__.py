@@ -45,6 +45,7 @@ Tensor parallelism (before the split, so a region's linears share a stage)::
     tp_expert_rules.py    placement rules of grouped expert products (one table entry each)
     tp_reduce_rules.py    a mean/sum over the sharded dim: a partial sum, all-reduced over tp (q/k norms)
     tp_pullback_rules.py  a shard pulled back through elementwise ops and table lookups (position tables)
+    tp_inplace_rules.py   a tensor allocated and filled in place (new_empty + copy_ into slices)
     tp_expert.py          expert tensor parallelism: each expert's MLP column/row-sharded over tp
     tp_coverage.py        say what stays replicated because no rule covers it
     tensor_parallel.py    shard the regions' weights, insert Megatron's f and g

@@ -40,6 +40,7 @@ from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, ge
 from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
+from autopar.passes.tp_inplace_rules import ALLOCATIONS
 from autopar.passes.tp_reduce_rules import insert_partial_sums
 from autopar.passes.tp_regions import TpRegion, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, op_name, refines, shape_of, slice_bounds
@@ -85,7 +86,7 @@ def _check_divisible(region: TpRegion, tp_size: int) -> None:
 def localize_sizes(node: fx.Node, p: Placement, tp_size: int) -> None:
     """Rewrite sizes baked into view/expand/split args to this rank's shard."""
     name = op_name(node)
-    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to"):
+    if name in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to", *ALLOCATIONS):
         sizes = list(node.args[1])
         symbolic = sizes[p.dim] if isinstance(sizes[p.dim], fx.Node) else None
         if symbolic is not None:  # a symbolic size (a sequence of any length): divided at run time

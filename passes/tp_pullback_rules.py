@@ -11,7 +11,14 @@ their forward rules; the ops here say directly what their inputs must be:
 - ``embedding(table, ids)`` sharded on its last dim: the table's column shard, the ids replicated
   (T5's ``relative_attention_bias``: a table of (buckets, heads) whose lookup is permuted to heads);
 - ``table[idx]`` (``aten.index`` with one index tensor) sharded on a dim the index does not make:
-  the table sharded on that dim (Swin's ``relative_position_bias_table`` of (entries, heads)).
+  the table sharded on that dim (Swin's ``relative_position_bias_table`` of (entries, heads));
+- ``slice`` and ``cat`` along another dim: their inputs sharded alike (a rotary half of each head's
+  features, cut off and joined back, DeepSeek's interleaved rotary);
+- an allocation filled in place (``new_empty``): nothing of its input (:mod:`autopar.passes.tp_inplace_rules`).
+
+:func:`broadcast_back` pulls a shard back through a broadcast (``expand``) of a size-1 dim: the input
+whole, each rank broadcasting it to its own shard (one rotary key every head shares). The solver tries it
+after the forward rule of ``expand`` found no input shard.
 
 A table is a parameter: the solver holds its column shard (:meth:`_Solver._shard_param`), each rank
 looks up its own heads' columns, and their gradient stays on the rank. :func:`pull_back_rule` gives the
@@ -26,9 +33,11 @@ import torch.fx as fx
 
 from autopar.passes.meta_keys import Placement
 from autopar.passes.tp_errors import NoRule
-from autopar.passes.tp_rules import ELEMENTWISE, REPLICATE, _broadcast, _tensor_args, op_name, shape_of
+from autopar.passes.tp_inplace_rules import INPLACE_PULL_BACKS
+from autopar.passes.tp_rules import ELEMENTWISE, REPLICATE, _broadcast, _norm, _tensor_args, op_name, shape_of, \
+    slice_bounds
 
-__all__ = ["PULL_BACK_RULES", "pull_back_rule"]
+__all__ = ["PULL_BACK_RULES", "pull_back_rule", "broadcast_back"]
 
 
 def _check(node: fx.Node, p: Placement) -> None:
@@ -67,9 +76,41 @@ def index_back(node: fx.Node, p: Placement) -> dict:
     return {table: Placement.shard(dim, p.chunks, p.parts), idx: REPLICATE}
 
 
+def slice_back(node: fx.Node, p: Placement) -> dict:
+    """``x[..., a:b]`` along another dim than the shard's: ``x`` sharded alike."""
+    _check(node, p)
+    dim, _, _ = slice_bounds(node)
+    if dim == p.dim:
+        raise NoRule(f"{node.name} slices the dim it would be sharded on")
+    return {node.args[0]: p}
+
+
+def cat_back(node: fx.Node, p: Placement) -> dict:
+    """``cat(tensors, dim)`` along another dim than the shard's: every piece sharded alike."""
+    _check(node, p)
+    dim = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape_of(node)))
+    if dim == p.dim:
+        raise NoRule(f"{node.name} concatenates along the dim it would be sharded on")
+    return {t: p for t in node.args[0]}
+
+
+def broadcast_back(node: fx.Node, p: Placement) -> dict:
+    """``expand(x, sizes)`` sharded on a dim it broadcasts from size 1 (or makes): ``x`` whole, each rank
+    expanding it to its own shard's size (the transform writes the local size into ``sizes``)."""
+    _check(node, p)
+    if op_name(node) not in ("expand", "broadcast_to"):
+        raise NoRule(f"{node.name} is not a broadcast")
+    src = node.args[0]
+    aligned = p.dim - (len(shape_of(node)) - len(shape_of(src)))
+    if aligned >= 0 and shape_of(src)[aligned] != 1:
+        raise NoRule(f"{node.name} does not broadcast its dim {p.dim}")
+    return {src: REPLICATE}
+
+
 PULL_BACK_RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     **{name: elementwise_back for name in ELEMENTWISE},
-    "embedding": embedding_back, "index": index_back,
+    "embedding": embedding_back, "index": index_back, "slice": slice_back, "cat": cat_back,
+    **INPLACE_PULL_BACKS,
 })
 
 

@@ -22,12 +22,12 @@ from autopar.errors import ShardingError
 from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
 from autopar.passes.tp_gather_output import conv_of, gathered_placements
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks
-from autopar.passes.tp_pullback_rules import pull_back_rule
+from autopar.passes.tp_pullback_rules import broadcast_back, pull_back_rule
 from autopar.passes.tp_reduce_rules import read_replicated
 from autopar.passes.tp_rules import (ASSERTIONS, ELEMENTWISE, REPLICATE, NoRule, constant_value, op_name,
                                      rule_for, shape_of, slice_bounds, view_dim_map)
 
-__all__ = ["Projection", "TpRegion", "find_tp_regions", "is_param_linear", "projection_of"]
+__all__ = ["Projection", "TpRegion", "find_tp_regions", "is_bottleneck", "is_param_linear", "projection_of"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,12 @@ class TpRegion:
 
 
 def grad_carriers(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value carries a gradient: floating values computed from a parameter or a float input."""
+    """Nodes whose value carries a gradient: floating (or complex) values computed from a parameter or a float input."""
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         info = get_meta(node, TENSOR)
-        floating = info is not None and info.dtype is not None and info.dtype.is_floating_point
+        floating = info is not None and info.dtype is not None and (info.dtype.is_floating_point
+                                                                    or info.dtype.is_complex)  # rotary as complex
         if node.op == "get_attr":
             param = get_meta(node, PARAM)
             if floating and param is not None and param.is_parameter:
@@ -249,14 +250,23 @@ class _Solver:
                 self.region.placements[node] = placement
                 self.queue.append(node)
                 return
+        if op_name(node) in ("expand", "broadcast_to"):  # no input shard gives it: broadcast a whole input
+            for src, need in broadcast_back(node, placement).items():
+                self.require(src, need)
+            self.region.placements[node] = placement
+            self.queue.append(node)
+            return
         raise NoRule(f"cannot derive {placement} for {node.name} from its input")
 
     def _candidates(self, src: fx.Node, node: fx.Node):
         if src in self.region.placements:
             return [self.region.placements[src]]
-        if op_name(node) == "getitem":
-            return []
-        rank = len(shape_of(src)) if not isinstance(get_meta(src, "autopar.tensor"), type(None)) else 0
+        if op_name(node) == "getitem":  # a piece of a split: the split sharded alike on another dim
+            if src.op != "call_function" or op_name(src) not in SPLITS:
+                return []
+            rank = len(shape_of(node))
+        else:
+            rank = len(shape_of(src)) if not isinstance(get_meta(src, "autopar.tensor"), type(None)) else 0
         ways = [0] + (_divisors(self.tp_size) if self.tp_size else [])
         plain = [Placement.shard(d, c, w) for w in ways for d in range(rank) for c in (1, 2, 3, 4)]
         return plain + [Placement.shard(d, 1, w, d + 1) for w in ways[1:] for d in range(rank - 1)]
@@ -406,37 +416,74 @@ def find_tp_regions(gm: fx.GraphModule, *, skip=(), tp_size: int | None = None,
     ``tp_size``: choose shards that divide evenly over that many ranks (fewer kv heads than tp
     replicated over tp / kv ranks); a region no choice divides raises :class:`ShardingError`.
     ``rejected``: a dict that receives {candidate node: why it stays replicated} (autopar.coverage).
+
+    A low-rank bottleneck (:func:`is_bottleneck`: a down-projection whose region closes at an
+    up-projection, ``x (d) -> r -> d'`` with ``r`` below both) is tried last: sharding its rank would
+    all-reduce the wide output, where the up-projection can open a region of its own and be split by
+    heads (DeepSeek's q and kv down-projections stay replicated, as Megatron-Core keeps them). Taken
+    only if nothing else takes its linears.
     """
     regions: list[TpRegion] = []
     taken: set[fx.Node] = set(skip)
     carriers = grad_carriers(gm)
+    later: list[fx.Node] = []
     for node in gm.graph.nodes:
-        proj = projection_of(node) if node not in taken else None
-        if proj is None:
-            if node not in taken and conv_of(node) is not None:
-                _add_gathered(regions, taken, node, tp_size, rejected)
-            continue
-        siblings = [u for u in proj.x.users if (q := projection_of(u)) is not None and q.x is proj.x
-                    and u not in taken]
-        region = None
-        for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
-            try:
-                region = _solve_from(seeds, taken, carriers, tp_size)
-                break
-            except NoRule as why:
-                path = get_meta(node, MODULE).path if get_meta(node, MODULE) else node.name
-                reason = why
-        if region is None and isinstance(reason, NotDivisible) and _solves_undivided(node, siblings, taken, carriers):
-            raise ShardingError(str(reason), where=_where(reason.node),
-                                fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
-                                    "(mesh dim 'tp'), or set tp=1")
-        if region is None:
-            _add_gathered(regions, taken, node, tp_size, rejected, reason=reason, path=path)
-            continue
-        regions.append(region)
-        taken.update(region.columns)
-        taken.update(region.rows)
-    return regions
+        if node not in taken and _candidate(gm, node, regions, taken, carriers, tp_size, rejected, defer=True):
+            later.append(node)
+    for node in later:
+        if node not in taken:
+            _candidate(gm, node, regions, taken, carriers, tp_size, rejected, defer=False)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(regions, key=lambda r: order[r.columns[0]])
+
+
+def is_bottleneck(region: TpRegion) -> bool:
+    """Whether every column of ``region`` narrows its input and every row widens it (a low-rank factor pair)."""
+    def width(node: fx.Node, proj: Projection) -> tuple[int, int]:
+        return shape_of(proj.x)[-1], shape_of(node)[-1]
+    if region.gathers or not region.rows:
+        return False
+    columns = [width(n, projection_of(n)) for n in region.columns]
+    rows = [width(n, projection_of(n)) for n in region.rows]
+    return all(o < i for i, o in columns) and all(o > i for i, o in rows)
+
+
+def _candidate(gm, node: fx.Node, regions: list, taken: set, carriers: set, tp_size, rejected,
+               *, defer: bool) -> bool:
+    """Open a region at candidate ``node`` (or record why it stays replicated); True when it is a
+    bottleneck put off until every other candidate had its turn (``defer``)."""
+    proj = projection_of(node)
+    if proj is None:
+        if conv_of(node) is not None:
+            _add_gathered(regions, taken, node, tp_size, rejected)
+        return False
+    siblings = [u for u in proj.x.users if (q := projection_of(u)) is not None and q.x is proj.x
+                and u not in taken]
+    region = None
+    path = get_meta(node, MODULE).path if get_meta(node, MODULE) else node.name
+    for seeds in ([[node]] if len(siblings) <= 1 else [siblings, [node]]):
+        try:
+            region = _solve_from(seeds, taken, carriers, tp_size)
+            break
+        except NoRule as why:
+            reason = why
+    if region is not None and defer and is_bottleneck(region):
+        return True
+    if region is None and isinstance(reason, NotDivisible) and _solves_undivided(node, siblings, taken, carriers):
+        raise ShardingError(str(reason), where=_where(reason.node),
+                            fix="choose a tp degree that divides the attention heads, kv heads and hidden sizes "
+                                "(mesh dim 'tp'), or set tp=1")
+    if region is None:
+        if not defer:  # a bottleneck whose up-projection opened a region of its own
+            i, o = shape_of(proj.x)[-1], shape_of(node)[-1]
+            reason = (f"a low-rank down-projection ({i} -> {o}) kept whole: its up-projection is split instead "
+                      f"({reason})")
+        _add_gathered(regions, taken, node, tp_size, rejected, reason=reason, path=path)
+        return False
+    regions.append(region)
+    taken.update(region.columns)
+    taken.update(region.rows)
+    return False
 
 
 def _add_gathered(regions: list, taken: set, node: fx.Node, tp_size: int | None, rejected: dict | None,

@@ -21,6 +21,7 @@ from autopar.passes.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
 from autopar.passes.tp_fused_blocks import blocks_between, split_blocks, split_piece, whole_broadcast
+from autopar.passes.tp_inplace_rules import INPLACE_RULES
 from autopar.passes.tp_reduce_rules import partial_sum_rule, read_replicated
 
 __all__ = ["NoRule", "RULES", "ASSERTIONS", "ELEMENTWISE", "REPLICATE", "constant_value", "refines",
@@ -187,6 +188,9 @@ def expand(node: fx.Node, placed: dict):
     nxt = p.dim + 1
     if p.parts and p.inner is None and nxt < len(shape_of(src)) and shape_of(src)[nxt] == 1 \
             and shape_of(node)[nxt + offset] > 1:
+        if shape_of(src)[p.dim] != p.parts:  # a rank holding several kv heads would take every group's piece
+            raise NoRule(f"{node.name} broadcasts {shape_of(src)[p.dim]} kv heads cut {p.parts} ways to their "
+                         f"query heads: a rank's query heads would not be contiguous")
         return _S(p, out_dim).replace(inner=nxt + offset), {src: p}
     return _S(p, out_dim), {src: p}
 
@@ -257,6 +261,15 @@ def reverse_dims(node: fx.Node, placed: dict):
     """``x.T`` (``numpy_T``): every dim reversed."""
     src, p = _anchor(node, placed)
     return _S(p, len(shape_of(src)) - 1 - p.dim), {src: p}
+
+
+def complex_view(node: fx.Node, placed: dict):
+    """``view_as_complex`` (``(..., n, 2)`` -> ``(..., n)``) and ``view_as_real`` (the reverse): every dim
+    but the pair keeps its place, so a shard of one of them stays where it is."""
+    src, p = _anchor(node, placed)
+    if op_name(node) == "view_as_complex" and p.dim == len(shape_of(src)) - 1:
+        raise NoRule(f"{node.name} pairs the sharded dim into complex numbers")
+    return p, {src: p}
 
 
 def split(node: fx.Node, placed: dict):
@@ -455,6 +468,8 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "select": select, "cat": cat, "index": index, "baddbmm": baddbmm, "stack": stack,
     **{name: assertion for name in ASSERTIONS},
     **EXPERT_RULES,  # grouped expert products (passes/tp_expert_rules.py)
+    **INPLACE_RULES, "copy_": elementwise,  # allocations filled in place (passes/tp_inplace_rules.py)
+    "view_as_complex": complex_view, "view_as_real": complex_view,
 })
 
 

@@ -14,7 +14,10 @@ captured graph), :mod:`~autopar.planner.cost_model` (step time and memory of one
 pipeline), :mod:`~autopar.planner.stage_cuts` (stage boundaries for devices of any speed and memory),
 :mod:`~autopar.planner.search` (best-first: the simulator's fastest fitting plan),
 :mod:`~autopar.planner.reasons` (the ranked table, the reasons, batch warnings),
+:mod:`~autopar.planner.precision` (an fp32 plan on GPUs says what bf16 would change),
 :mod:`~autopar.planner.auto` (``plan="auto"``). :mod:`~autopar.planner.calibrate` measures this machine;
+:mod:`~autopar.planner.published` and :mod:`~autopar.planner.published_fit` hold the GPU presets to
+published large runs; :mod:`~autopar.planner.measured` sets an estimate beside a measured step time;
 :mod:`~autopar.planner.rebalance` re-splits a running pipeline from measured stage times.
 See docs/planner.md.
 """

@@ -19,6 +19,7 @@ from autopar.options import CompileOptions, resolve_plan
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.planner.cluster import Cluster, get_cluster, local_cluster
 from autopar.planner.cost_model import CostModel, Estimate
+from autopar.planner.precision import precision_note
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
 from autopar.planner.search import SearchResult, SearchSpace, search
@@ -104,6 +105,8 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
         space = _replace(space, schedules=((options["schedule"], v),))
     elif options.get("num_virtual"):
         space = _replace(space, schedules=tuple((n, options["num_virtual"]) for n, v in space.schedules if v > 1))
+    if options.get("num_virtual"):
+        space = _replace(space, virtual=(options["num_virtual"],))
     if options.get("num_microbatches"):
         space = _replace(space, num_microbatches=(options["num_microbatches"],))
     if "zero_stage" in options:
@@ -167,8 +170,9 @@ def choose_plan(model, mesh_shape=None, *, example_inputs, loss_fn, example_targ
     result = search(profile, sized, world=world, space=space, optimizer=optimizer)
     best = result.best
     plan = plan_from_estimate(best, profile, options=opts)
+    reasons = explain(result) + precision_note(result, space=space, optimizer=optimizer)
     report = PlannerReport(plan=plan, best=best, result=result, profile=profile, cluster=sized,
-                           reasons=explain(result), warnings=batch_warnings(result))
+                           reasons=reasons, warnings=batch_warnings(result))
     log.info("planner: %s", report.reasons[0])
     for line in report.warnings:
         log.info("planner: %s", line)

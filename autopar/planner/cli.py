@@ -33,7 +33,12 @@ for is printed first. Warnings say when the global batch is too small for the pl
 lines are the chosen pipeline's critical path (the actions and transfers that make its step as
 long as it is) and, with --max-seq, the memory of the fullest rank as a formula of the microbatch
 size and the sequence length, solved for the longest sequence (and the largest microbatch) that
-fits the cluster's devices with the chosen plan."""
+fits the cluster's devices with the chosen plan.
+
+--explain prints where the estimated step time goes and, given your measured step time
+(--measured-step-s), which part most likely differs. --published ID estimates a run of autopar's
+table of published runs (autopar/planner/data/published_runs.json) in its own configuration beside its
+measured step time, and the planner's own choice on the same GPUs."""
 
 _EPILOG = """\
 examples:
@@ -44,6 +49,9 @@ examples:
       --input-shape 1024x4096
   autopar plan autopar.models.examples:llama2_7b_meta --cluster a100-80g-8x --world 1 --precision bf16 \
       --optimizer sgd --max-seq
+  autopar plan autopar.models.examples:gpt_tiny --world 4 --cluster cpu-2core --mesh dp=1,pp=2,tp=2 \
+      --explain --measured-step-s 0.5
+  autopar plan --published megatron21-t1-gpt-1008b --explain
 clusters: a100-80g-8x, a100-40g-8x, h100-80g-8x, cpu-2core, or a JSON file of an autopar.planner.Cluster"""
 
 
@@ -79,6 +87,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     from autopar.planner.cluster import get_cluster
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.published:
+        return _run_published(args)
+    if args.target is None:
+        raise PlanError("autopar plan needs a TARGET (or --published ID)", where="autopar plan",
+                        fix="pass MODULE:CALLABLE, e.g. autopar.models.examples:gpt_tiny, or --published ID")
+    if args.measured_step_s is not None and not args.explain:
+        raise PlanError("--measured-step-s is read by --explain", where="--measured-step-s", fix="add --explain")
     cluster = _cluster(args.cluster)
     if args.nodes is not None:
         cluster = get_cluster(cluster, nodes=args.nodes)
@@ -120,6 +135,38 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.rank is not None:
         print()
         print(result.describe_rank(args.rank))
+    if args.explain:
+        from autopar.planner.measured import explain_step
+        print()
+        print("\n".join(explain_step(result.planner.best, measured=args.measured_step_s)))
+    return 0
+
+
+def _run_published(args: argparse.Namespace) -> int:
+    """``--published ID``: the run's own configuration estimated beside its measured step time, and the
+    planner's own choice on the same GPUs (autopar/planner/published_fit.py)."""
+    from autopar.planner.measured import explain_step
+    from autopar.planner.published import published_runs
+    from autopar.planner.published_fit import evaluate
+
+    runs = {r.id: r for r in published_runs()}
+    if args.published not in runs:
+        raise PlanError(f"no published run {args.published!r}", where="--published",
+                        fix=f"use one of {', '.join(runs)}")
+    if args.target is not None:
+        raise PlanError("--published plans the run's own model: pass no TARGET", where="--published",
+                        fix=f"autopar plan --published {args.published} --explain")
+    run = runs[args.published]
+    (row,) = evaluate([run], choose=True)
+    print(f"{run.id}: {run.model.layers} layers, width {run.model.hidden}, {run.gpus} {run.gpu} GPUs, "
+          f"tp={run.tp} pp={run.pp} dp={run.dp}, batch {run.global_batch} x {run.model.seq} tokens "
+          f"({run.source.where})")
+    measured = args.measured_step_s if args.measured_step_s is not None else run.step_seconds
+    print("\n".join(explain_step(row.estimate, measured=measured)))
+    c = row.choice
+    print(f"the planner's own choice on these GPUs: {c.candidate.label()}: {c.step_time:.4g} s/step "
+          f"({(c.step_time / row.estimate.step_time - 1) * 100:+.0f}% against the run's configuration), "
+          f"{c.memory / 2**30:.1f} GiB of {c.capacity / 2**30:.1f} GiB on the fullest rank")
     return 0
 
 
@@ -205,7 +252,8 @@ def add_plan_command(sub) -> None:
 
     p = sub.add_parser("plan", help="let the planner choose a plan and print its ranked table and reasons",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="TARGET", help="MODULE:CALLABLE returning (model, inputs, loss_fn, target)")
+    p.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="MODULE:CALLABLE returning (model, inputs, loss_fn, target)")
     p.add_argument("--world", type=positive_int, default=None, metavar="N",
                    help="ranks to plan for (default: every device of the cluster)")
     p.add_argument("--cluster", default=None, metavar="NAME|FILE",
@@ -229,6 +277,14 @@ def add_plan_command(sub) -> None:
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="rows of the ranked table (default 10)")
     p.add_argument("--rank", type=int, default=None, metavar="R", help="also print rank R's rewritten program")
     p.add_argument("--json", action="store_true", help="print the chosen Plan (and its estimate) as JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="print where the estimated step time goes (compute, tp, bubble, dp, optimizer) and, with "
+                        "--measured-step-s, which part most likely differs from the measurement")
+    p.add_argument("--measured-step-s", type=float, default=None, metavar="S",
+                   help="your measured seconds per step of the plan pinned with --mesh etc. (read by --explain)")
+    p.add_argument("--published", default=None, metavar="ID",
+                   help="instead of TARGET: a run of autopar's table of published runs (its model, GPUs and "
+                        "configuration; its measured step time unless --measured-step-s)")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     bare = p.add_argument_group("example inputs: for a target that returns a bare model, or in place of the "
                                 "inputs a target returns")

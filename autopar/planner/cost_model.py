@@ -4,7 +4,8 @@ Time, per chunk and microbatch of ``b`` samples, on a device of matmul rate ``R`
 efficiency x the measured factor at ``b`` samples, :meth:`Device.rate_factor`: small microbatches
 run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op overhead ``o``:
 
-- forward ``F = flops·b/R + bytes·b/BW + ops·o`` (+ the forward collectives);
+- forward ``F = flops·b/R + gemms·g + bytes·b/BW + ops·o`` (+ the forward collectives), ``g`` the
+  device's ``gemm_overhead_s`` per matrix product (small products reach less of ``R``);
 - backward twice the forward compute, split evenly into the input-gradient part ``B`` (with the
   backward collectives) and the weight-gradient part ``W``; where a schedule splits them (every
   stage but the first, which runs its backward whole), ``W`` also carries the device's
@@ -26,7 +27,8 @@ run matmuls below the rate of large ones), memory bandwidth ``BW`` and per-op ov
   sharing (:mod:`autopar.runtime.schedules.shared_cores`: a rank waiting lends its core), each
   action costing the cluster's ``shared_core_switch_s`` more;
 - the optimizer step: every element the rank steps read and written once (memory bound; all ranks
-  of a node at once where they share cores).
+  of a node at once where they share cores);
+- the cluster's ``step_overhead_s`` once per step (data loading, launches, logging).
 
 Memory, per rank: parameters, gradients and optimizer state from :func:`autopar.memory.states.state_figures`
 (the memory calculator's formulas, by ZeRO stage and precision; split experts at ``1/ep`` of their
@@ -52,6 +54,7 @@ from autopar.planner.profile import ChunkCost, ModelProfile
 from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
+from autopar.runtime.schedules.validator import validate
 
 __all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate", "schedule_of"]
 
@@ -125,8 +128,10 @@ def _closed_form(name: str, pp: int, m: int, v: int):
 
 @lru_cache(maxsize=16)
 def _full_schedule(name: str, pp: int, m: int, v: int):
-    """The whole schedule of a step, built once per search for every candidate simulated on it."""
-    return build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
+    """The whole schedule of a step, built and validated once for every candidate simulated on it."""
+    schedule = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
+    validate(schedule)
+    return schedule
 
 
 @lru_cache(maxsize=512)
@@ -177,7 +182,7 @@ def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: C
     """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``
     (with ``ep`` > 1 its MoE layers' all-to-alls over ``ep_link``, :func:`moe_comm`)."""
     rate = device.matmul_rate(precision, samples=b) / contention
-    matmul = chunk.flops * b / rate
+    matmul = chunk.flops * b / rate + chunk.gemms * device.gemm_overhead_s * contention
     memory = chunk.bytes_written * b / device.memory_bandwidth * contention
     ops = chunk.ops * device.op_overhead_s * contention
     fwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="forward", include_recompute=False)
@@ -418,10 +423,11 @@ class CostModel:
         tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
         ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
-        return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time, simulated=simulated,
+        overhead = self.cluster.step_overhead_s
+        return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time + overhead, simulated=simulated,
                         parts={"compute": compute - tp_comm - ep_comm, "tp_comm": tp_comm, "ep_comm": ep_comm,
                                "bubble": max(0.0, pipeline - compute), "p2p": p2p, "dp_comm": dp_time,
-                               "optimizer": opt_time},
+                               "optimizer": opt_time, "overhead": overhead},
                         memory=memory, memory_parts=parts, capacity=capacity)
 
     def _ep_comm(self, c: Candidate, ranges, owner, rank: int) -> float:
@@ -451,7 +457,7 @@ class CostModel:
             costs = StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
             if cores is not None:
                 return simulate_shared_cores(full, costs=costs, cores=cores)
-            return simulate(full, costs=costs).step_time
+            return simulate(full, costs=costs, validated=True).step_time
         if not family(c.schedule).bounded:  # no bound proven for it: the trivial one
             return 0.0
         return pipeline_lower_bound(owner=owner, forward=fwd, backward=bwd, weight=wgt, p2p=p2p,

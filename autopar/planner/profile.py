@@ -6,7 +6,7 @@ only at a block or right after the last one; see :mod:`autopar.passes.partition`
 tensor-parallel degree the planner considers, :func:`profile_model` shards the captured graph
 (the compiler's own passes), cuts it into one stage per chunk, and reads per sample:
 
-- forward FLOPs, graph ops and bytes written (``autopar.cost``, ``autopar.tensor``);
+- forward FLOPs, graph ops, matrix products and bytes written (``autopar.cost``, ``autopar.tensor``);
 - the chunk's parameters as this tp rank holds them (:func:`autopar.memory.states.rank_params`);
 - bytes saved for backward with each recompute mode, and the recompute transient
   (:func:`autopar.memory.stage_activations`, a fake run);
@@ -96,6 +96,7 @@ class ChunkCost:
     comms: tuple[CommCost, ...]
     recv_bytes: float  # bytes a stage starting at this chunk receives per sample
     moe: tuple[MoeCost, ...] = ()  # the MoE layers whose experts this chunk holds
+    gemms: int = 0  # matrix products (nodes with FLOPs: linears, batched products, attention) per microbatch
 
     def renamed(self, old: str, new: str) -> "ChunkCost":
         """The same chunk for another block (``old`` -> ``new`` in unit and parameter names)."""
@@ -166,9 +167,10 @@ def _chunk(stage, segments, start: int, end: int, b0: int, seen: dict) -> ChunkC
     comms = tuple(CommCost(r.direction, r.op, r.nbytes / b0, r.recompute) for r in audit_collectives(stage.gm))
     recv = sum(_edge_bytes(e) for e in stage.recvs) / b0
     unit = user_name(segments[start].unit)
+    gemms = sum(1 for n in calls if (c := get_meta(n, COST)) is not None and c.flops > 0)
     return ChunkCost(unit=unit, is_block=is_block, flops=flops / b0, ops=len(calls),
                      bytes_written=written / b0, params=tuple(params), buffer_bytes=buffers, saved=saved,
-                     transient=transient, comms=comms, recv_bytes=recv)
+                     transient=transient, comms=comms, recv_bytes=recv, gemms=gemms)
 
 
 def _edge_bytes(edge) -> int:

@@ -37,7 +37,7 @@ from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm,
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.planner.stage_cuts import memory_fits, weighted_cuts
-from autopar.runtime.schedules.registry import planner_schedules, splits_backward
+from autopar.runtime.schedules.registry import family, planner_schedules, splits_backward
 
 __all__ = ["SearchSpace", "SearchResult", "search", "TIE"]
 
@@ -64,6 +64,7 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE
     exact_top: int = 5
+    virtual: tuple[int, ...] | None = None  # stages per rank of interleaved 1F1B; None: 2 and those that divide
     expert_parallel: tuple[int, ...] | None = None  # None: every ep dividing dp and each MoE layer's experts
     ep_refusal: str | None = None  # why the options given leave no ep > 1 (autopar.validation), if they do
 
@@ -291,7 +292,7 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
     pipeline = max(m * work / c.pp, relaxed_bound(path=path / lone, work=work / lone, num_ranks=c.pp,
                                                   num_microbatches=m, num_virtual=c.num_virtual))
-    return pipeline + _dp_bound(model, c, zero_stages)
+    return pipeline + _dp_bound(model, c, zero_stages) + model.cluster.step_overhead_s
 
 
 def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
@@ -335,16 +336,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def _microbatch_options(local: int, pp: int, pinned) -> list[int]:
+    """Every microbatch count that divides the ``local`` batch of a replica, down to one sample per
+    microbatch (``pinned``: those of them asked for); a schedule refuses the counts it cannot run."""
     if pinned:
         return [m for m in pinned if local % m == 0]
-    divs = _divisors(local)
-    if pp == 1:
-        return sorted({1, *[d for d in divs if d in (2, 4, 8)]})
-    multiples = [d for d in divs if d % pp == 0]
-    picks = {d for d in multiples if d // pp in (1, 2, 4, 8)}
-    if multiples:
-        picks.add(max((d for d in multiples if d <= 8 * pp), default=multiples[0]))
-    return sorted(picks) or [d for d in divs if d >= pp][:1] or [divs[-1]]
+    return _divisors(local)
+
+
+MAX_VIRTUAL = 8  # stages per rank the search tries beyond the family's own (interleaved 1F1B)
+
+
+def _virtual_options(name: str, v: int, pp: int, profile: ModelProfile, space: SearchSpace) -> list[int]:
+    """Stages per pp rank of schedule ``name``: its own ``v``; for a family that takes any number (interleaved
+    1F1B), also every ``v`` up to :data:`MAX_VIRTUAL` that gives each stage as many blocks (Megatron-LM's
+    condition), unless ``space.virtual`` pins them."""
+    row = family(name)
+    if row.fixed or pp == 1:
+        return [v]
+    if space.virtual:
+        return [k for k in space.virtual if k >= row.minimum]
+    blocks = sum(ch.is_block for ch in next(iter(profile.chunks.values())))
+    more = [k for k in range(row.minimum, MAX_VIRTUAL + 1) if k != v and blocks % (pp * k) == 0]
+    return [v, *more]
 
 
 def _meshes(world: int, profile: ModelProfile, cluster: Cluster, space: SearchSpace, rejected):
@@ -414,7 +427,8 @@ def _structures(world, profile, cluster, space, rejected):
         if profile.batch_statistics:
             pinned = (1,)
         for m in _microbatch_options(local, pp, pinned):
-            options = [("1f1b", 1)] if pp == 1 else space.schedules
+            options = [("1f1b", 1)] if pp == 1 else [(name, v) for name, v0 in space.schedules
+                                                     for v in _virtual_options(name, v0, pp, profile, space)]
             for name, v in options:
                 if pp * v > profile.num_chunks:
                     continue

@@ -130,13 +130,16 @@ class SimResult:
         return critical_path(self.schedule, costs=self.costs, durations=self.durations)
 
 
-def simulate(schedule: Schedule, *, costs: StageCosts, durations: Mapping[Action, float] | None = None) -> SimResult:
+def simulate(schedule: Schedule, *, costs: StageCosts, durations: Mapping[Action, float] | None = None,
+             validated: bool = False) -> SimResult:
     """Validate ``schedule``, then time it under ``costs``.
 
     ``durations`` overrides the cost of individual actions (a replay of measured times, as
-    :func:`autopar.runtime.trace.replay` does); ``costs.p2p`` still applies.
+    :func:`autopar.runtime.trace.replay` does); ``costs.p2p`` still applies. ``validated``: the caller
+    has validated this very schedule already (the planner simulates one cached schedule under many costs).
     """
-    validate(schedule)
+    if not validated:
+        validate(schedule)
     events = _run(schedule, costs, durations or {})
     step_time = max((row[-1].end for row in events if row), default=0.0)
     busy = tuple(sum(e.end - e.start for e in row) for row in events)

@@ -167,3 +167,39 @@ def test_the_cli_plans_for_the_input_shape_given_and_prints_the_warning(tmp_path
     assert '"inputs": [\n    [\n      8,\n      32' in capsys.readouterr().out
     assert main(["plan", target, "--cluster", str(path), "--input-shape", "4xq"]) == 2
     assert "cannot read --input-shape '4xq'" in capsys.readouterr().err
+
+
+def test_microbatch_counts_reach_one_sample_per_microbatch_at_every_pp(profile):
+    """Every count that divides a replica's batch is a structure at every pp (the schedules refuse the ones
+    they cannot run), one sample per microbatch included: nothing caps them at a multiple of pp."""
+    structures = list(_structures(8, profile, toy_cluster(), SearchSpace(), []))
+    for pp in (1, 2, 4, 8):
+        for dp in {s.dp for s in structures if s.pp == pp}:
+            local = profile.global_batch // dp
+            counts = {s.num_microbatches for s in structures if s.pp == pp and s.dp == dp}
+            assert counts == {d for d in range(1, local + 1) if local % d == 0}, (pp, dp, counts)
+
+
+def test_a_deep_pipeline_gets_one_sample_per_microbatch_when_the_bubble_dominates():
+    """The issue's case: pp=16 with 144 samples per replica; 1F1B's bubble (p-1)/(m+p-1) falls with every
+    microbatch, so with no per-op cost the fastest is one sample per microbatch (m=144 > 8 x pp)."""
+    profile = _profile(144, num_layers=16)
+    device = Device(name="toy", flops={"fp32": 1e9}, efficiency=1.0, memory_gb=100.0, memory_bandwidth=1e12,
+                    op_overhead_s=0.0)
+    cluster = Cluster(name="toy", nodes=16, devices_per_node=1, device=device, memory_reserve=0.0,
+                      intra=Link(latency_s=1e-9, bandwidth=1e12), inter=Link(latency_s=1e-9, bandwidth=1e12))
+    best = search(profile, cluster, world=16, space=SearchSpace(pp=(16,), schedules=(("1f1b", 1),),
+                                                               zero_stages=(0,), recompute=("none",))).best
+    assert best.candidate.num_microbatches == 144
+
+
+def test_interleaving_is_searched_at_every_depth_that_divides_the_blocks():
+    """Interleaved 1F1B at 2 stages per rank and every count up to 8 that gives each stage as many blocks."""
+    profile = _profile(16, num_layers=12)
+    found = {(s.pp, s.num_virtual) for s in _structures(4, profile, toy_cluster(per_node=4, nodes=1),
+                                                        SearchSpace(tp=(1,)), []) if s.schedule == "interleaved_1f1b"}
+    assert found == {(2, 2), (2, 3), (2, 6), (4, 2), (4, 3)}
+    pinned = {s.num_virtual for s in _structures(4, profile, toy_cluster(per_node=4, nodes=1),
+                                                 SearchSpace(tp=(1,), pp=(2,), virtual=(4,)), [])
+              if s.schedule == "interleaved_1f1b"}
+    assert pinned == {4}

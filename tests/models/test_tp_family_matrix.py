@@ -1,4 +1,4 @@
-"""Tensor-parallel coverage of 26 transformers families (autopar.models.hf.HF_RAW), planned in one process.
+"""Tensor-parallel coverage of 28 transformers families (autopar.models.hf.HF_RAW), planned in one process.
 
 Each family is the library's own class from a small config of its own quirks, built on the meta
 device and planned at tp=2 and tp=4 (``autopar.coverage_by_tp``: one capture, two lowerings; the
@@ -32,6 +32,8 @@ FLOORS = {
     "opt": (TARGET, TARGET), "gpt_bigcode": (TARGET, TARGET), "qwen2_moe": (TARGET, TARGET),
     "qwen3_moe": (TARGET, TARGET), "roberta": (TARGET, TARGET), "t5": (TARGET, TARGET), "bart": (TARGET, TARGET),
     "vit": (TARGET, TARGET), "clip_vision": (TARGET, TARGET), "swin": (TARGET, TARGET),
+    # latent attention: the q and kv down-projections stay whole (6.4% of this small model's matrix weights)
+    "deepseek_v3": (0.93, 0.93), "deepseek_v2": (0.93, 0.93),
 }
 REQUIRED = ("gpt2", "gpt_neox", "gptj", "falcon", "bloom", "opt", "phi3", "gemma2", "qwen3", "llama", "mistral",
             "mixtral", "bert", "vit")
@@ -60,11 +62,14 @@ def test_every_family_plans_and_shards_at_least_its_floor():
 # the table says: a parallel block (attention and MLP read one norm: GPT-J, Falcon) has one f; a
 # decoder block with cross-attention (T5, BART) has a third g and a fourth f (the encoder output its
 # keys and values read); Qwen2-MoE's shared expert adds a pair; a gathered column (Swin's
-# downsample) adds an f and an all-gather. Anything else per block would be a collective Megatron has not.
+# downsample) adds an f and an all-gather; DeepSeek-V3's latent attention has an f for each up-projection
+# (q and kv read different latents), its MoE block a pair for the routed and for the shared experts.
+# Anything else per block would be a collective Megatron has not.
 _PARALLEL_BLOCK = ((2, 1), (2, 1))
 _SEQ2SEQ_BLOCKS = ((2, 2), (2, 2), (3, 4), (3, 4))
 BLOCK_COLLECTIVES = {"gptj": _PARALLEL_BLOCK, "falcon": _PARALLEL_BLOCK, "qwen2_moe": ((3, 3), (3, 3)),
-                     "t5": _SEQ2SEQ_BLOCKS, "bart": _SEQ2SEQ_BLOCKS, "swin": ((2, 3), (2, 2))}
+                     "t5": _SEQ2SEQ_BLOCKS, "bart": _SEQ2SEQ_BLOCKS, "swin": ((2, 3), (2, 2)),
+                     "deepseek_v3": ((2, 3), (3, 4)), "deepseek_v2": ((2, 3), (3, 4))}
 # the collectives a block may hold besides g and f: gradient sums of replicated parameters read on head
 # shards (backward only), partial sums of norms over every head (OLMo 2), a gathered column's all-gather
 _BLOCK_EXTRAS = {"TpGradSum", "TpGroupGradSum", "TpPartialSum", "TpGather"}

@@ -7,7 +7,11 @@ that cover them (cosmic-ray, the ``mutation`` extra of pyproject.toml).
 
 For each module: ``cosmic-ray init`` (every mutant of the module), the operator filter below, an optional
 line filter, then ``nice -n 19 cosmic-ray exec``: each mutant is written into the module in place, the
-module's test command runs, and the mutant is *killed* when the tests fail (or time out). The survivors
+module's tests run, and the mutant is *killed* when the tests fail (or time out). The tests run through
+tests/tools/fork_pytest.py: one server (under ``nice -n 19`` too) imports torch once and forks a fresh
+child per mutant, which imports autopar from this checkout; the tests are first run once unmutated and must
+pass. Run it from a clone of the repository (``git clone -b BRANCH . /tmp/mut``, then
+``python /tmp/mut/tests/tools/mutation.py ...``) to keep working in the checkout meanwhile. The survivors
 are printed with their line and the mutated code; docs/testing.md records the score and explains each
 survivor no test kills. The module is checked back to its committed text afterwards (``git diff``), and
 restored with ``git checkout`` if a run was cut short. Runs are CPU heavy: one module at a time.
@@ -22,30 +26,53 @@ the comparisons, the boundary and the negation: ``<`` and ``<=``, ``==`` and ``!
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider --no-header"
+FORK_PYTEST = ROOT / "tests" / "tools" / "fork_pytest.py"
+PYTEST_ARGS = "-x -q -p no:cacheprovider --no-header"
 
-#: module -> the single-process tests that cover it
+#: module -> the single-process tests that cover it (a tight selection: each mutant is judged in seconds)
+_RT = "tests/runtime/"
+_GEN = f"{_RT}test_schedule_generators.py {_RT}test_schedule_torch_orders.py"
+_FORMS = f"{_RT}test_schedule_closed_forms.py::test_the_closed_forms_equal_the_simulator_on_a_grid"
 MODULES = {
-    "runtime/item_count.py": "tests/runtime/test_item_count.py",
-    "runtime/weight_versions.py": "tests/runtime/test_weight_versions.py",
-    "runtime/schedules/staleness.py": "tests/runtime/test_async_pipeline.py -m 'not dist'",
-    "runtime/schedules/interleaved.py": "tests/runtime/test_schedule_generators.py "
-                                        "tests/runtime/test_schedule_torch_orders.py",
-    "runtime/schedules/one_f_one_b.py": "tests/runtime/test_schedule_generators.py",
-    "runtime/schedules/asynchronous.py": "tests/runtime/test_async_pipeline.py -m 'not dist' "
-                                         "tests/runtime/test_schedule_generators.py",
+    "runtime/item_count.py": f"{_RT}test_item_count.py",
+    "runtime/weight_versions.py": f"{_RT}test_weight_versions.py",
+    "runtime/schedules/staleness.py": f"{_RT}test_async_pipeline.py -m 'not dist'",
+    "runtime/schedules/interleaved.py": _GEN,
+    "runtime/schedules/one_f_one_b.py": _GEN,
+    "runtime/schedules/gpipe.py": _GEN,
+    "runtime/schedules/naive.py": _GEN,
+    "runtime/schedules/_common.py": f"{_GEN} {_RT}test_schedule_validator.py",
+    "runtime/schedules/zero_bubble.py": f"{_GEN} {_RT}test_schedule_simulator.py",
+    "runtime/schedules/zb_v.py": f"{_GEN} {_RT}test_schedule_simulator.py {_FORMS}[zb_v]",
+    "runtime/schedules/dualpipe.py": f"{_GEN} {_FORMS}[dualpipe] {_FORMS}[dualpipev]",
+    "runtime/schedules/chimera.py": f"{_RT}test_schedule_chimera.py {_GEN} {_FORMS}[chimera]",
+    "runtime/schedules/list_scheduler.py": f"{_RT}test_schedule_chimera.py {_FORMS}[chimera]",
+    "runtime/schedules/forward_only.py": f"{_RT}test_schedule_chimera.py {_RT}test_schedule_action.py",
+    "runtime/schedules/asynchronous.py": f"{_RT}test_async_pipeline.py -m 'not dist' {_RT}test_schedule_generators.py",
+    "runtime/schedules/action.py": f"{_RT}test_schedule_action.py {_RT}test_schedule_validator.py",
+    "runtime/schedules/deps.py": f"{_RT}test_schedule_validator.py {_RT}test_schedule_simulator.py",
+    "runtime/schedules/validator.py": f"{_RT}test_schedule_validator.py",
+    "runtime/schedules/simulator.py": f"{_RT}test_schedule_simulator.py {_RT}test_step_graph.py -m 'not dist'",
+    "runtime/schedules/step_graph.py": f"{_RT}test_step_graph.py {_RT}test_schedule_validator.py -m 'not dist'",
+    "runtime/schedules/shared_cores.py": f"{_RT}test_schedule_shared_cores.py",
+    "runtime/schedules/closed_form.py": f"{_RT}test_schedule_closed_forms.py",
+    "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
+                                     "-k 'not test_plan_uses and not test_no_module_outside'",
     "passes/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
-    "runtime/zero.py": "tests/runtime/test_zero_units.py",
-    "runtime/grad_sync.py": "tests/runtime/test_zero_units.py",
+    "runtime/zero.py": f"{_RT}test_zero_units.py",
+    "runtime/grad_sync.py": f"{_RT}test_zero_units.py",
 }
 
 _KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Div_FloorDiv", "Mod_FloorDiv",
@@ -59,14 +86,15 @@ EXCLUDE_OPERATORS = [
 ]
 
 
-def _config(module: str, tests: str, lines: str | None, timeout: float) -> str:
+def _config(module: str, tests: str, lines: str | None, timeout: float, server: Path) -> str:
     lines_section = ""
     if lines:
         lines_section = f'\n[cosmic-ray.filters.line-filter.lines]\n"{ROOT / module}" = ["{lines}"]\n'
-    command = (PYTEST + " " + tests).replace('"', '\\"')
+    command = f"{sys.executable} {FORK_PYTEST} --socket {server} --timeout {timeout} -- {PYTEST_ARGS} {tests}"
+    command = command.replace('"', '\\"')
     return f'''[cosmic-ray]
 module-path = "{ROOT / module}"
-timeout = {timeout}
+timeout = {timeout + 60}
 excluded-modules = []
 test-command = "{command}"
 
@@ -83,40 +111,89 @@ def _tool(name: str, *args: str) -> None:
 
 
 def _survivors(session: Path) -> tuple[int, int, list[tuple]]:
-    """(mutants run, killed, [(line, operator, occurrence)] of the survivors)."""
+    """(mutants run, killed, [(line, operator, occurrence, the mutated line)] of the survivors)."""
     db = sqlite3.connect(session)
-    rows = db.execute("""select s.start_pos_row, s.operator_name, s.occurrence, r.worker_outcome, r.test_outcome
-                         from mutation_specs s join work_results r on s.job_id = r.job_id""").fetchall()
+    rows = db.execute("""select s.start_pos_row, s.operator_name, s.occurrence, r.worker_outcome, r.test_outcome,
+                         r.diff from mutation_specs s join work_results r on s.job_id = r.job_id""").fetchall()
     ran = [r for r in rows if str(r[3]).upper() != "SKIPPED"]
-    alive = sorted((r[0], r[1].removeprefix("core/"), r[2]) for r in ran if str(r[4]).upper() == "SURVIVED")
+    alive = sorted((r[0], r[1].removeprefix("core/"), r[2], _added_line(r[5])) for r in ran
+                   if str(r[4]).upper() == "SURVIVED")
     return len(ran), len(ran) - len(alive), alive
 
 
-def run(module: str, *, lines: str | None = None, timeout: float = 300.0, keep: Path | None = None) -> dict:
-    """Mutate ``module`` against its tests; the score and the survivors."""
+def _added_line(diff: str | None) -> str:
+    added = [line[1:].strip() for line in (diff or "").splitlines() if line.startswith("+") and
+             not line.startswith("+++")]
+    return " / ".join(added)
+
+
+def _judge_survivors_again(session: Path) -> int:
+    """Forget the survivors' outcomes, so that ``cosmic-ray exec`` runs them again (after new tests)."""
+    db = sqlite3.connect(session)
+    with db:
+        count = db.execute("delete from work_results where upper(test_outcome) = 'SURVIVED'").rowcount
+    db.close()
+    return count
+
+
+@contextlib.contextmanager
+def _test_server(folder: Path, name: str):
+    """A fork_pytest server for the run (its socket), stopped afterwards."""
+    sock = folder / f"{name}.sock"
+    sock.unlink(missing_ok=True)
+    server = subprocess.Popen(["nice", "-n", "19", sys.executable, str(FORK_PYTEST), "--serve", str(sock)], cwd=ROOT)
+    try:
+        while not sock.exists():
+            if server.poll() is not None:
+                raise RuntimeError(f"the test server stopped (exit {server.returncode}) before serving")
+            time.sleep(0.5)
+        yield sock
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _baseline(sock: Path, tests: str, timeout: float) -> None:
+    """The tests pass on the committed module, or there is nothing to measure."""
+    code = subprocess.run([sys.executable, str(FORK_PYTEST), "--socket", str(sock), "--timeout", str(timeout), "--",
+                           *shlex.split(f"{PYTEST_ARGS} {tests}")], cwd=ROOT).returncode
+    if code != 0:
+        log = sock.with_suffix(".log").read_text()
+        raise RuntimeError(f"the tests fail without any mutant (exit {code}): {tests}\n{log[-3000:]}")
+
+
+def run(module: str, *, tests: str | None = None, lines: str | None = None, timeout: float = 300.0,
+        keep: Path | None = None, resume: bool = False, again: bool = False) -> dict:
+    """Mutate ``module`` against its tests (``MODULES``' unless given); the score and the survivors."""
     folder = Path(keep or tempfile.mkdtemp(prefix="autopar-mutation-"))
     folder.mkdir(parents=True, exist_ok=True)
     name = module.replace("/", "_").removesuffix(".py")
     config, session = folder / f"{name}.toml", folder / f"{name}.sqlite"
-    config.write_text(_config(module, MODULES[module], lines, timeout))
-    session.unlink(missing_ok=True)
-    _tool("cosmic-ray", "init", str(config), str(session))
-    _tool("cr-filter-operators", str(session), str(config))
-    if lines:
-        _tool("cr-filter-lines", "--config", str(config), str(session))
-    try:
-        subprocess.run(["nice", "-n", "19", str(Path(sys.executable).parent / "cosmic-ray"), "exec", str(config),
-                        str(session)], check=True, cwd=ROOT)
-    finally:
-        if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=ROOT).returncode != 0:
-            subprocess.run(["git", "checkout", "--", module], cwd=ROOT, check=True)
-            print(f"{module}: restored to its committed text after an interrupted run", file=sys.stderr)
+    tests = tests or MODULES[module]
+    with _test_server(folder, name) as sock:
+        config.write_text(_config(module, tests, lines, timeout, sock))
+        if again:
+            print(f"{module}: judging {_judge_survivors_again(session)} survivors again", file=sys.stderr)
+        elif not (resume and session.exists()):
+            session.unlink(missing_ok=True)
+            _tool("cosmic-ray", "init", str(config), str(session))
+            _tool("cr-filter-operators", str(session), str(config))
+            if lines:
+                _tool("cr-filter-lines", "--config", str(config), str(session))
+        _baseline(sock, tests, timeout)
+        try:
+            subprocess.run(["nice", "-n", "19", str(Path(sys.executable).parent / "cosmic-ray"), "exec", str(config),
+                            str(session)], check=True, cwd=ROOT)
+        finally:
+            if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=ROOT).returncode != 0:
+                subprocess.run(["git", "checkout", "--", module], cwd=ROOT, check=True)
+                print(f"{module}: restored to its committed text after an interrupted run", file=sys.stderr)
     ran, killed, alive = _survivors(session)
     source = (ROOT / module).read_text().splitlines()
-    return {"module": module, "lines": lines, "mutants": ran, "killed": killed,
+    return {"module": module, "tests": tests, "lines": lines, "mutants": ran, "killed": killed,
             "score": killed / ran if ran else None,
-            "survivors": [{"line": line, "operator": op, "occurrence": occ, "code": source[line - 1].strip()}
-                          for line, op, occ in alive]}
+            "survivors": [{"line": line, "operator": op, "occurrence": occ, "code": source[line - 1].strip(),
+                           "mutant": mutant} for line, op, occ, mutant in alive]}
 
 
 def main(argv=None) -> int:
@@ -125,21 +202,28 @@ def main(argv=None) -> int:
     parser.add_argument("--lines", help="only mutants on these lines of the one module given, e.g. 374-470")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's tests")
     parser.add_argument("--keep", type=Path, help="keep the sessions (cr-report, cr-html read them) in this folder")
+    parser.add_argument("--resume", action="store_true", help="go on with the session kept in --keep, if any")
+    parser.add_argument("--again", action="store_true",
+                        help="judge the survivors of the session kept in --keep again (after new tests)")
+    parser.add_argument("--tests", help="pytest arguments to judge the one module given by, instead of MODULES'")
     args = parser.parse_args(argv)
-    if args.lines and len(args.modules) != 1:
-        parser.error("--lines needs exactly one module")
+    if (args.again or args.resume) and not args.keep:
+        parser.error("--again and --resume need --keep (the folder of the sessions)")
+    if (args.lines or args.tests) and len(args.modules) != 1:
+        parser.error("--lines and --tests need exactly one module")
     for module in args.modules:
-        if module not in MODULES:
+        if module not in MODULES and not args.tests:
             parser.error(f"{module} has no test command here; known: {', '.join(MODULES)}")
         if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=ROOT).returncode != 0:
             parser.error(f"{module} has uncommitted changes: cosmic-ray writes mutants into it in place")
     for module in args.modules:
-        result = run(module, lines=args.lines, timeout=args.timeout, keep=args.keep)
+        result = run(module, tests=args.tests, lines=args.lines, timeout=args.timeout, keep=args.keep,
+                     resume=args.resume, again=args.again)
         score = "n/a" if result["score"] is None else f"{result['score']:.1%}"
         print(f"{module}{' lines ' + args.lines if args.lines else ''}: {result['killed']} of {result['mutants']} "
               f"mutants killed ({score})")
         for s in result["survivors"]:
-            print(f"  survived: line {s['line']} {s['operator']} #{s['occurrence']}: {s['code']}")
+            print(f"  survived: line {s['line']} {s['operator']} #{s['occurrence']}: {s['code']}  ->  {s['mutant']}")
     return 0
 
 
