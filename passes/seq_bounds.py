@@ -13,6 +13,9 @@ The bound is the user's ``max_seq_len`` when given, else the least of:
 A ``max_seq_len`` past one of the first two (hard limits) is a PlanError; past the config's maximum
 it is taken (rotary models extrapolate). Under sequence parallelism a length must also divide by tp.
 
+:func:`bound_dynamic_dims` is the lowering's pass (after the capture's checks) that writes the bounds
+into ``captured.dynamic`` and the Plan (``dynamic_dims``, ``max_seq_len``, ``max_seq_len_source``).
+
 Example::
 
     >>> import torch.nn as nn
