@@ -215,7 +215,7 @@ def _deadline(seconds: int):
 @contextlib.contextmanager
 def cached_capture():
     """Memoise the tracer per (model, input shapes and dtypes, loss, mode); each call gets a deep copy."""
-    import autopar.lowering as lowering
+    import autopar.passes.capture_model as lowering  # the capture pass's tracer (passes/capture_model.py)
 
     real = lowering.capture
     memo: dict = {}
@@ -254,10 +254,13 @@ def _check_plan(s: Scenario, result) -> None:
     assert plan.global_batch_size == s.batch
     m = plan.pipeline.num_microbatches
     assert s.batch % (s.mesh[0] * m) == 0, (s.batch, m)
-    assert plan.pipeline.schedule == opts.get("schedule", "1f1b")
-    if "num_microbatches" in opts:
-        assert m == opts["num_microbatches"]
-    assert plan.zero_stage == opts.get("zero_stage", 1)
+    if opts.get("data_parallel") == "dataparallel":  # the rank-0 baseline: one pass, rank 0 steps, no ZeRO
+        assert (plan.pipeline.schedule, m, plan.zero_stage) == ("gpipe", 1, 0), plan.pipeline
+    else:
+        assert plan.pipeline.schedule == opts.get("schedule", "1f1b")
+        if "num_microbatches" in opts:
+            assert m == opts["num_microbatches"]
+        assert plan.zero_stage == opts.get("zero_stage", 1)
     assert plan.sequence_parallel == (bool(opts.get("sequence_parallel")) and s.mesh[2] > 1
                                       and opts.get("tensor_parallel", True))
     world = s.mesh[0] * s.mesh[1] * s.mesh[2]

@@ -52,7 +52,7 @@ def test_each_rank_materialises_its_pieces_of_the_cpu_build(name):
     for rank in (0, 3, 6):
         ranked = result.rank_program(rank)
         gms = [copy.deepcopy(s.gm) for s in ranked.stages]
-        shard_zero3_parameters(gms, dp_rank=ranked.coords["dp"], dp_size=2)
+        shard_zero3_parameters(gms, dims=result.plan.dims, coords=ranked.coords)
         fill = init_filler(meta, seed=0)
         slots = materialize_rank(gms, plan=result.plan, coords=ranked.coords, fill=fill)
         assert 0 < fill.peak_bytes <= largest_module  # one module's full-size tensors at a time, never the model

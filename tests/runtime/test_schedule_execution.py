@@ -50,8 +50,8 @@ def _plan(schedule: str, *, pp: int = 2, m: int = 4, layers: int = 2, model: str
     ("pipedream_2bw", dict(pp=4, m=2), ScheduleError, "pipedream_2bw needs num_microbatches >= 4", "'pipedream'"),
 ])
 def test_wrong_schedule_combinations_fail_before_capture(schedule, options, error, message, fix, monkeypatch):
-    import autopar.lowering
-    monkeypatch.setattr(autopar.lowering, "capture", lambda *a, **k: pytest.fail("captured before checking"))
+    import autopar.passes.capture_model as capture_model  # the capture pass's tracer
+    monkeypatch.setattr(capture_model, "capture", lambda *a, **k: pytest.fail("captured before checking"))
     with pytest.raises(error, match=message) as info:
         _plan(schedule, **options)
     assert fix in str(info.value)
