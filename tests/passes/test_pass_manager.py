@@ -128,7 +128,7 @@ def test_every_pass_runs_once_in_the_written_order_with_its_reason(model, monkey
     assert phases == [{"model"}, {"shard", "pipeline"}]  # captured once, lowered once (the one tp rank asked)
     assert [name for name, _ in ran] == [
         "check_plan", "capture_model", "check_batch_statistics", "check_static_shapes", "find_token_mean_loss",
-        "annotate_graph", "check_captured",
+        "annotate_graph", "check_captured", "bound_dynamic_dims",
         "select_vocab_parallel", "select_tp_regions", "shard_tensor_parallel", "shard_vocab_parallel",
         "select_expert_regions", "shard_expert_parallel", "shard_sequence_parallel", "fork_sharded_random",
         "assign_stages", "split_pipeline", "expose_weight_uses", "recompute"]
