@@ -292,7 +292,7 @@ def collective_timeout(case, mesh) -> dict:
     faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)  # never a hang: the worker dies
     out = {}
     try:
-        # "dp_grads": a loss that is no token mean (no count collective): the gradient reduction times out
+        # "dp_grads": a loss that is no token mean (no count collective): the batch agreement (rows) times out
         for axis, loss_fn in (("dp", lm_loss), ("dp_grads", lambda out, t: lm_loss(out, t) * 1.0), ("tp", lm_loss)):
             group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
             mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(axis[:2],))

@@ -47,16 +47,22 @@ def _sgd(w):
 
 def test_updates_apply_in_order_and_each_version_is_kept_until_released():
     w, versions = _versions()
+    v0 = versions.read(0, copy=True, microbatch=0)
     versions.accumulate(0, [torch.tensor([1.0])])
     versions.accumulate(0, [torch.tensor([2.0])])  # two microbatches of update 0: summed
+    versions.apply_through(1, _sgd(w))
+    v1 = versions.read(1, copy=True, microbatch=1)
     versions.accumulate(1, [torch.tensor([4.0])])
     versions.apply_through(2, _sgd(w))
     assert w.item() == 10.0 - 3.0 - 4.0 and versions.applied == 2
-    assert [versions.snapshot(v)[0].item() for v in (0, 1, 2)] == [10.0, 7.0, 3.0]
-    versions.release_below(2)
-    assert versions.held == {2}
-    with pytest.raises(RuntimeCommError, match="weight version 1 is not held"):
-        versions.snapshot(1)
+    assert (v0[0].item(), v1[0].item()) == (10.0, 7.0)  # each reader's copy untouched by later updates
+    assert versions.held == {0, 1}
+    versions.done(0)  # microbatch 0's backward ran: version 0's copy goes
+    assert versions.held == {1}
+    versions.done(1)
+    assert versions.held == set() and versions.buffers() == []
+    with pytest.raises(RuntimeCommError, match="weight version 1 is read while the live weights are version 2"):
+        versions.read(1, copy=True, microbatch=2)
 
 
 def test_a_version_read_before_its_gradient_exists_is_an_error():
