@@ -292,7 +292,8 @@ def collective_timeout(case, mesh) -> dict:
     faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)  # never a hang: the worker dies
     out = {}
     try:
-        # "dp_grads": a loss that is no token mean (no count collective): the batch agreement (rows) times out
+        # "dp_grads": a loss that is no token mean (no count collective); rank 1 joins the batch agreement
+        # and stops, so rank 0's gradient reduction is what times out
         for axis, loss_fn in (("dp", lm_loss), ("dp_grads", lambda out, t: lm_loss(out, t) * 1.0), ("tp", lm_loss)):
             group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
             mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(axis[:2],))
@@ -305,12 +306,31 @@ def collective_timeout(case, mesh) -> dict:
                 began = time.monotonic()
                 message = _fails(lambda: _train(program, data[:1]), RuntimeCommError)
                 seconds = time.monotonic() - began
+            elif axis == "dp_grads":  # rank 1 joins the batch agreement, then stops before its schedule
+                _stop_after_agreement(program, data[:1])
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (message, seconds))
             out[axis] = gathered
     finally:
         faulthandler.cancel_dump_traceback_later()
     return out
+
+
+class _StoppedAfterAgreement(Exception):
+    """Raised on purpose in place of a step's schedule (collective_timeout's dp_grads case)."""
+
+
+def _stop_after_agreement(program, data) -> None:
+    """Run a step up to and including the dp batch agreement, then stop: its peer's next dp collective is
+    then the gradient reduction, which must time out by itself."""
+    def refuse(*_args, **_kwargs):
+        raise _StoppedAfterAgreement
+    program.batching.schedule_for = refuse
+    try:
+        _train(program, data)
+    except _StoppedAfterAgreement:
+        return
+    raise AssertionError("the step ran past its batch agreement")
 
 
 # -- the spawned groups the checkpoint, fault and real-world-model tests share --------------------------

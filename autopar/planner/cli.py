@@ -78,6 +78,8 @@ def _pins(args: argparse.Namespace) -> dict:
             options[key] = value
     if args.virtual is not None:
         options["num_virtual"] = args.virtual
+    if args.max_seq:  # the plan is made at the example's length; the formula then reads every other length
+        options["dynamic_shapes"] = "static"
     return options
 
 
@@ -271,7 +273,8 @@ def add_plan_command(sub) -> None:
                    help="the optimizer whose state memory is sized (default adam)")
     p.add_argument("--max-seq", action="store_true",
                    help="also print the fullest rank's memory as a formula of microbatch size and sequence length, "
-                        "and the longest sequence and largest microbatch that fit with the chosen plan")
+                        "and the longest sequence and largest microbatch that fit with the chosen plan (planned at the "
+                        "example's own length, not at the sequence bound)")
     p.add_argument("--seq-step", type=positive_int, default=1, metavar="N",
                    help="with --max-seq: sequence lengths are multiples of N (default 1)")
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="rows of the ranked table (default 10)")

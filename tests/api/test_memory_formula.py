@@ -120,10 +120,6 @@ def test_a_size_that_is_no_product_of_dims_is_refused():
 
 
 @pytest.mark.slow  # Llama 2 7B's shape on the meta device, planned five times per case (minutes)
-@pytest.mark.xfail(strict=True, reason=(
-    "known regression from issue 38's merge: the planner now profiles at the sequence bound (Llama-2-7B's 4096), "
-    "which fits no candidate on one A100, so --max-seq stops before it searches; fix: plan --max-seq at the "
-    "example's length (see the closing note), then drop this mark"))
 @pytest.mark.parametrize(("world", "mesh", "optimizer"), [(1, None, "sgd"), (8, "tp=8", "adam")],
                          ids=["one-a100", "eight-a100-tp8"])
 def test_max_seq_on_llama_7b_fits_and_one_token_more_does_not(world, mesh, optimizer, capsys):

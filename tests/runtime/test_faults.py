@@ -142,9 +142,10 @@ def test_collective_timeout_waits_its_2_s_and_not_much_longer():
 
 
 def test_collective_that_times_out_names_rank_collective_and_group():
-    """Rank 1 skips its step: rank 0's first dp all-reduce (dp=2, the step's token count) and its tp all-reduce inside the
-    forward (tp=2) each give up after p2p_timeout_s (2 s) with a RuntimeCommError, on groups the user
-    made (DeviceMesh.from_group), long before the groups' own 20 s gloo timeout."""
+    """Rank 1 skips its step: rank 0's first dp all-reduce (dp=2, the step's token count), its gradient
+    reduction (rank 1 stops after the batch agreement) and its tp all-reduce inside the forward (tp=2) each
+    give up after p2p_timeout_s (2 s) with a RuntimeCommError, on groups the user made
+    (DeviceMesh.from_group), long before the groups' own 20 s gloo timeout."""
     out = _result(groups.COLLECTIVE_TIMEOUT)
     for axis in ("dp", "dp_grads", "tp"):
         (text, seconds), (other, _) = out[axis]
@@ -155,10 +156,10 @@ def test_collective_that_times_out_names_rank_collective_and_group():
     dp_text, tp_text = out["dp"][0][0], out["tp"][0][0]
     # lm_loss is a token mean: the step's first dp collective sums its target tokens (runtime/item_count.py)
     assert "the all_reduce (the step's target tokens" in dp_text and "agreeing on the step's rows and tokens" in dp_text
-    # a loss that is no token mean: the step's first dp collective is the batch agreement (its rows;
-    # runtime/batch_agreement.py), before any gradient moves. (The gradient reduction's own timeout is not
-    # reached here since that agreement came in: a gap the closing note of issue 38's merge records.)
+    # a loss that is no token mean: rank 1 joins the step's batch agreement (runtime/batch_agreement.py) and
+    # stops, so rank 0's own gradient reduction times out, and the job-wide diagnosis names rank 1 at the agreement
     grads_text = out["dp_grads"][0][0]
-    assert "the all_reduce (the step's rows on every dp rank" in grads_text
-    assert "agreeing on the step's rows and tokens" in grads_text
+    assert "(grad_reduce) did not complete within 2 s" in grads_text
+    assert "gradient sync after the schedule" in grads_text
+    assert "culprit rank 1" in grads_text and "the step's rows on every dp rank" in grads_text
     assert "the all_reduce (TpReduce node" in tp_text and "(mesh axis tp)" in tp_text and "action 0F0" in tp_text
