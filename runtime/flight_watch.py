@@ -9,7 +9,7 @@ prefix of the program's own, agreed at build time, so restarts and later program
 
 - **Heartbeats**: a daemon thread writes ``hb/<rank>`` (the time and what the rank is doing) every
   :data:`HEARTBEAT_S` seconds and reads the failure counter; nothing else touches the store while
-  the job is healthy.
+  the job is healthy. The interpreter's exit stops it and waits for its store call to return.
 - **After a failure** (a collective or a receive past ``p2p_timeout_s``, a peer that died, a wait
   the thread sees last longer than that, or SIGTERM from torchrun tearing the job down inside a
   step), the failing rank raises the failure counter and publishes its flight record; every other
@@ -25,6 +25,7 @@ prefix of the program's own, agreed at build time, so restarts and later program
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -137,8 +138,11 @@ class JobWatch:
     def start(self) -> None:
         """Start the heartbeat thread (it ends with this watch) and take part in SIGTERM."""
         if self.store is not None:
-            threading.Thread(target=_beat_loop, args=(weakref.ref(self), self._stop, self.heartbeat_s), daemon=True,
-                             name=f"autopar-heartbeat-{self.rank}").start()
+            thread = threading.Thread(target=_beat_loop, args=(weakref.ref(self), self._stop, self.heartbeat_s),
+                                      daemon=True, name=f"autopar-heartbeat-{self.rank}")
+            thread.start()
+            # (holds the event and the thread, not the watch; the thread ends with the watch as before)
+            atexit.register(_end_beats, self._stop, thread)
         _join_sigterm(self)
 
     def stop(self) -> None:
@@ -321,6 +325,15 @@ def _beat_loop(ref, stop: threading.Event, period: float) -> None:
         del watch
         if stop.wait(period):
             return
+
+
+def _end_beats(stop: threading.Event, thread: threading.Thread) -> None:
+    """At interpreter exit: stop the heartbeat thread and wait for its store call to return. A daemon thread
+    still inside a store call (C++, the GIL released) when the interpreter finalizes is ended in a way C++
+    does not allow, and the process aborts ("terminate called without an active exception"), after a run
+    that otherwise succeeded."""
+    stop.set()
+    thread.join(timeout=_STORE_TIMEOUT_S + 1.0)
 
 
 def _die() -> None:

@@ -73,3 +73,35 @@ def test_the_heartbeat_thread_diagnoses_a_wait_past_the_deadline_by_itself():
             w.stop()
     assert stuck.report is not None and "longer than p2p_timeout_s (0.1 s)" in stuck.report.diagnosis.reason
     assert stuck.report.diagnosis.culprit.rank == 1
+
+
+_EXIT_WHILE_BEATING = """
+import datetime, socket, sys, time
+import torch.distributed as dist
+from autopar.runtime.flight_record import FlightRecord
+from autopar.runtime.flight_watch import JobWatch
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                       wait_for_workers=False)
+watch = JobWatch(record=FlightRecord(rank=0, capacity=8, meta={"world": 2}), store=client, prefix="/t", world=2,
+                 run_dir=None, timeout_s=60.0, heartbeat_s=0.0)  # beats back to back: always in a store call
+watch.start()
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_its_heartbeat_thread_is_in_a_store_call_exits_cleanly():
+    """The interpreter's exit stops the heartbeat thread and waits for its store call (an atexit hook).
+    Before, a daemon thread inside the store's C++ call at finalization aborted the process after a run
+    that had succeeded ("terminate called without an active exception", seen in the tutorial's 4-rank run)."""
+    import subprocess
+    import sys
+    for attempt in range(3):
+        done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BEATING], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and "exiting" in done.stdout, (attempt, done.returncode, done.stderr[-2000:])
