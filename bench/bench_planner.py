@@ -339,7 +339,8 @@ def scale(name: str, *, world: int = 1024, rank: int = 0) -> dict:
     program = result.rank_program(rank)
     nodes = sum(len(s.gm.graph.nodes) for s in program.stages)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    from autopar.planner.search import SearchSpace, search
+    from autopar.planner.candidates import SearchSpace
+    from autopar.planner.search import search
     report = result.planner
     megatron = search(report.profile, report.cluster, world=world, space=SearchSpace(tp=(8,), pp=(8,))).best
     return dict(name=name, world=world, rank=rank, wall_s=wall, cpu_s=cpu, build_s=built, plan=result.plan.summary(),

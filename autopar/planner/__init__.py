@@ -25,7 +25,8 @@ from autopar.planner.auto import PlannerReport, choose_plan
 from autopar.planner.cluster import CLUSTER_PRESETS, Cluster, Device, Link, NodeGroup, get_cluster, local_cluster
 from autopar.planner.cost_model import Candidate, CostModel, Estimate
 from autopar.planner.profile import ModelProfile, profile_model
-from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.planner.candidates import SearchSpace
+from autopar.planner.search import SearchResult, search
 from autopar.planner.stage_cuts import weighted_cuts
 
 __all__ = ["PlannerReport", "choose_plan", "Cluster", "Device", "Link", "NodeGroup", "CLUSTER_PRESETS",

@@ -22,7 +22,8 @@ from autopar.planner.cost_model import CostModel, Estimate
 from autopar.planner.precision import precision_note
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.reasons import batch_warnings, explain, format_table
-from autopar.planner.search import SearchResult, SearchSpace, search
+from autopar.planner.candidates import SearchSpace
+from autopar.planner.search import SearchResult, search
 from autopar.runtime.schedules.registry import default_stages_per_rank
 from autopar.validation import _expert_parallel_problem
 

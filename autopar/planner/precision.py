@@ -23,7 +23,8 @@ from autopar.errors import AutoparError
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import Candidate, CostModel
 from autopar.planner.profile import ModelProfile
-from autopar.planner.search import SearchResult, SearchSpace, fmt_bytes, search
+from autopar.planner.candidates import SearchSpace
+from autopar.planner.search import SearchResult, fmt_bytes, search
 
 __all__ = ["in_bf16", "largest_batch", "precision_note", "wants_bf16"]
 

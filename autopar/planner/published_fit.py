@@ -31,7 +31,8 @@ from autopar.planner.cluster import Cluster, get_cluster
 from autopar.planner.cost_model import Estimate
 from autopar.planner.profile import ModelProfile, profile_model
 from autopar.planner.published import PublishedRun
-from autopar.planner.search import SearchSpace, _Frontier, _structures, constraint, search
+from autopar.planner.candidates import SearchSpace, structures
+from autopar.planner.search import _Frontier, constraint, search
 from autopar.runtime.schedules.registry import default_stages_per_rank
 
 __all__ = ["PRESET_OF", "Figures", "Profiles", "RowResult", "run_cluster", "pinned_space", "evaluate_space",
@@ -83,7 +84,7 @@ def evaluate_space(profile: ModelProfile, cluster: Cluster, *, world: int, space
     a published configuration, :mod:`autopar.planner.published_fit`); stage cuts as the search places them."""
     frontier = _Frontier(profile, cluster, space, optimizer)
     out = []
-    for s in _structures(world, profile, cluster, space, frontier.rejected):
+    for s in structures(world, profile, cluster, space, frontier.rejected):
         for zero in (space.zero_stages if s.dp > 1 else (0,)):
             for rc in space.recompute:
                 c = replace(s, zero_stage=zero, recompute=rc)

@@ -14,7 +14,7 @@ from autopar.errors import PlanError
 from autopar.models import build_model, lm_loss
 from autopar.planner import Candidate, Cluster, CostModel, Device, Link, NodeGroup, get_cluster, profile_model, search
 from autopar.planner.reasons import explain, format_table
-from autopar.planner.search import SearchSpace
+from autopar.planner.candidates import SearchSpace
 from autopar.planner.stage_cuts import weighted_cuts
 
 GiB = 2**30

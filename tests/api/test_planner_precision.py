@@ -14,7 +14,8 @@ from autopar.models import build_model, lm_loss
 from autopar.options import CompileOptions
 from autopar.planner import CostModel, get_cluster, profile_model
 from autopar.planner.precision import in_bf16, largest_batch, precision_note, wants_bf16
-from autopar.planner.search import SearchSpace, search
+from autopar.planner.candidates import SearchSpace
+from autopar.planner.search import search
 
 
 def _model_and_tokens(batch: int = 32):

@@ -15,7 +15,8 @@ from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.planner import Cluster, CostModel, Device, Link, get_cluster, profile_model, search
 from autopar.planner.reasons import batch_warnings, explain, format_table
-from autopar.planner.search import TIE, SearchSpace, _ranked, _structure_bound, _structures, constraint
+from autopar.planner.candidates import SearchSpace, structures
+from autopar.planner.search import TIE, _ranked, _structure_bound, constraint
 from autopar.planner.stage_cuts import memory_fits
 
 
@@ -42,7 +43,7 @@ def _every_fitting_candidate_simulated(result, profile, cluster, world):
     """Each candidate of the space (structures x ZeRO x recompute, cuts placed as the search places them)."""
     space, out = SearchSpace(), []
     model = CostModel(profile, cluster)
-    for s in _structures(world, profile, cluster, space, []):
+    for s in structures(world, profile, cluster, space, []):
         for zero in (space.zero_stages if s.dp > 1 else (0,)):
             for rc in space.recompute:
                 c = replace(s, zero_stage=zero, recompute=rc)
@@ -172,11 +173,11 @@ def test_the_cli_plans_for_the_input_shape_given_and_prints_the_warning(tmp_path
 def test_microbatch_counts_reach_one_sample_per_microbatch_at_every_pp(profile):
     """Every count that divides a replica's batch is a structure at every pp (the schedules refuse the ones
     they cannot run), one sample per microbatch included: nothing caps them at a multiple of pp."""
-    structures = list(_structures(8, profile, toy_cluster(), SearchSpace(), []))
+    found = list(structures(8, profile, toy_cluster(), SearchSpace(), []))
     for pp in (1, 2, 4, 8):
-        for dp in {s.dp for s in structures if s.pp == pp}:
+        for dp in {s.dp for s in found if s.pp == pp}:
             local = profile.global_batch // dp
-            counts = {s.num_microbatches for s in structures if s.pp == pp and s.dp == dp}
+            counts = {s.num_microbatches for s in found if s.pp == pp and s.dp == dp}
             assert counts == {d for d in range(1, local + 1) if local % d == 0}, (pp, dp, counts)
 
 
@@ -196,10 +197,10 @@ def test_a_deep_pipeline_gets_one_sample_per_microbatch_when_the_bubble_dominate
 def test_interleaving_is_searched_at_every_depth_that_divides_the_blocks():
     """Interleaved 1F1B at 2 stages per rank and every count up to 8 that gives each stage as many blocks."""
     profile = _profile(16, num_layers=12)
-    found = {(s.pp, s.num_virtual) for s in _structures(4, profile, toy_cluster(per_node=4, nodes=1),
+    found = {(s.pp, s.num_virtual) for s in structures(4, profile, toy_cluster(per_node=4, nodes=1),
                                                         SearchSpace(tp=(1,)), []) if s.schedule == "interleaved_1f1b"}
     assert found == {(2, 2), (2, 3), (2, 6), (4, 2), (4, 3)}
-    pinned = {s.num_virtual for s in _structures(4, profile, toy_cluster(per_node=4, nodes=1),
+    pinned = {s.num_virtual for s in structures(4, profile, toy_cluster(per_node=4, nodes=1),
                                                  SearchSpace(tp=(1,), pp=(2,), virtual=(4,)), [])
               if s.schedule == "interleaved_1f1b"}
     assert pinned == {4}
