@@ -10,13 +10,13 @@ rewrites the table in place.
 """
 from __future__ import annotations
 
-import re
 import sys
 import types
 import typing
 from pathlib import Path
 
 from autopar.options import CompileOptions
+from autopar.report.marked_section import replace_marked
 from autopar.runtime.schedules.registry import default_stages_per_rank, schedule_names
 
 __all__ = ["OPTION_HELP", "options_table", "option_type", "describe_option", "rewrite_table", "BEGIN", "END"]
@@ -96,13 +96,7 @@ def options_table() -> str:
 
 def rewrite_table(path: Path) -> bool:
     """Replace the generated table in ``path`` (between :data:`BEGIN` and :data:`END`); True if it changed."""
-    text = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r"\n.*?" + re.escape(END), flags=re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
-    new = pattern.sub(lambda _m: f"{BEGIN}\n{options_table()}\n{END}", text)
-    path.write_text(new)
-    return new != text
+    return replace_marked(path, BEGIN, END, options_table())
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ tests/api/test_pass_list.py fails when the page's table differs from :func:`pass
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 from autopar.lowering import passes
+from autopar.report.marked_section import replace_marked
 
 __all__ = ["pass_table", "rewrite_pass_table", "BEGIN", "END"]
 
@@ -41,13 +41,7 @@ def pass_table() -> str:
 
 def rewrite_pass_table(path: Path) -> bool:
     """Replace the generated table in ``path`` (between :data:`BEGIN` and :data:`END`); True if it changed."""
-    text = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r"\n.*?" + re.escape(END), flags=re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
-    new = pattern.sub(lambda _m: f"{BEGIN}\n{pass_table()}\n{END}", text)
-    path.write_text(new)
-    return new != text
+    return replace_marked(path, BEGIN, END, pass_table())
 
 
 if __name__ == "__main__":
