@@ -21,7 +21,7 @@ import dataclasses
 import torch.fx as fx
 
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.stage_graph import StageGraph
 from autopar.runtime.p2p import RecvActivation, SendActivation
 from autopar.runtime.schedules.registry import family
 

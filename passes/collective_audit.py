@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
 from autopar.runtime.collectives import GraphCollective
 
 __all__ = ["CollectiveRecord", "audit_collectives", "per_unit", "wire_bytes", "format_audit"]

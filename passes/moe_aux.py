@@ -32,7 +32,7 @@ import dataclasses
 import torch.fx as fx
 
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE
+from autopar.ir.meta_keys import MODULE
 from autopar.passes.moe_detect import annotate_moe, descendants, op_name, strip, value_shape
 from autopar.runtime.moe_ops import DpMean
 

@@ -13,7 +13,7 @@ For every layer :mod:`autopar.passes.moe_detect` recognised in the ``grouped`` o
    go back to their rows' ranks, in the order the graph had them, so the routing weights, the un-sort
    and the per-token sum after it run unchanged.
 
-Both nodes carry ``autopar.moe_exchange`` (:class:`~autopar.passes.meta_keys.MoeExchange`): the layer,
+Both nodes carry ``autopar.moe_exchange`` (:class:`~autopar.ir.meta_keys.MoeExchange`): the layer,
 the ep size, every ep rank's expert range and the capacity factor (what the HTML report shows).
 
 Between the two nodes only the expert rows flow: a node there that reads another per-row tensor is
@@ -45,9 +45,9 @@ import torch.fx as fx
 
 from autopar.errors import ShardingError
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
 from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import set_param
 from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
 

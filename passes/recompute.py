@@ -50,7 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.errors import PassError, PlanError
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.runtime.collectives import GraphCollective, TpCopy, TpScatter
 from autopar.runtime.p2p import P2PNode
 

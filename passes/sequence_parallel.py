@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from autopar.errors import ShardingError
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.pipeline_split import needs_grad
 from autopar.passes.tensor_parallel import localize_sizes, node_where
 from autopar.passes.tp_rules import RULES, REPLICATE, NoRule, op_name, shape_of

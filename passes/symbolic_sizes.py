@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from autopar.errors import PassError
 from autopar.passes.shape_prop import run_on_meta
-from autopar.runtime.dynamic_shapes import DynamicDim, SizeExpr
+from autopar.ir.dynamic_shapes import DynamicDim, SizeExpr
 
 __all__ = ["symbolic_shapes", "probe_inputs", "probe_value", "NotMultilinear"]
 

@@ -36,8 +36,8 @@ import torch.nn as nn
 
 from autopar.errors import ShardingError
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.shard_layout import ShardLayout
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
 from autopar.passes.tp_inplace_rules import ALLOCATIONS

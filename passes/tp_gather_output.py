@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_projection import projection_of
 from autopar.passes.tp_rules import REPLICATE, RULES, NoRule, op_name, rule_for, shape_of
 from autopar.runtime.collectives import TpGather

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, TP_PLACEMENT, get_meta
+from autopar.ir.meta_keys import MODULE, TP_PLACEMENT, get_meta
 from autopar.passes.tp_rules import op_name
 from autopar.runtime.tp_rng import ShardedRandom, TpRngTracker, tp_rng_seed
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.runtime.tp_ops import TpGradSum
 from autopar.runtime.tp_reduce_ops import TpPartialSum

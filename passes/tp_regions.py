@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
+from autopar.ir.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
 from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
 from autopar.passes.tp_gather_output import conv_of, gathered_placements

@@ -44,9 +44,9 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.passes.lowering_state import LoweringState
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
+from autopar.ir.stage_graph import StageGraph
 from autopar.runtime.schedules.registry import splits_backward
 from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
 

@@ -39,7 +39,6 @@ Running a step::
     batch_split.py        a batch's rows checked and cut into microbatches (a partial batch: fewer or smaller)
     batch_agreement.py    every dp rank's rows and refusals on one all-reduce; row weights of a partial batch
     shape_cache.py        stage graphs per batch shape: compiled, their symbolic family, or built per shape
-    dynamic_shapes.py     symbolic dims at run time: SizeExprs of edge shapes, a microbatch's sizes
     program.py            RankProgram: the synchronous schedules' train_step
     executor.py           runs this rank's schedule actions on its stage graphs
     ddp_buckets.py        DDP's gradient buckets, reduced while backward runs

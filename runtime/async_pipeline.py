@@ -47,7 +47,7 @@ from torch.func import functional_call
 
 from autopar.errors import PlanError
 from autopar.runtime.clip import clip_program_gradients
-from autopar.runtime.dynamic_shapes import batch_sizes
+from autopar.ir.dynamic_shapes import batch_sizes
 from autopar.runtime.executor import ActionEvent, weigh_loss
 from autopar.runtime.flight_record import ACTION
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients

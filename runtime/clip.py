@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.collectives import issue
 from autopar.runtime.zero3_ops import zero3_targets
 from autopar.runtime.rank_context import ProgramState

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.shard_layout import ShardLayout
 from autopar.runtime.comm_guard import CommGuard
 
 __all__ = ["GraphCollective", "TpCopy", "TpReduce", "SpAllGather", "SpReduceScatter", "TpGather",

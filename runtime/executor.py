@@ -34,9 +34,9 @@ from collections import Counter
 import torch
 
 from autopar.errors import ScheduleError
-from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.mean_loss import LOSS_WEIGHT
-from autopar.runtime.dynamic_shapes import batch_sizes
+from autopar.ir.stage_graph import StageGraph
+from autopar.ir.captured_graph import LOSS_WEIGHT
+from autopar.ir.dynamic_shapes import batch_sizes
 from autopar.runtime.item_count import weighted_loss
 from autopar.runtime.flight_record import ACTION
 from autopar.runtime.p2p import P2PChannel, forward_receives

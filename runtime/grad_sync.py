@@ -31,7 +31,7 @@ from autopar.runtime.ddp_buckets import GradBuckets
 from autopar.runtime.rank_context import RankContext
 from autopar.runtime.moe_groups import sync_expert_gradients
 from autopar.runtime.zero3_ops import zero3_targets
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 
 __all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
 

@@ -31,8 +31,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
-from autopar.passes.capture import MODEL_PREFIX
-from autopar.passes.meta_keys import PARAM, get_meta
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import PARAM, get_meta
 from autopar.runtime.checkpoint_layout import Layout
 
 __all__ = ["Slot", "Filler", "rank_slots", "materialize_rank", "held_bytes"]

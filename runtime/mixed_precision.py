@@ -38,8 +38,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from autopar.passes.graph_names import user_name
-from autopar.passes.shard_layout import EXPERTS, ZERO3
+from autopar.ir.graph_names import user_name
+from autopar.ir.shard_layout import EXPERTS, ZERO3
 
 __all__ = ["COMPUTE_DTYPES", "fp32_masters", "MasterWeights", "zero3_block",
            "masters_for_rank"]

@@ -13,7 +13,7 @@ receive's wait is an entry of it (peer, edge, microbatch), and a receive that fa
 job-wide diagnosis before its error is raised (:mod:`autopar.runtime.flight_watch`).
 
 An edge whose shape follows a symbolic input dim (a sequence length that changes per batch) holds
-``dims``, its shape with :class:`~autopar.runtime.dynamic_shapes.SizeExpr` entries; the executor
+``dims``, its shape with :class:`~autopar.ir.dynamic_shapes.SizeExpr` entries; the executor
 sets ``channel.sizes`` ({symbol: size}) for each microbatch before its forward, and the recv node
 receives into a buffer of the shape they give. The send node checks its tensor against the same
 shape, so a shape the receiver would not expect is autopar's error, not a garbled transfer.
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError, ScheduleError
-from autopar.runtime.dynamic_shapes import is_symbolic, resolve_shape
+from autopar.ir.dynamic_shapes import is_symbolic, resolve_shape
 from autopar.runtime.flight_record import DONE, RECV, SEND, WAITING
 
 __all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, PlanError
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.clip import clip_program_gradients, counted_parameters, squares_of
 from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync

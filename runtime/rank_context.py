@@ -33,7 +33,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.stage_graph import StageGraph
 from autopar.plan_model import MeshShape, Plan
 from autopar.runtime.comm_audit import CommLog
 from autopar.runtime.comm_guard import CommGuard

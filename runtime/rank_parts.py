@@ -20,11 +20,11 @@ from typing import Protocol
 
 import torch
 
-from autopar.passes.capture import CapturedGraph
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import PARAM, get_meta
-from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.captured_graph import CapturedGraph
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import PARAM, get_meta
+from autopar.ir.stage_graph import StageGraph
+from autopar.ir.shard_layout import ShardLayout
 from autopar.plan_model import Plan
 from autopar.runtime.collectives import bind_collectives
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout, piece_key
 from autopar.runtime.rank_context import ProgramState
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.shard_layout import ZERO3
+from autopar.ir.shard_layout import ZERO3
 from autopar.runtime import comm_audit as comm
 from autopar.runtime.collectives import GraphCollective
 

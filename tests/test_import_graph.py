@@ -22,8 +22,9 @@ import networkx as nx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = ("autopar.errors", "autopar.plan_model", "autopar.parallel_dims")
 LAYERS = {  # a layer -> what its modules may import (module names or packages)
-    "autopar.runtime": ("autopar.runtime", "autopar.passes") + BASE,
-    "autopar.passes": ("autopar.passes", "autopar.runtime") + BASE,
+    "autopar.ir": ("autopar.ir",) + BASE,
+    "autopar.runtime": ("autopar.runtime", "autopar.passes", "autopar.ir") + BASE,
+    "autopar.passes": ("autopar.passes", "autopar.runtime", "autopar.ir") + BASE,
 }
 
 

@@ -43,7 +43,7 @@ class _SavedBytes(fx.Interpreter):
         self.per_unit: dict[str, dict[int, int]] = {}
 
     def run_node(self, n):
-        from autopar.passes.meta_keys import MODULE, get_meta
+        from autopar.ir.meta_keys import MODULE, get_meta
         info = get_meta(n, MODULE)
         seen = self.per_unit.setdefault(info.unit if info else "", {})
 

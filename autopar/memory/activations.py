@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.passes.meta_keys import TENSOR, get_meta
+from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.passes.recompute import Recompute
 from autopar.runtime.collectives import GraphCollective
 from autopar.runtime.memory_probe import SavedLedger

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, STAGE, TENSOR, TP_PLACEMENT, get_meta
+from autopar.ir.meta_keys import MODULE, PARAM, STAGE, TENSOR, TP_PLACEMENT, get_meta
 from autopar.runtime.collectives import GraphCollective
 from autopar.runtime.p2p import RecvActivation, SendActivation
 

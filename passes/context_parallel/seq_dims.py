@@ -4,7 +4,7 @@ Given which inputs are cut on the sequence (``input_ids``, ``labels``, ``positio
 of ``attention_mask``: their sequence dim), a :class:`~autopar.passes.context_parallel.seq_place.Place`
 is propagated forward in graph order by the rules of
 :mod:`~autopar.passes.context_parallel.seq_rules`, and every node gets a
-:class:`~autopar.passes.meta_keys.SeqInfo` (``autopar.seq``) naming the rule that placed it:
+:class:`~autopar.ir.meta_keys.SeqInfo` (``autopar.seq``) naming the rule that placed it:
 
 - ``input``: a graph input cut on the sequence; ``replicated``: no sequence in it;
 - ``pointwise``: follows the shard; ``positional`` / ``positions``: computed from positions alone / an
@@ -42,7 +42,7 @@ from autopar.passes.context_parallel.graph_util import ancestors, is_op, param_o
 from autopar.passes.context_parallel.rowwise import find_unit
 from autopar.passes.context_parallel.seq_place import Place
 from autopar.passes.context_parallel.seq_rules import RULES, Outcome, Reader, Refuse, family
-from autopar.passes.meta_keys import SEQ, SeqInfo, set_meta
+from autopar.ir.meta_keys import SEQ, SeqInfo, set_meta
 
 __all__ = ["Refusal", "SeqReport", "analyze_sequence", "annotate_sequence", "default_seq_inputs"]
 

@@ -18,7 +18,7 @@ from autopar.options import CompileOptions
 from autopar.passes.pipeline_split import size_nodes
 from autopar.planner.profile import profile_model
 from autopar.plan_model import Plan
-from autopar.runtime.dynamic_shapes import SizeExpr, resolve_shape
+from autopar.ir.dynamic_shapes import SizeExpr, resolve_shape
 from autopar.runtime.p2p import RecvActivation
 
 VOCAB = 128

@@ -15,7 +15,7 @@ import autopar
 from autopar.models import build_model, lm_loss
 from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 
 from graph_runner import captured as cached_capture
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from autopar.models.moe import build_hf_moe, build_moe, moe_loss
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import MOE, MOE_LAYER, get_meta
+from autopar.ir.meta_keys import MOE, MOE_LAYER, get_meta
 from autopar.passes.moe_detect import annotate_moe, find_moe_layers
 
 HF = importlib.util.find_spec("transformers") is not None

@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.memory import stage_activations
 from autopar.models import build_model, lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.passes.recompute import Recompute, apply_recompute, recompute_modules, recompute_regions
 from autopar.runtime.collectives import TpCopy, TpReduce
 from autopar.runtime.memory_probe import SavedLedger

@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.models import lm_loss
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
 from autopar.runtime.collectives import (SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter,
                                          collective_nodes)
 from autopar.runtime.tp_ops import SpGatherLinear

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import autopar
 from autopar.models import build_model, lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.passes.tp_rules import NoRule, view_dim_map
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
-from autopar.passes.meta_keys import MODULE, get_meta  # noqa: E402
+from autopar.ir.meta_keys import MODULE, get_meta  # noqa: E402
 from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
 from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum  # noqa: E402
 from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.models.examples import gpt_tiny
-from autopar.passes.meta_keys import TP_PLACEMENT, get_meta
+from autopar.ir.meta_keys import TP_PLACEMENT, get_meta
 from autopar.runtime.collectives import TpCopy, TpGather, collective_nodes
 
 

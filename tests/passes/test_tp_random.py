@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.runtime.tp_rng import TP_RNG_OFFSET, ShardedRandom, TpRngTracker, tp_rng_seed
 
 from graph_runner import planned

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
 from autopar.models.hf import build_hf_raw, hf_raw_example  # noqa: E402
-from autopar.passes.meta_keys import MODULE, TENSOR, Placement, TensorInfo, get_meta  # noqa: E402
+from autopar.ir.meta_keys import MODULE, TENSOR, Placement, TensorInfo, get_meta  # noqa: E402
 from autopar.passes.tp_errors import NoRule  # noqa: E402
 from autopar.passes.tp_pullback_rules import embedding_back, index_back  # noqa: E402
 from autopar.passes.tp_reduce_rules import PARTIAL, partial_sum_rule  # noqa: E402

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.models import lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.meta_keys import MODULE, get_meta
+from autopar.ir.shard_layout import ShardLayout
 from autopar.runtime.collectives import TpCopy, TpGather, TpReduce, collective_nodes
 from autopar.runtime.tp_ops import VocabParallelCrossEntropy
 

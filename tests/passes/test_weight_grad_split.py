@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.stage_graph import StageGraph
 from autopar.passes.weight_grad_split import expose_stage_weight_uses
 from autopar.runtime.executor import _backward_input, _backward_weight
 

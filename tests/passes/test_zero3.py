@@ -77,7 +77,7 @@ def _moe_plan(dp):
 
 
 def _gathers_by_axis(result):
-    from autopar.passes.graph_names import user_name
+    from autopar.ir.graph_names import user_name
     gm = result.graph(0)
     out = {}
     for node in collective_nodes(gm, ZeroGather):
