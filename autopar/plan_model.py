@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autopar.errors import PlanError
-from autopar.parallel_dims import MESH_AXES, ParallelDims
 from autopar.ir.shard_layout import ShardLayout
+from autopar.parallel_dims import MESH_AXES, ParallelDims
 from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "DynamicDimPlan", "Plan", "PlanChoices", "RunOptions",

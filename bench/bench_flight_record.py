@@ -1,6 +1,6 @@
 """The flight record's cost: the same program with and without it, alternated in one run.
 
-Every rank keeps a flight record (its last actions, collectives and transfers, runtime/flight_record.py),
+Every rank keeps a flight record (its last actions, collectives and transfers, ops/flight_record.py),
 a heartbeat thread writing to the rendezvous store once a second (runtime/flight_watch.py) and the
 straggler figures riding on the step's existing all-reduce (runtime/stragglers.py). This benchmark
 compiles one model twice in one 2-rank process group, ``flight_record=0`` (none of it) and the default

@@ -338,7 +338,7 @@ class MetaKey:
 META_KEYS = MappingProxyType(
     {
         TENSOR: MetaKey(TENSOR, TensorInfo, "passes.annotate.annotate_tensors",
-                        ("passes.pipeline_split", "passes.tensor_parallel", "runtime.p2p", "passes.zero3")),
+                        ("passes.pipeline_split", "passes.tensor_parallel", "ops.p2p", "passes.zero3")),
         COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_tensors",
                       ("passes.partition", "autopar.planner")),
         PARAM: MetaKey(PARAM, ParamInfo, "passes.annotate.annotate_params",

@@ -4,7 +4,9 @@ A pass of the lowering takes a ``LoweringState`` and gives one back (``lowering_
 options of its own and no state kept between calls; analyses write ``node.meta`` (keys declared once in
 ``ir/meta_keys.py``) or state fields, transforms change the graph. ``autopar/lowering.py`` lists the
 pipeline once (``passes()``) and runs it under ``pass_manager.py``; a module may also keep the
-graph-level function its pass wraps, for the planner and the tests.
+graph-level function its pass wraps, for the planner and the tests. The passes read the shared
+vocabulary (``autopar.ir``), insert the ops of ``autopar.ops`` and read the schedule registry (pure
+data): never an executor nor anything else of ``autopar.runtime`` (tests/test_import_graph.py).
 
 Capture::
 

@@ -21,10 +21,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.ir.graph_names import MODEL_PREFIX
-from autopar.passes.lowering_state import LoweringState
 from autopar.ir.meta_keys import (
     COST, MODULE, PARAM, TENSOR, ModuleInfo, NodeCost, ParamInfo, TensorInfo, set_meta,
 )
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.shape_prop import run_on_meta
 
 __all__ = ["annotate", "annotate_graph", "annotate_tensors", "annotate_modules", "annotate_params", "module_path_of"]

@@ -45,9 +45,9 @@ import torch.nn as nn
 
 from autopar.errors import PassError
 from autopar.ir.graph_names import MODEL_PREFIX
-from autopar.passes.lowering_state import LoweringState
 from autopar.ir.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
 from autopar.ir.shard_layout import ShardLayout
+from autopar.passes.lowering_state import LoweringState
 
 __all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks", "repeat_blocks"]
 

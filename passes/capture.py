@@ -138,7 +138,8 @@ def _is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     # the packages' folders, found without importing them (autopar imports this module)
     compiler = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
-        os.path.abspath(folder) + os.sep for name in ("autopar", "autopar.ir", "autopar.passes", "autopar.runtime")
+        os.path.abspath(folder) + os.sep
+        for name in ("autopar", "autopar.ir", "autopar.ops", "autopar.passes", "autopar.runtime")
         for folder in importlib.util.find_spec(name).submodule_search_locations)
     paths = sysconfig.get_paths()
     installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))

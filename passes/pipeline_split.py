@@ -22,11 +22,11 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.graph_names import user_name
-from autopar.ir.stage_graph import Edge, StageGraph
-from autopar.passes.lowering_state import LoweringState
 from autopar.ir.meta_keys import PARAM, STAGE, TENSOR, get_meta
+from autopar.ir.stage_graph import Edge, StageGraph
+from autopar.ops.p2p import RecvActivation, SendActivation
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.symbolic_sizes import symbolic_shapes
-from autopar.runtime.p2p import RecvActivation, SendActivation
 
 __all__ = ["split_pipeline", "split_graph", "needs_grad", "param_stages", "size_nodes",
            "edge_values"]

@@ -8,7 +8,7 @@ A checkpoint stores every tensor as the *pieces* the ranks hold, each under its 
   exactly as the tensor-parallel pass cut it; its distinct pieces (``tp_ways``) are stored once each;
 - ``z3=size``: the tp-local tensor flattened, zero-padded to a multiple of ``size`` and cut into
   ``size`` flat blocks, one per dp rank (ZeRO-3, :data:`~autopar.ir.shard_layout.ZERO3`;
-  :mod:`autopar.runtime.zero3_ops`);
+  :mod:`autopar.ops.zero3_ops`);
 - ``ep=size``: a mixture-of-experts expert tensor split over ``size`` expert-parallel ranks on dim 0
   (the experts, :data:`~autopar.ir.shard_layout.EXPERTS`; :mod:`autopar.passes.moe_expert_parallel`),
   each ep rank's block then cut over tp.

@@ -49,7 +49,7 @@ def _update_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int
                    purpose: str, riders: torch.Tensor | None = None):
     """(each microbatch's count, each update's count summed over dp, ``riders`` summed over dp): one
     all-reduce over ``dp_group`` when ``dp_size > 1`` (``guard``: the program's
-    :class:`~autopar.runtime.comm_guard.CommGuard`, which bounds the wait and names the rank).
+    :class:`~autopar.ops.comm_guard.CommGuard`, which bounds the wait and names the rank).
     ``riders``: more numbers (float64) that take the same all-reduce (runtime/batch_agreement.py)."""
     assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
     counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])

@@ -5,7 +5,7 @@ Everything is read off the rewritten graphs: each ``MoeDispatch`` / ``MoeCombine
 :mod:`autopar.passes.moe_expert_parallel`): its layer, the ep size, every ep rank's expert range and
 the capacity factor. Which dp indices form an ep group (and an edp group, the ranks holding the same
 experts) is the rule every part reads, :class:`autopar.parallel_dims.ParallelDims`; the capacity is the
-dispatch module's own :meth:`~autopar.runtime.moe_ops.MoeDispatch.capacity` of the rows its input holds.
+dispatch module's own :meth:`~autopar.ops.moe_ops.MoeDispatch.capacity` of the rows its input holds.
 
 :func:`expert_placement` collects the facts; :func:`experts_html` draws them as two tables (ranks x
 layers with the expert ranges and groups; per layer and rank, the all-to-all nodes and their group).

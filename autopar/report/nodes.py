@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.meta_keys import MODULE, PARAM, STAGE, TENSOR, TP_PLACEMENT, get_meta
-from autopar.runtime.collectives import GraphCollective
-from autopar.runtime.p2p import RecvActivation, SendActivation
+from autopar.ops.collectives import GraphCollective
+from autopar.ops.p2p import RecvActivation, SendActivation
 
 __all__ = ["NodeView", "describe_node", "walk", "format_arg", "KINDS"]
 

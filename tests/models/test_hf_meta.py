@@ -14,9 +14,9 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
+from autopar.ir.captured_graph import ItemCount  # noqa: E402
 from autopar.models.hf import HF_RAW, build_hf_raw  # noqa: E402
 from autopar.passes.devices import graph_devices  # noqa: E402
-from autopar.ir.captured_graph import ItemCount  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "mistral", "qwen3", "mixtral", "bert", "phi3", "gemma")
 

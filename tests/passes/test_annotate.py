@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from autopar.models import lm_loss
-from autopar.passes.annotate import annotate
-from autopar.passes.capture import capture
 from autopar.ir.meta_keys import (
     COST, META_KEYS, MODULE, PARAM, TENSOR, NodeCost, get_meta, set_meta,
 )
+from autopar.models import lm_loss
+from autopar.passes.annotate import annotate
+from autopar.passes.capture import capture
 
 from graph_runner import captured, example_batch, tiny_model
 

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from autopar.runtime.flight_record import ACTION, FlightRecord
+from autopar.ops.flight_record import ACTION, FlightRecord
 from autopar.runtime.flight_watch import JobWatch
 
 BEAT = 0.2

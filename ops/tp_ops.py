@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.ir.shard_layout import ShardLayout
-from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
+from autopar.ops.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
                                          reduce_scatter_dim)
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
