@@ -19,26 +19,27 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import PlanError
+from autopar.ir.captured_graph import CapturedGraph
+from autopar.ir.graph_names import user_name
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ir.stage_graph import StageGraph
 from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.annotate import annotate_graph
 from autopar.passes.batch_stats import check_batch_statistics
 from autopar.passes.block_template import repeat_blocks
-from autopar.passes.capture import CapturedGraph
 from autopar.passes.capture_model import capture_model, is_meta
 from autopar.passes.chimera_replicate import replicate_stages
-from autopar.passes.graph_names import user_name
 from autopar.passes.lowering_state import LoweringState, ModelSource
 from autopar.passes.mean_loss import find_token_mean_loss
 from autopar.passes.moe_aux import sync_router_statistics
 from autopar.passes.moe_expert_parallel import shard_experts
 from autopar.passes.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
-from autopar.passes.pipeline_split import StageGraph, split_pipeline
+from autopar.passes.pipeline_split import split_pipeline
 from autopar.passes.recompute import recompute
 from autopar.passes.seq_bounds import bound_dynamic_dims
 from autopar.passes.sequence_parallel import shard_sequence_parallel
 from autopar.passes.static_shapes import check_static_shapes
-from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import shard_tensor_parallel
 from autopar.passes.tp_expert import shard_expert_parallel
 from autopar.passes.tp_random import fork_sharded_random

@@ -33,7 +33,7 @@ def init_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = No
     ``timeout_s`` (default: torch's, 30 min on gloo, 10 on NCCL) becomes the timeout of the default
     group (when this call creates it) and of the mesh's axis groups: what bounds a collective on
     NCCL and an object collective anywhere. autopar's own tensor collectives on gloo wait at most
-    compile's ``p2p_timeout_s`` whatever it is (:mod:`autopar.runtime.comm_guard`).
+    compile's ``p2p_timeout_s`` whatever it is (:mod:`autopar.ops.comm_guard`).
     """
     check_mesh_degrees(dp=dp, pp=pp, tp=tp, backend=backend, timeout_s=timeout_s)  # autopar/validation.py
     shape = MeshShape(dp=dp, pp=pp, tp=tp)

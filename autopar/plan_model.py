@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autopar.errors import PlanError
+from autopar.ir.shard_layout import ShardLayout
 from autopar.parallel_dims import MESH_AXES, ParallelDims
-from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.schedules.registry import schedule_names
 
 __all__ = ["MeshShape", "PipelinePlan", "TpRegionPlan", "DynamicDimPlan", "Plan", "PlanChoices", "RunOptions",
@@ -244,7 +244,7 @@ class Plan(PlanChoices):
     global_batch_size: int = Field(ge=1)
     pipeline: PipelinePlan = PipelinePlan()
     tp_regions: tuple[TpRegionPlan, ...] = ()
-    param_shards: dict[str, ShardLayout] = {}  # parameters sharded over tp: how each is cut (passes/shard_layout.py)
+    param_shards: dict[str, ShardLayout] = {}  # parameters sharded over tp: how each is cut (ir/shard_layout.py)
     vocab_parallel: tuple[str, ...] = ()  # module paths of the embedding(s) and LM head sharded on the vocabulary
     sequence_parallel: bool = False
     shared_params: dict[str, tuple[int, ...]] = {}

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.errors import PlanError
+from autopar.ir.stage_graph import StageGraph
+from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.mesh import parse_mesh_shape
-from autopar.passes.pipeline_split import StageGraph
 from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.validation import check_arguments, checked_options

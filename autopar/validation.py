@@ -250,7 +250,7 @@ def _first_output(gm) -> object:
 
 
 def _check_scalar_loss(captured) -> None:
-    from autopar.passes.meta_keys import TENSOR, get_meta
+    from autopar.ir.meta_keys import TENSOR, get_meta
     out = _first_output(captured.gm)
     info = get_meta(out, TENSOR) if hasattr(out, "meta") else None
     if info is None or info.shape is None:

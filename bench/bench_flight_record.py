@@ -1,6 +1,6 @@
 """The flight record's cost: the same program with and without it, alternated in one run.
 
-Every rank keeps a flight record (its last actions, collectives and transfers, runtime/flight_record.py),
+Every rank keeps a flight record (its last actions, collectives and transfers, ops/flight_record.py),
 a heartbeat thread writing to the rendezvous store once a second (runtime/flight_watch.py) and the
 straggler figures riding on the step's existing all-reduce (runtime/stragglers.py). This benchmark
 compiles one model twice in one 2-rank process group, ``flight_record=0`` (none of it) and the default
@@ -81,7 +81,7 @@ def _direct_cost(program, *, entries_per_step: float, step_s: float, n: int = 20
     entry (begin and end, as the executor writes an action; a collective's open, wait and end) in a record of
     the program's capacity, times the entries a step writes, plus one heartbeat's seconds (this rank's store
     calls) times the beats a step's length holds; as a share of the step."""
-    from autopar.runtime.flight_record import ACTION, FlightRecord
+    from autopar.ops.flight_record import ACTION, FlightRecord
     record = FlightRecord(rank=0, capacity=program.flight.capacity)
     began = time.perf_counter()
     for i in range(n // 2):

@@ -81,7 +81,7 @@ def body(rank: int, world: int, model_cfg: dict, rounds: int, steps_per_round: i
     """Every rank: both contenders from the same weights, timed together, then their model state."""
     assert world == 2, "the MoE benchmark runs on 2 ranks"
     data, model = _data(model_cfg), _build(model_cfg)
-    from autopar.runtime.moe_ops import dropped_rows
+    from autopar.ops.moe_ops import dropped_rows
     contenders = [_contender(model, data, 2), _contender(model, data, 1), _contender(model, data, 2, 1.0)]
     timings = {t.name: t for t in measure([c for c, *_ in contenders], rounds=rounds,
                                           steps_per_round=steps_per_round, warmup=warmup)}

@@ -38,8 +38,8 @@ MICROBATCH_SIZES = (8, 4, 2)  # 4, 8 and 16 microbatches of the pipeline benchma
 def _lowered(model, data, num_microbatches: int):
     from autopar.lowering import lower
     from autopar.models import lm_loss
+    from autopar.ops.p2p import P2PChannel, P2PNode
     from autopar.plan_model import MeshShape
-    from autopar.runtime.p2p import P2PChannel, P2PNode
     from autopar.validation import checked_options
     shape = MeshShape(dp=1, pp=2, tp=1)
     x, y = data[0]

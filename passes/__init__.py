@@ -2,9 +2,11 @@
 
 A pass of the lowering takes a ``LoweringState`` and gives one back (``lowering_state.py``), with no
 options of its own and no state kept between calls; analyses write ``node.meta`` (keys declared once in
-``meta_keys.py``) or state fields, transforms change the graph. ``autopar/lowering.py`` lists the
+``ir/meta_keys.py``) or state fields, transforms change the graph. ``autopar/lowering.py`` lists the
 pipeline once (``passes()``) and runs it under ``pass_manager.py``; a module may also keep the
-graph-level function its pass wraps, for the planner and the tests.
+graph-level function its pass wraps, for the planner and the tests. The passes read the shared
+vocabulary (``autopar.ir``), insert the ops of ``autopar.ops`` and read the schedule registry (pure
+data): never an executor nor anything else of ``autopar.runtime`` (tests/test_import_graph.py).
 
 Capture::
 
@@ -14,11 +16,9 @@ Capture::
     devices.py            devices baked into the graph retargeted (meta constants -> CPU)
     low_precision.py      precision="bf16": the bf16 copy of the model that capture traces
     block_template.py     identical blocks: capture a few, repeat the last one after sharding
-    graph_names.py        a graph attribute's name as the user's model spells it
 
 Analyses and checks (node.meta, nothing rewritten)::
 
-    meta_keys.py          the one registry of node.meta keys, their writers and readers
     shape_prop.py         shapes and dtypes, by running the graph on fake tensors
     annotate.py           shapes, FLOPs, bytes, module paths, parameter ownership
     index_bounds.py       which inputs index a table, and how far (the runtime's index guard reads it)
@@ -35,7 +35,6 @@ Tensor parallelism (before the split, so a region's linears share a stage)::
     moe_detect.py         MoE layers found in the graph: router, top-k, experts, combine, aux loss
     moe_aux.py            the router's load-balancing statistics averaged over dp (aux loss as one device)
     moe_expert_parallel.py experts split over ep ranks, all-to-all dispatch and combine nodes
-    shard_layout.py       ShardLayout: how a tensor is cut over ranks (passes, Plan, runtime, checkpoints)
     tp_errors.py          NoRule: an op that cannot run on shards as placed
     tp_rules.py           placement rules per op family, as data
     tp_regions.py         regions found by propagating placements from candidate linears

@@ -6,7 +6,7 @@ These passes write node.meta and never change the graph. Example::
     >>> from autopar.passes.capture import capture
     >>> model, (x,), loss_fn, y = gpt_tiny()
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
-    >>> from autopar.passes.meta_keys import COST, get_meta
+    >>> from autopar.ir.meta_keys import COST, get_meta
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> [(n.name, get_meta(n, COST).flops) for n in gm.graph.nodes if n.op == "call_function"][4:6]
     [('layer_norm', 0), ('linear', 1572864)]
@@ -20,11 +20,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.passes.capture import MODEL_PREFIX
-from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import (
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import (
     COST, MODULE, PARAM, TENSOR, ModuleInfo, NodeCost, ParamInfo, TensorInfo, set_meta,
 )
+from autopar.passes.lowering_state import LoweringState
 from autopar.passes.shape_prop import run_on_meta
 
 __all__ = ["annotate", "annotate_graph", "annotate_tensors", "annotate_modules", "annotate_params", "module_path_of"]

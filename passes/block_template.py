@@ -8,7 +8,7 @@ shared between blocks); the model is then captured with only its first :data:`CA
 (:meth:`BlockTemplate.truncated`), analysed and sharded as usual, and :meth:`BlockTemplate.repeat`
 stamps the last captured block out for the remaining ones: the same nodes with the block index in
 their module paths and weight names changed, reading block ``j``'s own weights (sharded with the
-template's :class:`~autopar.passes.shard_layout.ShardLayout`; MoE expert tensors split over ep keep
+template's :class:`~autopar.ir.shard_layout.ShardLayout`; MoE expert tensors split over ep keep
 this ep rank's experts first, as :mod:`autopar.passes.moe_expert_parallel` cut the template's),
 their inputs wired to block ``j - 1``'s outputs, and the code after the blocks reading the last
 block. Node metadata (shapes, FLOPs, placements) is copied, so nothing is propagated again.
@@ -44,10 +44,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PassError
-from autopar.passes.capture import MODEL_PREFIX
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
+from autopar.ir.shard_layout import ShardLayout
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, PARAM, ModuleInfo, get_meta
-from autopar.passes.shard_layout import ShardLayout
 
 __all__ = ["CAPTURED", "MIN_BLOCKS", "BlockTemplate", "find_block_template", "capture_blocks", "repeat_blocks"]
 

@@ -15,7 +15,6 @@ import sysconfig
 import traceback
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -25,17 +24,16 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import CaptureError
+from autopar.ir.captured_graph import NUM_ITEMS, CapturedGraph, ItemCount
 from autopar.passes.devices import retarget_devices
 from autopar.passes.dynamic_capture import export_dynamic_shapes, export_ranges, read_dynamic_dims
-from autopar.passes.item_count import LABELS, NUM_ITEMS, ItemCount, item_count_spec
+from autopar.passes.item_count import LABELS, item_count_spec
 from autopar.passes.shape_prop import to_fake
-from autopar.runtime.dynamic_shapes import DynamicDim
 
-__all__ = ["CapturedGraph", "capture", "caches_off", "model_loss", "MODEL_PREFIX", "CAPTURE_MODES"]
+__all__ = ["capture", "caches_off", "model_loss", "CAPTURE_MODES"]
 
 log = logging.getLogger(__name__)
 
-MODEL_PREFIX = "model"
 CAPTURE_MODES = ("export", "symbolic_trace")
 
 
@@ -133,27 +131,6 @@ def caches_off(model: nn.Module):
             config.use_cache = True
 
 
-@dataclass
-class CapturedGraph:
-    """The captured program: the graph, its input names and how to rebuild the output tree."""
-
-    gm: fx.GraphModule
-    input_names: tuple[str, ...]
-    out_spec: pytree.TreeSpec
-    has_loss: bool
-    mode: str
-    keywords: tuple[str, ...] | None = None  # the inputs are the model's keyword arguments (a dict batch)
-    has_target: bool = False  # a ``target`` input follows the model's (loss_fn given)
-    # the model's own loss reads the step's label-token count: a last model input the runtime fills
-    item_count: ItemCount | None = None
-    extra_args: tuple = ()  # example values of the inputs capture added (the count), in input order
-    # a loss_fn that is a token mean of the target: each microbatch's loss weighted by its tokens
-    # (passes/mean_loss.py; set by the lowering)
-    loss_weight: ItemCount | None = None
-    # the input dims the graph keeps symbolic (passes/dynamic_capture.py): it runs any size of them
-    dynamic: tuple[DynamicDim, ...] = ()
-
-
 def _is_user_file(filename: str) -> bool:
     """False for generated code and for files of torch, autopar's compiler or the standard library."""
     if filename.startswith("<"):  # generated code (fx, exec)
@@ -161,7 +138,8 @@ def _is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     # the packages' folders, found without importing them (autopar imports this module)
     compiler = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
-        os.path.abspath(folder) + os.sep for name in ("autopar", "autopar.passes", "autopar.runtime")
+        os.path.abspath(folder) + os.sep
+        for name in ("autopar", "autopar.ir", "autopar.ops", "autopar.passes", "autopar.runtime")
         for folder in importlib.util.find_spec(name).submodule_search_locations)
     paths = sysconfig.get_paths()
     installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))

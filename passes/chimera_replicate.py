@@ -20,9 +20,9 @@ import dataclasses
 
 import torch.fx as fx
 
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.p2p import RecvActivation, SendActivation
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.pipeline_split import StageGraph
-from autopar.runtime.p2p import RecvActivation, SendActivation
 from autopar.runtime.schedules.registry import family
 
 __all__ = ["replicate_stages", "replicas", "loss_stages"]

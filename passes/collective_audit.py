@@ -1,7 +1,7 @@
 """The collective audit: every communication a rewritten graph does, with its bytes, per block.
 
 Reads a stage graph after the tensor-parallel passes: each collective node (an autopar
-:class:`~autopar.runtime.collectives.GraphCollective`) says what it runs forward and backward
+:class:`~autopar.ops.collectives.GraphCollective`) says what it runs forward and backward
 (``comm``), and ``autopar.tensor`` gives the bytes of its input and output. ``nbytes`` is the
 size of the *full* tensor a collective works on (b·s·h·4 for a block's fp32 activations), the
 figure the analytic counts use; :func:`wire_bytes` turns it into what one rank sends with ring
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
-from autopar.runtime.collectives import GraphCollective
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
+from autopar.ops.collectives import GraphCollective
 
 __all__ = ["CollectiveRecord", "audit_collectives", "per_unit", "wire_bytes", "format_audit"]
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 import torch.fx as fx
 
-from autopar.runtime.dynamic_shapes import DynamicDim
+from autopar.ir.dynamic_shapes import DynamicDim
 
 __all__ = ["sequence_dims", "export_dynamic_shapes", "read_dynamic_dims", "export_ranges"]
 

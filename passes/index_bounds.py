@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.passes.capture import MODEL_PREFIX
-from autopar.passes.meta_keys import INDEX_BOUND, MODULE, PARAM, TENSOR, IndexBound, get_meta, set_meta
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import INDEX_BOUND, MODULE, PARAM, TENSOR, IndexBound, get_meta, range_text, set_meta
 
 __all__ = ["Lookup", "find_lookups", "annotate_index_bounds", "constant_index_problems", "index_problem",
-           "range_text", "position_limit"]
+           "position_limit"]
 
 # ops whose output holds (a selection of) their first argument's values unchanged
 _KEEP_VALUES = frozenset({
@@ -172,11 +172,6 @@ def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node], sizes=None):
             return None
         env[n] = value
     return env[nodes[-1]]
-
-
-def range_text(low: int, rows: int) -> str:
-    """The valid indices of a table as text: 'rows 0..31', or 'rows -32..31' where negatives wrap."""
-    return f"rows {low}..{rows - 1}"
 
 
 def index_problem(values: torch.Tensor, rows: int, low: int = 0) -> str | None:

@@ -5,7 +5,7 @@ Averaging the means of several microbatches (or dp replicas) equals one device's
 each holds as many label tokens. ``transformers`` models take the step's token count as a
 keyword, ``num_items_in_batch``: their loss is then the microbatch's sum divided by it. When a
 model's ``forward`` takes that keyword and the batch carries ``labels``, capture adds it as one
-more graph input (0-dim, float32) and :class:`ItemCount` says how the runtime counts it
+more graph input (0-dim, float32) and :class:`~autopar.ir.captured_graph.ItemCount` says how the runtime counts it
 (:mod:`autopar.runtime.item_count`): the labels that are not ``ignore_index``, after the shift
 the model's loss applies. The rule is the one ``transformers.Trainer`` uses: a loss that
 ``LOSS_MAPPING`` maps to ``ForCausalLMLoss``, in a model that is not an encoder-decoder, predicts
@@ -17,6 +17,8 @@ corrects a shift of 0 from the graph, where the labels reach the loss through ``
 Example::
 
     >>> import torch.nn as nn
+
+from autopar.ir.captured_graph import NUM_ITEMS, ItemCount
     >>> class Model(nn.Module):
     ...     def forward(self, input_ids, labels=None, **kwargs): ...
     >>> item_count_spec(Model(), ("input_ids", "labels"))
@@ -27,25 +29,15 @@ Example::
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch.nn as nn
 
-__all__ = ["ItemCount", "item_count_spec", "NUM_ITEMS", "LABELS"]
+from autopar.ir.captured_graph import NUM_ITEMS, ItemCount
 
-NUM_ITEMS = "num_items_in_batch"  # the keyword transformers' losses divide their sum by
+__all__ = ["item_count_spec", "LABELS"]
+
 LABELS = "labels"
 SHIFT_LABELS = "shift_labels"  # a batch's labels already shifted (padding-free collators)
-
-
-@dataclass(frozen=True)
-class ItemCount:
-    """Count ``batch[labels][..., shift:] != ignore_index`` over the step; the graph reads it as ``input``."""
-
-    labels: str
-    shift: int
-    ignore_index: int = -100
-    input: str = NUM_ITEMS
 
 
 def _takes_keyword(model: nn.Module, name: str) -> bool:

@@ -32,13 +32,12 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from autopar.passes.item_count import ItemCount
+from autopar.ir.captured_graph import LOSS_WEIGHT, ItemCount
 from autopar.passes.lowering_state import LoweringState
 
-__all__ = ["LOSS_WEIGHT", "token_mean_loss", "find_token_mean_loss"]
+__all__ = ["token_mean_loss", "find_token_mean_loss"]
 
 aten = torch.ops.aten
-LOSS_WEIGHT = "autopar_loss_weight"  # the microbatch's key for its loss weight (runtime/item_count.py)
 MEAN = 1  # torch's reduction enum
 _TOKEN_MEAN_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
 # ops that move the target's entries without dropping or repeating any

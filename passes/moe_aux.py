@@ -5,7 +5,7 @@ rows routed to expert ``e`` and its mean router probability), so the mean over d
 not the loss of the whole batch. Megatron-LM's ``global_aux_loss`` answers by all-reducing the
 statistics; here every reduction over the token (or row) dim inside a recognised layer's auxiliary
 loss (``mean``/``sum`` over dim 0, ``histc`` of the routed ids) is followed by a
-:class:`~autopar.runtime.moe_ops.DpMean` node: its value becomes the dp mean, equal to one device's
+:class:`~autopar.ops.moe_ops.DpMean` node: its value becomes the dp mean, equal to one device's
 statistic (every rank holds as many rows). The node's backward is the identity: each rank's gradient
 into its own share is then the whole loss's, and DDP's mean over dp makes it one device's gradient.
 
@@ -31,10 +31,10 @@ import dataclasses
 
 import torch.fx as fx
 
+from autopar.ir.meta_keys import MODULE
+from autopar.ops.moe_ops import DpMean
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE
 from autopar.passes.moe_detect import annotate_moe, descendants, op_name, strip, value_shape
-from autopar.runtime.moe_ops import DpMean
 
 __all__ = ["sync_router_statistics"]
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.ir.meta_keys import MOE, MOE_LAYER, MoeLayer, MoeRole, set_meta
 from autopar.passes.annotate import module_path_of
-from autopar.passes.meta_keys import MOE, MOE_LAYER, MoeLayer, MoeRole, set_meta
 
 __all__ = ["MoeReport", "find_moe_layers", "annotate_moe", "grouped_mm_ops", "strip", "descendants", "ancestors",
            "op_name", "value_shape"]

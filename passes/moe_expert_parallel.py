@@ -5,15 +5,15 @@ For every layer :mod:`autopar.passes.moe_detect` recognised in the ``grouped`` o
 
 1. the 3-D expert tensors keep this ep rank's experts only (``[E, ...] -> [E/ep, ...]``, rank ``j``
    holding experts ``j*E/ep ..``);
-2. a :class:`~autopar.runtime.moe_ops.MoeDispatch` node goes before the first expert matmul: it sends
+2. a :class:`~autopar.ops.moe_ops.MoeDispatch` node goes before the first expert matmul: it sends
    each row to its expert's rank and returns the rows that arrived, their local expert ids and the
    local grouped-matmul offsets, which replace the graph's own (``gathered``: the ids indexing the expert
    tensors; ``grouped``: the offsets of every grouped matmul);
-3. a :class:`~autopar.runtime.moe_ops.MoeCombine` node goes after the last expert matmul: the outputs
+3. a :class:`~autopar.ops.moe_ops.MoeCombine` node goes after the last expert matmul: the outputs
    go back to their rows' ranks, in the order the graph had them, so the routing weights, the un-sort
    and the per-token sum after it run unchanged.
 
-Both nodes carry ``autopar.moe_exchange`` (:class:`~autopar.passes.meta_keys.MoeExchange`): the layer,
+Both nodes carry ``autopar.moe_exchange`` (:class:`~autopar.ir.meta_keys.MoeExchange`): the layer,
 the ep size, every ep rank's expert range and the capacity factor (what the HTML report shows).
 
 Between the two nodes only the expert rows flow: a node there that reads another per-row tensor is
@@ -44,12 +44,12 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.moe_ops import MoeCombine, MoeDispatch
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, MOE_EXCHANGE, PARAM, MoeExchange, MoeLayer, get_meta, set_meta
 from autopar.passes.moe_detect import MoeReport, ancestors, annotate_moe, descendants, strip
-from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import set_param
-from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
 
 __all__ = ["shard_experts", "check_expert_parallel"]
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.passes.capture import MODEL_PREFIX
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import COST, MODULE, STAGE, StageInfo, get_meta, set_meta
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import COST, MODULE, STAGE, StageInfo, get_meta, set_meta
 
 __all__ = ["Segment", "pipeline_segments", "balanced_cuts", "cut_stages", "assign_stages"]
 

@@ -38,8 +38,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, PassError
+from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.passes.annotate import annotate_tensors
-from autopar.passes.meta_keys import TENSOR, get_meta
 from autopar.passes.shape_prop import MetaRun, to_fake
 
 __all__ = ["PassStep", "run_passes", "HasGraphs", "check_stage_graph", "placeholder_inputs", "KINDS"]

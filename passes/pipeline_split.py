@@ -3,66 +3,37 @@
 Reads ``autopar.stage`` (written by :func:`autopar.passes.partition.assign_stages`). Every value
 computed on stage a and read on stage b > a becomes an *edge*: ``send_<edge>`` at the end of a,
 ``recv_<edge>`` at the start of b. Parameters and buffers are copied into every stage that reads
-them (a tied embedding/LM-head weight lands on two stages; :class:`StageGraph` lists it so the
-runtime sums its gradient across them). Graph inputs are read directly on every stage that
+them (a tied embedding/LM-head weight lands on two stages; its
+:class:`~autopar.ir.stage_graph.StageGraph` lists it so the runtime sums its gradient across them). Graph inputs are read directly on every stage that
 needs them: each rank holds its batch. The graph's output belongs to the last stage.
 
 A graph with symbolic input dims (:mod:`autopar.passes.dynamic_capture`) reads sizes with
 ``aten.sym_size`` and computes others from them: such *size nodes* are never sent; every stage
 that reads one computes it again from its own inputs. An edge whose shape depends on a symbolic
-dim carries it as :class:`~autopar.runtime.dynamic_shapes.SizeExpr` (``dims``, fit by
+dim carries it as :class:`~autopar.ir.dynamic_shapes.SizeExpr` (``dims``, fit by
 :func:`autopar.passes.symbolic_sizes.symbolic_shapes`), which the recv node evaluates per microbatch.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import PARAM, STAGE, TENSOR, get_meta
+from autopar.ir.stage_graph import Edge, StageGraph
+from autopar.ops.p2p import RecvActivation, SendActivation
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import PARAM, STAGE, TENSOR, get_meta
 from autopar.passes.symbolic_sizes import symbolic_shapes
-from autopar.runtime.p2p import RecvActivation, SendActivation
 
-__all__ = ["StageGraph", "Edge", "split_pipeline", "split_graph", "needs_grad", "param_stages", "size_nodes",
+__all__ = ["split_pipeline", "split_graph", "needs_grad", "param_stages", "size_nodes",
            "edge_values"]
 
 #: what computes a size from sizes: torch's symbolic-size ops and Python's integer arithmetic
 _SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv,
                        operator.mod, operator.neg, torch.sym_max, torch.sym_min, torch.sym_int})
-
-
-@dataclass(frozen=True)
-class Edge:
-    """A value produced on ``src`` and read on ``dst``."""
-
-    index: int
-    value: str
-    src: int
-    dst: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    dims: tuple | None = None  # the shape with SizeExprs where it follows a symbolic input dim
-
-
-@dataclass
-class StageGraph:
-    """One stage's program, what it reads, and the parameters it holds."""
-
-    stage: int
-    gm: fx.GraphModule
-    input_names: tuple[str, ...]
-    param_names: tuple[str, ...]
-    sends: list[Edge] = field(default_factory=list)
-    recvs: list[Edge] = field(default_factory=list)
-    is_last: bool = False
-    weight_uses: object = None  # a WeightUses layout once the stage is prepared for split backward
-    dynamic: tuple = ()  # the DynamicDims its graph runs any size of (runtime/dynamic_shapes.py)
 
 
 def needs_grad(gm: fx.GraphModule):

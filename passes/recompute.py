@@ -1,7 +1,7 @@
 """Activation recomputation as a graph pass: wrap each block's nodes in a checkpointed call node.
 
 ``apply_recompute(gm, mode=...)`` rewrites one stage graph. Each *region* of nodes is moved into
-its own GraphModule, owned by a :class:`Recompute` module and called from the stage graph as one
+its own GraphModule, owned by a :class:`~autopar.ops.recompute.Recompute` module and called from the stage graph as one
 visible ``call_module`` node (``recompute_0(...)``) followed by ``getitem``s. The module runs
 its body through ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved), so autograd
 keeps only what the mode says and recomputes the rest in backward.
@@ -15,7 +15,7 @@ Modes, and the exact rule each one follows:
   early stop skips whatever comes after the last tensor backward needs).
 - ``"selective"``: the same blocks, cut at every collective that communicates in forward (``g``:
   ``TpReduce``; sequence-parallel gathers/scatters), so communication is never repeated. Inside a
-  region, the outputs of the ops in :data:`SAVED_OPS` (matmuls and fused attention, the expensive
+  region, the outputs of the ops in :data:`~autopar.ops.recompute.SAVED_OPS` (matmuls and fused attention, the expensive
   ones, as Megatron's selective recompute keeps the linears' outputs) are stored; every other op
   (normalisations, activations, elementwise, views, softmax, rotary) is recomputed from them.
   This is torch's selective activation checkpointing with an op policy.
@@ -43,30 +43,20 @@ import dataclasses
 import operator
 import re
 
-import torch
 import torch.fx as fx
-import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.errors import PassError, PlanError
+from autopar.ir.meta_keys import MODULE, get_meta
+from autopar.ops.collectives import GraphCollective, TpCopy, TpScatter
+from autopar.ops.p2p import P2PNode
+from autopar.ops.recompute import Recompute
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.runtime.collectives import GraphCollective, TpCopy, TpScatter
-from autopar.runtime.p2p import P2PNode
 
-__all__ = ["RECOMPUTE_MODES", "SAVED_OPS", "Recompute", "apply_recompute", "recompute_regions",
-           "recompute_modules", "check_mode", "recompute_modes", "recompute_stage", "recompute"]
+__all__ = ["RECOMPUTE_MODES", "apply_recompute", "recompute_regions", "check_mode", "recompute_modes",
+           "recompute_stage", "recompute"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 _BLOCK = re.compile(r"\.\d+$")
-
-#: Ops whose outputs selective recompute stores (dispatcher-level names, after linear decomposes).
-SAVED_OPS = (
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
-    "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
-)
-
 
 def check_mode(mode: str, *, where: str) -> str:
     """``mode`` if it is a known recompute mode, else a PlanError naming the choices."""
@@ -74,66 +64,6 @@ def check_mode(mode: str, *, where: str) -> str:
         raise PlanError(f"unknown recompute mode {mode!r}", where=where,
                         fix=f"use one of {', '.join(RECOMPUTE_MODES)}")
     return mode
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Store the outputs of matmuls and fused attention; recompute every other op."""
-    name = str(getattr(op, "_overloadpacket", op))
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class Recompute(nn.Module):
-    """A checkpointed region: ``body`` runs once forward and again (partly) in backward.
-
-    ``observer``, when set, is called with every tensor the region holds for backward (its
-    inputs, and under selective recompute the stored op outputs); memory probes use it.
-    """
-
-    def __init__(self, body: fx.GraphModule, *, mode: str):
-        super().__init__()
-        self.body = body
-        self.mode = mode
-        self.observer = None
-        self._stored = None  # selective: the checkpoint's store of op outputs, while observed
-
-    def _contexts(self):
-        fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
-        if self.observer is not None:
-            self._stored = fwd.storage  # filled while the forward runs
-        return fwd, rec
-
-    def forward(self, *args):
-        return self.run(self.body, *args)
-
-    def run(self, body, *args):
-        """Run ``body`` (this region's graph, or an interpreter of it) checkpointed as the mode says."""
-        if not torch.is_grad_enabled():
-            return body(*args)
-        extra = {"context_fn": self._contexts} if self.mode == "selective" else {}
-        self._stored = None
-        out = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **extra)
-        if self.observer is not None:
-            held = [a for a in args if isinstance(a, torch.Tensor)]
-            for outputs in (self._stored or {}).values():  # {op key: {call index: stored output}}
-                for value in (outputs.values() if isinstance(outputs, dict) else outputs):
-                    held += list(_tensors(value))
-            self.observer(held)
-        self._stored = None
-        return out
-
-    def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, nodes={sum(1 for n in self.body.graph.nodes if n.op == 'call_function')}"
-
-
-def _tensors(value):
-    """Tensors inside a selective-checkpoint storage entry (tuples, version wrappers)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif hasattr(value, "val"):
-        yield from _tensors(value.val)
 
 
 def _is_p2p(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -236,11 +166,6 @@ def apply_recompute(gm: fx.GraphModule, *, mode: str) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def recompute_modules(gm: nn.Module) -> list[Recompute]:
-    """Every Recompute region of a stage graph, in order."""
-    return [m for m in gm.modules() if isinstance(m, Recompute)]
 
 
 def recompute_modes(planned: tuple[str, ...], requested: str, num_stages: int) -> tuple[str, ...]:

@@ -36,11 +36,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
+from autopar.ir.dynamic_shapes import DynamicDim
 from autopar.passes.dynamic_capture import sequence_dims
 from autopar.passes.index_bounds import position_limit
 from autopar.passes.lowering_state import LoweringState
 from autopar.plan_model import DynamicDimPlan
-from autopar.runtime.dynamic_shapes import DynamicDim
 
 __all__ = ["model_max_length", "bound_dims", "bound_dynamic_dims", "padded_to"]
 

@@ -50,14 +50,14 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ops.collectives import SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter
+from autopar.ops.tp_ops import SpGatherLinear
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
 from autopar.passes.pipeline_split import needs_grad
 from autopar.passes.tensor_parallel import localize_sizes, node_where
 from autopar.passes.tp_rules import RULES, REPLICATE, NoRule, op_name, shape_of
-from autopar.runtime.collectives import SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter
 from autopar.runtime.schedules.registry import splits_backward
-from autopar.runtime.tp_ops import SpGatherLinear
 
 __all__ = ["SpSolution", "solve_sequence_parallel", "shard_sequence_parallel", "fuse_gather_linears", "SP_OPS"]
 

@@ -36,8 +36,8 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PassError
+from autopar.ir.dynamic_shapes import DynamicDim, SizeExpr
 from autopar.passes.shape_prop import run_on_meta
-from autopar.runtime.dynamic_shapes import DynamicDim, SizeExpr
 
 __all__ = ["symbolic_shapes", "probe_inputs", "probe_value", "NotMultilinear"]
 

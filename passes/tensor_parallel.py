@@ -35,17 +35,17 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.collectives import TpCopy, TpReduce
+from autopar.ops.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tp_fused_blocks import local_split_sizes
 from autopar.passes.tp_gather_output import column_input, insert_output_gathers
 from autopar.passes.tp_inplace_rules import ALLOCATIONS
 from autopar.passes.tp_reduce_rules import insert_partial_sums
 from autopar.passes.tp_regions import TpRegion, fits, projection_of
 from autopar.passes.tp_rules import ASSERTIONS, REPLICATE, op_name, refines, shape_of, slice_bounds
-from autopar.runtime.collectives import TpCopy, TpReduce
-from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, local_shard
 
 __all__ = ["shard_tensor_parallel", "set_param", "localize_sizes", "node_where", "insert_local_slices",
            "cut_kwargs"]
@@ -225,7 +225,7 @@ def _rewrite_row(gm: fx.GraphModule, row: fx.Node, tp_size: int, counter: list) 
 
 
 def cut_kwargs(layout: ShardLayout, *, rank: int, size: int) -> dict:
-    """The keyword arguments of a :func:`~autopar.runtime.tp_ops.local_shard` graph node cutting ``layout``."""
+    """The keyword arguments of a :func:`~autopar.ops.tp_ops.local_shard` graph node cutting ``layout``."""
     return {"chunks": layout.chunks, **layout.fields(), "rank": rank, "size": size}
 
 

@@ -47,13 +47,13 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.collectives import TpCopy, TpReduce
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import localize_sizes, node_where, set_param
 from autopar.passes.tp_expert_rules import EXPERT_PRODUCTS, GATHERED_PRODUCTS, expert_product
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
-from autopar.runtime.collectives import TpCopy, TpReduce
 
 __all__ = ["ExpertRegion", "find_expert_regions", "shard_expert_parallel"]
 

@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.ir.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 
 __all__ = ["EXPERT_RULES", "EXPERT_PRODUCTS", "GATHERED_PRODUCTS", "grouped_mm", "expert_product"]

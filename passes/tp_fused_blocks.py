@@ -3,7 +3,7 @@
 GPT-BigCode's multi-query ``c_attn`` is ``[q (H) | k (head_dim) | v (head_dim)]``, read by
 ``split_with_sizes((H, hd, hd), dim=-1)`` after an ``unsqueeze`` that makes the heads dim (of size 1
 for k and v) and the k and v broadcast to the query heads with ``unsqueeze`` + ``expand`` + ``reshape``
-(transformers' ``repeat_kv``). Placements here (:class:`autopar.passes.meta_keys.Placement`):
+(transformers' ``repeat_kv``). Placements here (:class:`autopar.ir.meta_keys.Placement`):
 
 - a split along a dim holding unequal ``blocks`` keeps them; each piece (``getitem``) holds the
   blocks it covers whole (:func:`split_piece`), a single block as a plain shard with its ``parts``;
@@ -15,7 +15,7 @@ for k and v) and the k and v broadcast to the query heads with ``unsqueeze`` + `
 The rules of :mod:`autopar.passes.tp_rules` and the seeds of :mod:`autopar.passes.tp_regions` call these;
 nothing here knows a model. Example::
 
-    >>> from autopar.passes.meta_keys import Placement
+    >>> from autopar.ir.meta_keys import Placement
     >>> p = Placement.shard(3, blocks=((32, 0), (8, 1), (8, 1)))
     >>> local_split_sizes(p, [32, 8, 8], tp_size=4)  # the q heads cut 4 ways, k and v whole
     [8, 8, 8]
@@ -26,7 +26,7 @@ import operator
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.ir.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 
 __all__ = ["SPLITS", "blocks_between", "broadcast_heads", "local_split_sizes", "split_blocks", "split_piece",

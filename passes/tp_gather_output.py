@@ -2,8 +2,8 @@
 
 A projection whose column region cannot close with a row-parallel linear is still column-sharded:
 its weight (and bias) hold this rank's output features, its input enters through an f
-(:class:`~autopar.runtime.collectives.TpCopy`: the input's gradient is partial on each rank), and its
-output is all-gathered on the feature dim (:class:`~autopar.runtime.collectives.TpGather`, a visible
+(:class:`~autopar.ops.collectives.TpCopy`: the input's gradient is partial on each rank), and its
+output is all-gathered on the feature dim (:class:`~autopar.ops.collectives.TpGather`, a visible
 graph node; backward keeps this rank's slice of the gradient, no communication: what reads the
 gathered output runs replicated, so every rank computes the same gradient of it).
 
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, PARAM, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ops.collectives import TpGather
 from autopar.passes.tp_projection import projection_of
 from autopar.passes.tp_rules import REPLICATE, RULES, NoRule, op_name, rule_for, shape_of
-from autopar.runtime.collectives import TpGather
 
 __all__ = ["Conv", "conv_of", "column_input", "closes_nowhere", "gathered_placements", "insert_output_gathers"]
 

@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.ir.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 
 __all__ = ["ALLOCATIONS", "INPLACE_RULES", "INPLACE_PULL_BACKS", "allocation", "allocation_back", "sizes_of"]

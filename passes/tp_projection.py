@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import PARAM, get_meta
+from autopar.ir.meta_keys import PARAM, get_meta
 from autopar.passes.tp_rules import op_name, shape_of
 
 __all__ = ["Projection", "is_param_linear", "projection_of", "seed_chunks"]

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import Placement
+from autopar.ir.meta_keys import Placement
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_inplace_rules import INPLACE_PULL_BACKS
 from autopar.passes.tp_rules import ELEMENTWISE, REPLICATE, _broadcast, _norm, _tensor_args, op_name, shape_of, \

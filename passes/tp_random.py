@@ -3,8 +3,8 @@
 A dropout on a shard (attention probabilities of this rank's heads, a sequence-parallel shard of
 the residual stream) must draw a different mask on every tp rank, and must not advance the
 default generator that the replicated regions share. Each such op becomes a
-:class:`~autopar.runtime.tp_rng.ShardedRandom` node running on this rank's
-:class:`~autopar.runtime.tp_rng.TpRngTracker` (seeded ``seed + 2718 + tp_rank``); random ops in
+:class:`~autopar.ops.tp_rng.ShardedRandom` node running on this rank's
+:class:`~autopar.ops.tp_rng.TpRngTracker` (seeded ``seed + 2718 + tp_rank``); random ops in
 replicated regions are left alone and draw the same masks on every rank, as one device would.
 
 Example::
@@ -34,10 +34,10 @@ import logging
 import torch
 import torch.fx as fx
 
+from autopar.ir.meta_keys import MODULE, TP_PLACEMENT, get_meta
+from autopar.ops.tp_rng import ShardedRandom, TpRngTracker, tp_rng_seed
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, TP_PLACEMENT, get_meta
 from autopar.passes.tp_rules import op_name
-from autopar.runtime.tp_rng import ShardedRandom, TpRngTracker, tp_rng_seed
 
 __all__ = ["fork_sharded_random", "is_random", "RANDOM_OPS"]
 

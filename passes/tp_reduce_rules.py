@@ -3,13 +3,13 @@
 A ``mean`` or ``sum`` that reduces over the sharded dim (OLMo 2's q/k RMSNorm over every head's
 features, before the head split: ``x * rsqrt(mean(x ** 2, -1, keepdim=True) + eps) * w``) runs on
 each rank's slice and gives a partial result: its placement is ``P``, as a row linear's output is.
-The transform (:func:`insert_partial_sums`) puts a :class:`~autopar.runtime.tp_reduce_ops.TpPartialSum`
+The transform (:func:`insert_partial_sums`) puts a :class:`~autopar.ops.tp_reduce_ops.TpPartialSum`
 right after it: an all-reduce (sum) over tp, scaled so that every rank holds the reduction of the whole
 dim (a mean divides by the full size: ``1 / tp`` times the sum of the local means; a dim whose pieces
 each sit on ``tp / parts`` ranks, fewer kv heads than tp, counts each piece ``tp / parts`` times:
 ``parts / tp``). What follows (``+ eps``, ``rsqrt``) runs replicated outside the region; where the
 region reads it back on its shards (``x * rsqrt``, broadcast over the sharded dim) the solver puts an f
-(:class:`~autopar.runtime.tp_ops.TpGradSum`: each rank's gradient of it is its slice's part), so the
+(:class:`~autopar.ops.tp_ops.TpGradSum`: each rank's gradient of it is its slice's part), so the
 all-reduce's backward is the identity, Megatron's g. A region op that reads the reduction itself on the
 shards (a hand-written LayerNorm's ``x - x.mean(-1, keepdim=True)``) reads it through such an f too. The norm's own 1-D weight multiplies the sharded
 features: it is sliced per rank, as a per-head norm's is.
@@ -43,10 +43,10 @@ from typing import Callable
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.meta_keys import MODULE, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ops.tp_ops import TpGradSum
+from autopar.ops.tp_reduce_ops import TpPartialSum
 from autopar.passes.tp_errors import NoRule
-from autopar.runtime.tp_ops import TpGradSum
-from autopar.runtime.tp_reduce_ops import TpPartialSum
 
 __all__ = ["REDUCTIONS", "PARTIAL", "partial_sum_rule", "read_replicated", "partial_reductions",
            "insert_partial_sums"]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, PARAM, TENSOR, Placement, get_meta
 from autopar.passes.tp_fused_blocks import SPLITS, broadcast_heads, split_pieces
 from autopar.passes.tp_gather_output import conv_of, gathered_placements
 from autopar.passes.tp_projection import Projection, is_param_linear, projection_of, seed_chunks

@@ -5,7 +5,7 @@ output's placement and which other tensor inputs must be sharded (or may stay re
 It raises :class:`NoRule` when the op cannot run on shards without communication; the solver
 then leaves the whole region replicated. ``RULES`` maps an ATen op name to its rule.
 
-Placements are :class:`autopar.passes.meta_keys.Placement`: R, S(dim[, chunks]) or P.
+Placements are :class:`autopar.ir.meta_keys.Placement`: R, S(dim[, chunks]) or P.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta_keys import TENSOR, Placement, get_meta
+from autopar.ir.meta_keys import TENSOR, Placement, get_meta
 from autopar.passes.tp_errors import NoRule
 from autopar.passes.tp_expert_rules import EXPERT_RULES
 from autopar.passes.tp_fused_blocks import blocks_between, split_blocks, split_piece, whole_broadcast

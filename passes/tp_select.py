@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, get_meta
 from autopar.passes.tp_coverage import warn_unsharded_matmuls
 from autopar.passes.tp_expert import find_expert_regions
 from autopar.passes.tp_regions import TpRegion, find_tp_regions

@@ -56,14 +56,14 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError
+from autopar.ir.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.collectives import TpCopy, TpGather, TpReduce
+from autopar.ops.tp_ops import VocabParallelCrossEntropy
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.meta_keys import MODULE, PARAM, TENSOR, TP_PLACEMENT, Placement, get_meta, set_meta
-from autopar.passes.shard_layout import ShardLayout
 from autopar.passes.tensor_parallel import insert_local_slices, localize_sizes, node_where, set_param
 from autopar.passes.tp_regions import grad_carriers
 from autopar.passes.tp_rules import REPLICATE, NoRule, op_name, rule_for, shape_of
-from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
-from autopar.runtime.tp_ops import VocabParallelCrossEntropy
 
 __all__ = ["VocabParallel", "find_vocab_parallel", "shard_vocab_parallel", "module_path"]
 

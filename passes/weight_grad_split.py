@@ -29,9 +29,9 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.p2p import RecvActivation
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.pipeline_split import StageGraph
-from autopar.runtime.p2p import RecvActivation
 
 __all__ = ["WeightUses", "expose_weight_uses", "expose_stage_weight_uses", "use_groups",
            "check_split_backward_recompute"]

@@ -17,9 +17,9 @@ are grouped apart from the other parameters of their unit and sharded over ``edp
 that hold the same experts, so a rank keeps 1/(ep * edp) = 1/dp of each expert tensor; with
 dp == ep (edp = 1) each rank already holds its experts alone and ZeRO-3 leaves them whole.
 
-Runtime behaviour is in :mod:`autopar.runtime.zero3_ops`. The parameters stay full-sized in the
+Runtime behaviour is in :mod:`autopar.ops.zero3_ops`. The parameters stay full-sized in the
 GraphModule, so a plan made in a plain process reads as the program; the runtime swaps in each
-rank's shards (:func:`autopar.runtime.zero3_ops.shard_zero3_parameters`).
+rank's shards (:func:`autopar.ops.zero3_ops.shard_zero3_parameters`).
 
 Example::
 
@@ -28,8 +28,8 @@ Example::
     >>> x = torch.randint(0, 128, (8, 16))
     >>> r = autopar.plan(build_model("gpt_tiny", seq_len=16), (2, 1, 1), example_inputs=(x,),
     ...                  loss_fn=lm_loss, example_target=x, zero_stage=3)
-    >>> from autopar.runtime.zero3_ops import ZeroGather
-    >>> from autopar.runtime.collectives import collective_nodes
+    >>> from autopar.ops.zero3_ops import ZeroGather
+    >>> from autopar.ops.collectives import collective_nodes
     >>> len(collective_nodes(r.graph(0), ZeroGather))  # embeddings, 2 blocks, final norm
     5
 """
@@ -42,13 +42,13 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.passes.lowering_state import LoweringState
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.zero3_ops import ZeroFree, ZeroGather
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
-from autopar.passes.pipeline_split import StageGraph
+from autopar.passes.lowering_state import LoweringState
 from autopar.runtime.schedules.registry import splits_backward
-from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
 
 __all__ = ["shard_parameters_zero3", "shard_stage_zero3", "zero3_groups", "check_zero3"]
 

@@ -1,25 +1,14 @@
 """autopar's runtime: one rank's program, in the order a training step runs it (installed as ``autopar.runtime``).
 
-The runtime reads ``autopar.passes`` (graph names, node meta), ``autopar.errors`` and
-``autopar.plan_model``, never the compiler (tests/test_import_graph.py). ``schedules/`` is its own
-package: schedules as data, generators, the validator and the simulator. ``context_parallel/`` is its
-own package too: the cp layout and the ring and all-to-all attention ops (not wired into programs yet).
-
-The ops the passes insert into graphs::
-
-    collectives.py        differentiable tp/sp collectives as visible call_module nodes
-    tp_ops.py             tensor-parallel ops that communicate inside their computation
-    tp_reduce_ops.py      the all-reduce of a reduction over a tp shard (a norm over every head)
-    tp_rng.py             per-tp-rank random streams (Megatron's tracker)
-    p2p.py                send/recv nodes between stages, and the channel they run over
-    zero3_ops.py          ZeRO-3's gather/free nodes
-    moe_ops.py            MoE dispatch/combine all-to-all nodes, and the dp-mean of router statistics
+The runtime reads the shared vocabulary (``autopar.ir``: graph names, node meta, shard layouts, the
+captured and stage graphs), the ops the passes insert (``autopar.ops``), ``autopar.errors``,
+``autopar.plan_model`` and ``autopar.parallel_dims``: never ``autopar.passes`` nor anything above it
+(tests/test_import_graph.py). ``schedules/`` is its own package: schedules as data, generators, the
+validator and the simulator; it reads nothing of the runtime, so the passes may read it too.
 
 Building a rank's program::
 
     rank_context.py       MeshInfo, AxisGroup, RankContext (groups, deadline, log), the ProgramState Protocol
-    comm_guard.py         a deadline on every collective, and the error naming a missed one
-    comm_audit.py         counted dp collectives, and the bytes ZeRO's theory predicts
     materialize.py        a meta-built model's tensors made real, only the pieces this rank holds
     init_replay.py        the model's own initialisers replayed module by module (a filler)
     mixed_precision.py    bf16 compute, fp32 masters and gradients
@@ -39,7 +28,6 @@ Running a step::
     batch_split.py        a batch's rows checked and cut into microbatches (a partial batch: fewer or smaller)
     batch_agreement.py    every dp rank's rows and refusals on one all-reduce; row weights of a partial batch
     shape_cache.py        stage graphs per batch shape: compiled, their symbolic family, or built per shape
-    dynamic_shapes.py     symbolic dims at run time: SizeExprs of edge shapes, a microbatch's sizes
     program.py            RankProgram: the synchronous schedules' train_step
     executor.py           runs this rank's schedule actions on its stage graphs
     ddp_buckets.py        DDP's gradient buckets, reduced while backward runs
@@ -66,7 +54,6 @@ Measuring and seeing::
 
     memory_probe.py       bytes a rank holds, activations saved for backward
     model_state.py        measured model-state memory of one rank
-    flight_record.py      each rank's ring buffer of its last actions, collectives and transfers
     flight_watch.py       heartbeats, and the job-wide diagnosis every surviving rank writes
     diagnosis.py          every rank's flight record read together: who stopped the job and why
     stragglers.py         a rank computing markedly slower than its peers on the same stages

@@ -46,16 +46,16 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from autopar.errors import PlanError
+from autopar.ir.dynamic_shapes import batch_sizes
+from autopar.ops.flight_record import ACTION
+from autopar.ops.p2p import P2PNode
 from autopar.runtime.clip import clip_program_gradients
-from autopar.runtime.dynamic_shapes import batch_sizes
 from autopar.runtime.executor import ActionEvent, weigh_loss
-from autopar.runtime.flight_record import ACTION
 from autopar.runtime.grad_sync import average_gradients, sum_shared_gradients
-from autopar.runtime.p2p import P2PNode
+from autopar.runtime.param_groups import settings_of
 from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.schedules.action import Action, ActionKind
 from autopar.runtime.schedules.asynchronous import stream_segment
-from autopar.runtime.param_groups import settings_of
 from autopar.runtime.step_report import group_lrs
 from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.mean_loss import LOSS_WEIGHT
+from autopar.ir.captured_graph import LOSS_WEIGHT
 
 __all__ = ["StepRows", "agreement_riders", "read_agreement", "add_row_weights"]
 

@@ -3,14 +3,14 @@
 A checkpoint stores every tensor as the *pieces* the ranks hold, each under its own key, with a
 :class:`Layout` that says how the pieces join into the logical (single-device) tensor:
 
-- ``tp``: a :class:`~autopar.passes.shard_layout.ShardLayout` over ``tp_size`` tensor-parallel ranks (equal
+- ``tp``: a :class:`~autopar.ir.shard_layout.ShardLayout` over ``tp_size`` tensor-parallel ranks (equal
   chunks of a fused projection, kv heads cut in fewer parts, unequal blocks of a fused ``[q | k | v]``),
   exactly as the tensor-parallel pass cut it; its distinct pieces (``tp_ways``) are stored once each;
 - ``z3=size``: the tp-local tensor flattened, zero-padded to a multiple of ``size`` and cut into
-  ``size`` flat blocks, one per dp rank (ZeRO-3, :data:`~autopar.passes.shard_layout.ZERO3`;
-  :mod:`autopar.runtime.zero3_ops`);
+  ``size`` flat blocks, one per dp rank (ZeRO-3, :data:`~autopar.ir.shard_layout.ZERO3`;
+  :mod:`autopar.ops.zero3_ops`);
 - ``ep=size``: a mixture-of-experts expert tensor split over ``size`` expert-parallel ranks on dim 0
-  (the experts, :data:`~autopar.passes.shard_layout.EXPERTS`; :mod:`autopar.passes.moe_expert_parallel`),
+  (the experts, :data:`~autopar.ir.shard_layout.EXPERTS`; :mod:`autopar.passes.moe_expert_parallel`),
   each ep rank's block then cut over tp.
 
 Pieces are the only thing written, so saving moves no data between ranks; loading reads the
@@ -21,7 +21,7 @@ so the pieces are plain tensors with this metadata rather than DTensors.
 Example::
 
     >>> import torch
-    >>> from autopar.passes.shard_layout import ShardLayout
+    >>> from autopar.ir.shard_layout import ShardLayout
     >>> full = torch.arange(12.).view(6, 2)
     >>> layout = Layout(shape=(6, 2), tp=ShardLayout(0, chunks=3), tp_size=2, z3=2)
     >>> pieces = {k: split(full, layout, tp_index=t, z_index=z) for k, t, z in layout.pieces("w")}
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.shard_layout import EXPERTS, ZERO3, ShardLayout
+from autopar.ir.shard_layout import EXPERTS, ZERO3, ShardLayout
 
 __all__ = ["Layout", "split", "join", "piece_key"]
 

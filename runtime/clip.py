@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.passes.graph_names import user_name
-from autopar.runtime.collectives import issue
-from autopar.runtime.zero3_ops import zero3_targets
+from autopar.ir.graph_names import user_name
+from autopar.ops.collectives import issue
+from autopar.ops.zero3_ops import zero3_targets
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["counted_here", "local_squares", "squares_of", "global_grad_norm", "scale_gradients", "clip_grad_norm",

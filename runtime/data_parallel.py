@@ -26,7 +26,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.runtime import comm_audit as comm
+from autopar.ops import comm_audit as comm
 from autopar.runtime.program_surface import ProgramSurface
 from autopar.runtime.step_report import group_lrs
 

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from autopar.errors import RuntimeCommError
-from autopar.runtime import comm_audit as comm
+from autopar.ops import comm_audit as comm
 from autopar.runtime.rank_context import AxisGroup
 
 __all__ = ["GradBuckets", "Bucket", "plan_buckets"]

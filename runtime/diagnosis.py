@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autopar.runtime.flight_record import Entry, decode, read_record
+from autopar.ops.flight_record import Entry, decode, read_record
 
 __all__ = ["RankView", "Wait", "Divergence", "Culprit", "Diagnosis", "diagnose", "views_to_json",
            "views_from_json", "read_run"]

@@ -22,7 +22,7 @@ Receives are posted one action ahead: while an action computes, the activations 
 reads (a forward's recv nodes) and the gradients it waits for (a backward's, as its forward's
 sends noted them) are already on their way, so a transfer's latency hides under compute.
 Only validated schedules run (the caller validates).
-Each action is an entry of the rank's flight record (runtime/flight_record.py) when the channel
+Each action is an entry of the rank's flight record (ops/flight_record.py) when the channel
 carries one, open while it runs, and its event notes the seconds it spent blocked in collectives.
 """
 from __future__ import annotations
@@ -34,12 +34,12 @@ from collections import Counter
 import torch
 
 from autopar.errors import ScheduleError
-from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.mean_loss import LOSS_WEIGHT
-from autopar.runtime.dynamic_shapes import batch_sizes
+from autopar.ir.captured_graph import LOSS_WEIGHT
+from autopar.ir.dynamic_shapes import batch_sizes
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.flight_record import ACTION
+from autopar.ops.p2p import P2PChannel, forward_receives
 from autopar.runtime.item_count import weighted_loss
-from autopar.runtime.flight_record import ACTION
-from autopar.runtime.p2p import P2PChannel, forward_receives
 from autopar.runtime.schedules.action import Action, ActionKind
 
 __all__ = ["run_actions", "ActionEvent"]

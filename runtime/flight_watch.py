@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from autopar.ops.flight_record import FlightRecord, read_record
 from autopar.runtime.diagnosis import Diagnosis, RankView, diagnose, views_to_json
-from autopar.runtime.flight_record import FlightRecord, read_record
 
 __all__ = ["JobWatch", "Report", "open_store", "start_watch", "HEARTBEAT_S", "write_report"]
 

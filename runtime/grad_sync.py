@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import issue
-from autopar.runtime.comm_guard import CommGuard
+from autopar.ir.graph_names import user_name
+from autopar.ops.collectives import issue
+from autopar.ops.comm_guard import CommGuard
+from autopar.ops.zero3_ops import zero3_targets
 from autopar.runtime.ddp_buckets import GradBuckets
-from autopar.runtime.rank_context import RankContext
 from autopar.runtime.moe_groups import sync_expert_gradients
-from autopar.runtime.zero3_ops import zero3_targets
-from autopar.passes.graph_names import user_name
+from autopar.runtime.rank_context import RankContext
 
 __all__ = ["GradientSync", "sum_shared_gradients", "average_gradients", "flat_buckets"]
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import PassError
-from autopar.runtime.collectives import bind_collectives
-from autopar.runtime.p2p import P2PNode
-from autopar.runtime.zero3_ops import bind_zero3
+from autopar.ops.collectives import bind_collectives
+from autopar.ops.p2p import P2PNode
+from autopar.ops.zero3_ops import bind_zero3
 
 __all__ = ["graft"]
 

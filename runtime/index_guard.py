@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import IndexRangeError
-from autopar.passes.index_bounds import range_text
-from autopar.passes.meta_keys import INDEX_BOUND, get_meta
+from autopar.ir.meta_keys import range_text
+from autopar.ir.meta_keys import INDEX_BOUND, get_meta
 
 __all__ = ["IndexGuard", "graph_has_bounds", "index_error"]
 

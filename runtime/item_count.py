@@ -23,7 +23,7 @@ the weight ``n_i · m · dp / N`` and the executor multiplies its loss by it, wh
 Example (one process, no dp)::
 
     >>> import torch
-    >>> from autopar.passes.item_count import ItemCount
+    >>> from autopar.ir.captured_graph import ItemCount
     >>> batches = [{"labels": torch.tensor([[1, 2, -100]])}, {"labels": torch.tensor([[3, 4, 5]])}]
     >>> add_item_counts(batches, ItemCount(labels="labels", shift=1), per_update=2)
     >>> [float(b["num_items_in_batch"]) for b in batches]   # 1 + 2 label tokens after the shift, / 2 microbatches
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.passes.item_count import ItemCount
+from autopar.ir.captured_graph import ItemCount
 
 __all__ = ["add_item_counts", "add_loss_weights", "count_labels", "weighted_loss"]
 
@@ -49,7 +49,7 @@ def _update_counts(microbatches: list[dict], spec: ItemCount, *, per_update: int
                    purpose: str, riders: torch.Tensor | None = None):
     """(each microbatch's count, each update's count summed over dp, ``riders`` summed over dp): one
     all-reduce over ``dp_group`` when ``dp_size > 1`` (``guard``: the program's
-    :class:`~autopar.runtime.comm_guard.CommGuard`, which bounds the wait and names the rank).
+    :class:`~autopar.ops.comm_guard.CommGuard`, which bounds the wait and names the rank).
     ``riders``: more numbers (float64) that take the same all-reduce (runtime/batch_agreement.py)."""
     assert len(microbatches) % per_update == 0, (len(microbatches), per_update)
     counts = torch.stack([count_labels(mb[spec.labels], spec) for mb in microbatches])

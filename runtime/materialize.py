@@ -31,8 +31,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import PlanError
-from autopar.passes.capture import MODEL_PREFIX
-from autopar.passes.meta_keys import PARAM, get_meta
+from autopar.ir.graph_names import MODEL_PREFIX
+from autopar.ir.meta_keys import PARAM, get_meta
 from autopar.runtime.checkpoint_layout import Layout
 
 __all__ = ["Slot", "Filler", "rank_slots", "materialize_rank", "held_bytes"]
@@ -83,7 +83,7 @@ def _meta_targets(gm: fx.GraphModule):
 
 def rank_slots(gms: list[fx.GraphModule], *, plan, coords: dict[str, int]) -> list[Slot]:
     """Every meta tensor of this rank's stage graphs as a :class:`Slot` (one per distinct tensor)."""
-    from autopar.runtime.zero3_ops import zero3_shards
+    from autopar.ops.zero3_ops import zero3_shards
     z3 = zero3_shards(gms)  # flat ZeRO-3 blocks: over dp, or (experts split over ep) over edp = dp / ep
     dims, ep = plan.dims, plan.expert_parallel  # expert tensors: this rank holds its ep block of dim 0
     experts = set(plan.expert_params) if ep > 1 else set()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.ops.recompute import recompute_modules
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["StateBytes", "held_state_bytes", "SavedLedger", "measure_activations", "recording_activations",
@@ -149,8 +150,6 @@ def weight_version_bytes(program) -> int:
 @contextlib.contextmanager
 def recording_activations(program, results: dict | None = None):
     """A context: a fresh ledger around every stage forward; yields {(stage, microbatch): bytes saved}."""
-    from autopar.passes.recompute import recompute_modules
-
     results = {} if results is None else results
     handles = []
     for stage, gm in program.graphs.items():

@@ -38,8 +38,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from autopar.passes.graph_names import user_name
-from autopar.passes.shard_layout import EXPERTS, ZERO3
+from autopar.ir.graph_names import user_name
+from autopar.ir.shard_layout import EXPERTS, ZERO3
 
 __all__ = ["COMPUTE_DTYPES", "fp32_masters", "MasterWeights", "zero3_block",
            "masters_for_rank"]
@@ -151,7 +151,7 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
     """fp32 masters of every parameter of this rank's stages, from the user's fp32 model, cut as the
     program holds them (tensor-parallel shards; this ep rank's experts; ZeRO-3's flat 1/N blocks of the
     parameters it shards)."""
-    from autopar.runtime.zero3_ops import zero3_shards
+    from autopar.ops.zero3_ops import zero3_shards
 
     mine = [s for s in lowered.stages if schedule.stage_to_rank[s.stage] == info.coords["pp"]]
     names = list(dict.fromkeys(user_name(t) for s in mine for t in s.param_names))

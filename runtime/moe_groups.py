@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import issue
+from autopar.ops.collectives import issue
 
 __all__ = ["sync_expert_gradients", "full_expert_parameters"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import NumericsError
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.index_guard import index_error
 from autopar.runtime.rank_context import ProgramState
 

@@ -3,7 +3,7 @@
 ``train_step`` runs the schedule over this rank's data-parallel batch, sums tied-weight gradients
 across stages, averages gradients over dp, steps the (ZeRO-sharded) optimizer and returns the
 global mean loss on every rank. Calling the program (no loss) runs forward only.
-Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.runtime.comm_guard`).
+Every collective it issues waits at most ``p2p_timeout_s`` (:mod:`autopar.ops.comm_guard`).
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, PlanError
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.clip import clip_program_gradients, counted_parameters, squares_of
 from autopar.runtime.executor import run_actions
 from autopar.runtime.grad_sync import GradientSync
 from autopar.runtime.numerics import check_finite
 from autopar.runtime.program_surface import ProgramSurface
-from autopar.runtime.stragglers import StragglerCheck
 from autopar.runtime.step_report import group_lrs
+from autopar.runtime.stragglers import StragglerCheck
 from autopar.runtime.tp_grad_sync import sum_partial_gradients
 
 __all__ = ["RankProgram"]

@@ -10,7 +10,7 @@ A program is made of :class:`~autopar.runtime.rank_parts.RankParts` (built once,
 check, clipping and the memory probe), the stage graphs to read, this rank's slice of a batch,
 the full state dict and checkpoints. Each kind adds its ``train_step`` and its forward.
 
-Every program keeps this rank's flight record (``program.flight``, :mod:`autopar.runtime.flight_record`:
+Every program keeps this rank's flight record (``program.flight``, :mod:`autopar.ops.flight_record`:
 its last actions, collectives and transfers) and, on a world of two ranks or more, watches the job
 (``program.watch``, :mod:`autopar.runtime.flight_watch`): heartbeats, and the job-wide diagnosis when
 a collective or a transfer fails. ``flight_record=0`` turns both off; ``run_dir`` keeps the record in
@@ -26,23 +26,23 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autopar.errors import PlanError
-from autopar.runtime.executor import run_actions
+from autopar.ops.flight_record import STEP, FlightRecord
+from autopar.ops.zero3_ops import full_parameters
 from autopar.runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
-from autopar.runtime.flight_record import STEP, FlightRecord
+from autopar.runtime.executor import run_actions
 from autopar.runtime.flight_watch import start_watch
-from autopar.runtime.rank_context import MeshInfo, RankContext
+from autopar.runtime.graft import graft
+from autopar.runtime.item_count import add_item_counts, add_loss_weights
+from autopar.runtime.moe_groups import full_expert_parameters
 from autopar.runtime.param_groups import GroupTemplate
+from autopar.runtime.rank_context import MeshInfo, RankContext
 from autopar.runtime.rank_parts import LoweredStages, build_parts
 from autopar.runtime.rank_tensors import model_buffers
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.forward_only import forward_only
 from autopar.runtime.state import gather_full_state_dict
-from autopar.runtime.step_report import StepReport, batch_counts
-from autopar.runtime.zero3_ops import full_parameters
-from autopar.runtime.item_count import add_item_counts, add_loss_weights
-from autopar.runtime.moe_groups import full_expert_parameters
-from autopar.runtime.graft import graft
 from autopar.runtime.step_batches import StepBatches
+from autopar.runtime.step_report import StepReport, batch_counts
 
 __all__ = ["ProgramSurface"]
 
@@ -120,8 +120,9 @@ class ProgramSurface:
         programs' batches, which take neither fewer rows nor shapes compiled on their own."""
         batches, stages = self.batching.cut(tensors)
         if len(batches) != self.batching.count or any(s is not self.stages for s in stages):
+            first = {name: tuple(t.shape) for name, t in batches[0].items()} if batches else {}
             raise PlanError(f"this asynchronous program runs full batches of the compiled shapes; this rank's batch "
-                            f"makes {len(batches)} microbatches of {[tuple(b[n].shape) for n in b][:2]} ...",
+                            f"makes {len(batches)} microbatches (of {self.batching.count}), the first shaped {first}",
                             where=f"rank {self.info.rank}, train_step",
                             fix="drop the last, partial batch (DataLoader(..., drop_last=True)) and pad every batch to "
                                 "the compiled shapes, or compile with dynamic_shapes='seq' (any sequence length), or "

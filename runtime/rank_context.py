@@ -5,9 +5,9 @@
   the mesh itself, so a program can also be built over a hand-made ``MeshInfo``).
 - :class:`AxisGroup`: one mesh axis from this rank: its group, the ranks along it, this rank's index.
 - :class:`RankContext`: the mesh info, the deadline of every collective with the error naming a
-  missed one (:class:`~autopar.runtime.comm_guard.CommGuard`, which also writes each collective into
-  the rank's flight record, :mod:`autopar.runtime.flight_record`) and the log of the step's dp traffic
-  (:class:`~autopar.runtime.comm_audit.CommLog`). Gradient sync, ZeRO's optimizer and the DDP
+  missed one (:class:`~autopar.ops.comm_guard.CommGuard`, which also writes each collective into
+  the rank's flight record, :mod:`autopar.ops.flight_record`) and the log of the step's dp traffic
+  (:class:`~autopar.ops.comm_audit.CommLog`). Gradient sync, ZeRO's optimizer and the DDP
   buckets take it (or one of its axes) instead of a group, ranks, an index, a guard and a log each.
 - :class:`ProgramState`: what checkpoints, the non-finite check, clipping, ``rank_tensors``,
   ``rng_state`` and the memory probe read of a program, written down as a Protocol.
@@ -32,11 +32,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.comm_audit import CommLog
+from autopar.ops.comm_guard import CommGuard
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.pipeline_split import StageGraph
 from autopar.plan_model import MeshShape, Plan
-from autopar.runtime.comm_audit import CommLog
-from autopar.runtime.comm_guard import CommGuard
 from autopar.runtime.schedules.action import Schedule
 
 __all__ = ["MeshInfo", "AxisGroup", "RankContext", "ProgramState"]
@@ -87,7 +87,7 @@ class RankContext:
 
     info: MeshInfo
     guard: CommGuard  # the deadline of every collective, and the error naming a missed one
-    comm_log: CommLog  # this step's dp collectives (runtime/comm_audit.py)
+    comm_log: CommLog  # this step's dp collectives (ops/comm_audit.py)
 
     @classmethod
     def create(cls, info: MeshInfo, *, timeout_s: float, place: Callable[[], str] = lambda: "",

@@ -20,21 +20,21 @@ from typing import Protocol
 
 import torch
 
-from autopar.passes.capture import CapturedGraph
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import PARAM, get_meta
-from autopar.passes.pipeline_split import StageGraph
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.captured_graph import CapturedGraph
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import PARAM, get_meta
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ir.stage_graph import StageGraph
+from autopar.ops.collectives import bind_collectives
+from autopar.ops.p2p import P2PChannel, P2PNode
+from autopar.ops.zero3_ops import bind_zero3, shard_zero3_parameters
 from autopar.plan_model import Plan
-from autopar.runtime.collectives import bind_collectives
 from autopar.runtime.index_guard import IndexGuard, graph_has_bounds
 from autopar.runtime.mixed_precision import MasterWeights
-from autopar.runtime.p2p import P2PChannel, P2PNode
 from autopar.runtime.param_groups import GroupTemplate
 from autopar.runtime.rank_context import RankContext
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.zero import ShardedOptimizer, stepped_here
-from autopar.runtime.zero3_ops import bind_zero3, shard_zero3_parameters
 
 __all__ = ["LoweredStages", "RankParts", "build_parts"]
 

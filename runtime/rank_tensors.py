@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.graph_names import user_name
+from autopar.ir.graph_names import user_name
 from autopar.runtime.checkpoint_layout import Layout, piece_key
 from autopar.runtime.rank_context import ProgramState
 
@@ -43,9 +43,9 @@ class Held:
 
 # -- what this rank holds -----------------------------------------------------------------------
 def _zero3_shards(program: ProgramState) -> dict:
-    """{single-device name: :class:`~autopar.runtime.zero3_ops.Zero3Shard`} of the parameters held as flat
+    """{single-device name: :class:`~autopar.ops.zero3_ops.Zero3Shard`} of the parameters held as flat
     ZeRO-3 shards (by name, so their fp32 masters under bf16, flat blocks too, are found as well)."""
-    from autopar.runtime.zero3_ops import zero3_shards
+    from autopar.ops.zero3_ops import zero3_shards
     return {user_name(t): z for t, z in zero3_shards([s.gm for s in program.stages.values()]).items()}
 
 

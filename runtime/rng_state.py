@@ -4,7 +4,7 @@ A rank draws dropout masks from three places, all of which a checkpoint keeps, p
 
 - torch's default CPU generator (random ops in replicated regions, every op of a dp or pp rank);
 - the CUDA generators, one per visible device, when CUDA has been initialised;
-- its tensor-parallel trackers (:class:`autopar.runtime.tp_rng.TpRngTracker`, one per stage
+- its tensor-parallel trackers (:class:`autopar.ops.tp_rng.TpRngTracker`, one per stage
   graph with sharded random ops), each a CPU state and, on CUDA, a CUDA state.
 
 **The same mesh** (same dp, pp, tp degrees and world size): rank r gets back exactly the states
@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from autopar.runtime.tp_rng import TpRngTracker, tp_rng_seed
+from autopar.ops.tp_rng import TpRngTracker, tp_rng_seed
 from autopar.runtime.rank_context import ProgramState
 
 __all__ = ["random_pieces", "restore_random", "reseed_random", "derived_seed", "same_layout", "rng_manifest"]

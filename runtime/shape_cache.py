@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.errors import AutoparError, InputError, PlanError
-from autopar.runtime.dynamic_shapes import DynamicDim, dim_label
+from autopar.ir.dynamic_shapes import DynamicDim, dim_label
 
 __all__ = ["ShapeCache", "ShapeEntry", "check_sizes", "shapes_of", "past_bound"]
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, PlanError
+from autopar.ops.collectives import GraphCollective
 from autopar.runtime.batch_agreement import StepRows, add_row_weights, agreement_riders, read_agreement
 from autopar.runtime.batch_split import FIX_PARTIAL, batch_rows, cut_rows, microbatch_rows
-from autopar.runtime.collectives import GraphCollective
 from autopar.runtime.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import issue
+from autopar.ops.collectives import issue
 
 __all__ = ["sum_partial_gradients"]
 

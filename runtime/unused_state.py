@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import PARAM, get_meta
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import PARAM, get_meta
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.materialize import Filler, Slot
 

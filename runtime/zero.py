@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from autopar.errors import PlanError
+from autopar.ops import comm_audit as comm
 from autopar.parallel_dims import ParallelDims
-from autopar.runtime import comm_audit as comm
 from autopar.runtime.param_groups import GroupTemplate, group_template, settings_of
 from autopar.runtime.rank_context import AxisGroup
 

@@ -87,9 +87,9 @@ def dropout_reshard(case, mesh) -> dict:
     import logging
 
     import torch.distributed as dist
+    from autopar.ops.tp_rng import tp_rng_seed
     from autopar.runtime import checkpoint_files as files
     from autopar.runtime.rng_state import _trackers, derived_seed
-    from autopar.runtime.tp_rng import tp_rng_seed
     root = _root(case)
     saved = files.read_manifest(files.resolve(root))
     expected = derived_seed(saved["rng"]["seed"], saved["step"])

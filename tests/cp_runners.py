@@ -68,7 +68,7 @@ CASES = [
 
 
 def _layout(case, cp):
-    from autopar.runtime.context_parallel.layout import CpLayout
+    from autopar.ops.context_parallel.layout import CpLayout
     return CpLayout(seq_len=case.seq, cp=cp, load_balanced=case.load_balanced)
 
 
@@ -175,9 +175,9 @@ def local_inputs(case, t, layout, rank):
 
 def run_one(case, strategy, group, cp, rank):
     """The op's output and gradients on this rank (its shards), and the oracle's shards to compare."""
-    from autopar.runtime.context_parallel.block_math import AttentionSpec
-    from autopar.runtime.context_parallel.ring import ring_attention
-    from autopar.runtime.context_parallel.ulysses import ulysses_attention
+    from autopar.ops.context_parallel.block_math import AttentionSpec
+    from autopar.ops.context_parallel.ring import ring_attention
+    from autopar.ops.context_parallel.ulysses import ulysses_attention
     t, layout = inputs(case), _layout(case, cp)
     scale = 1 / math.sqrt(case.head_dim)
     spec = AttentionSpec(scale=scale, causal=case.causal and not case.dense, window=None if case.dense else case.window,
@@ -221,8 +221,8 @@ def attention_cases(case, mesh) -> dict:
 
 def balance_cases(case, mesh) -> dict:
     """Sub-blocks each rank computes under a causal mask, load-balanced and contiguous (the ring's own count)."""
-    from autopar.runtime.context_parallel.block_math import AttentionSpec
-    from autopar.runtime.context_parallel.ring import ring_attention
+    from autopar.ops.context_parallel.block_math import AttentionSpec
+    from autopar.ops.context_parallel.ring import ring_attention
     cp, rank, out = dist.get_world_size(), dist.get_rank(), {}
     for balanced in (True, False):
         attn = AttnCase("balance", causal=True, load_balanced=balanced)

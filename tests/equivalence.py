@@ -151,7 +151,7 @@ def parallel_run(case: Case, mesh) -> dict:
 def replica_record(program) -> dict:
     """This rank's coordinates and the compute parameters it holds whole (ZeRO-3's 1/N shards left out:
     those differ by design, and the full state dict gathers every one of them), for the replica check."""
-    from autopar.runtime.zero3_ops import zero3_targets
+    from autopar.ops.zero3_ops import zero3_targets
     replica = {}
     if program.plan.data_parallel == "dataparallel":  # rank 0 alone steps; the others receive its weights at
         return {"coords": dict(program.info.coords), "replica": replica}  # the next step's start (stale until then)

@@ -66,13 +66,13 @@ def reference(case: Case) -> dict:
 
 
 def _dropped(program) -> tuple[int, int]:
-    from autopar.runtime.moe_ops import dropped_rows
+    from autopar.ops.moe_ops import dropped_rows
     return dropped_rows(program.graphs.values())
 
 
 def _expert_record(program) -> dict:
     """Elements of expert weights and of their optimizer state on this rank, and the exchange nodes per graph."""
-    from autopar.runtime.moe_ops import MoeCombine, MoeDispatch
+    from autopar.ops.moe_ops import MoeCombine, MoeDispatch
     experts = set(program.plan.expert_params)
     named = dict(program.named_params)
     weights = sum(named[n].numel() for n in experts if n in named)
@@ -94,7 +94,7 @@ class _CountExchanges:
     """Counts the row all-to-alls the running program issues (forward, and the conjugates in backward)."""
 
     def __init__(self):
-        import autopar.runtime.moe_ops as ops
+        import autopar.ops.moe_ops as ops
         self.ops, self.original = ops, ops.all_to_all_rows
         self.forward = self.backward = 0
 

@@ -1,8 +1,9 @@
 """Every tensor the runtime creates names its device: on a GPU rank a buffer left on the default
-device (CPU) would meet NCCL or a CUDA tensor and fail, so ``runtime/`` may not rely on the default.
+device (CPU) would meet NCCL or a CUDA tensor and fail, so ``runtime/``, the graph ops it runs (``ops/``)
+and the vocabulary it reads (``ir/``) may not rely on the default.
 
 Read statically (ast): each call of a torch factory (``torch.zeros``, ``empty``, ``tensor``, ...) in
-``runtime/`` passes ``device=`` (the rank's ``MeshInfo.device``, the device of a tensor at hand, or
+those folders passes ``device=`` (the rank's ``MeshInfo.device``, the device of a tensor at hand, or
 an explicit ``"cpu"`` for host-side staging). ``*_like`` and ``new_*`` calls inherit their tensor's
 device and are not flagged.
 """
@@ -13,7 +14,7 @@ import pathlib
 
 FACTORIES = frozenset({"zeros", "empty", "ones", "full", "tensor", "arange", "randn", "rand", "randint", "eye",
                        "as_tensor", "empty_strided", "linspace"})
-RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "runtime"
+RUN_TIME = tuple(pathlib.Path(__file__).resolve().parents[1] / f for f in ("runtime", "ops", "ir"))
 
 
 def deviceless_factories(source: str, filename: str = "<source>") -> list[str]:
@@ -28,8 +29,8 @@ def deviceless_factories(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_every_runtime_factory_names_its_device():
-    files = sorted(RUNTIME.rglob("*.py"))
-    assert len(files) > 20
+    files = sorted(p for folder in RUN_TIME for p in folder.rglob("*.py"))
+    assert len(files) > 20 and any(f.name == "p2p.py" for f in files)
     offenders = [hit for f in files for hit in deviceless_factories(f.read_text(), f.name)]
     assert not offenders, "pass device= (the rank's MeshInfo.device or a tensor's .device):\n" + "\n".join(offenders)
 

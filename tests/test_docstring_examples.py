@@ -14,8 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # source folder -> the import name it is installed under (pyproject's [tool.setuptools.package-dir])
-PACKAGES = {"autopar": "autopar", "passes": "autopar.passes", "runtime": "autopar.runtime",
-            "models": "autopar.models"}
+PACKAGES = {"autopar": "autopar", "ir": "autopar.ir", "ops": "autopar.ops", "passes": "autopar.passes",
+            "runtime": "autopar.runtime", "models": "autopar.models"}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -38,6 +38,14 @@ def test_examples_were_found():
     """The scan itself works: the folders hold dozens of modules with examples."""
     assert len(MODULES) >= 40, MODULES
     assert "autopar.runtime.schedules.gpipe" in MODULES and "autopar.models" in MODULES
+    assert {"autopar.ir.shard_layout", "autopar.ops.comm_guard", "autopar.ops.context_parallel.ring"} <= set(MODULES)
+
+
+def test_every_source_folder_is_scanned():
+    """The folders scanned are pyproject's top-level source folders, every one (a new layer's examples run too)."""
+    import tomllib
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    assert {folder: name for name, folder in dirs.items() if "/" not in folder} == PACKAGES
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -2,13 +2,20 @@
 
 Every ``import`` statement counts, at module level or inside a function (a lazy import is an import
 all the same), absolute or relative. The source folders and the names they are installed under are
-read from pyproject's ``[tool.setuptools.package-dir]``. The rules (docs/architecture.md, "Layers"):
+read from pyproject's ``[tool.setuptools.package-dir]``. The rules are ../shared/design.md section 6
+as written (docs/architecture.md, "Layers"): an arrow never points back or sideways.
 
-- ``autopar.runtime`` imports only the runtime itself, ``autopar.passes`` (graph names, node meta),
-  ``autopar.errors``, ``autopar.plan_model`` and ``autopar.parallel_dims``: never the lowering, the planner
-  or ``compile``;
-- ``autopar.passes`` imports only the passes, the runtime's graph modules, ``autopar.errors``,
-  ``autopar.plan_model`` and ``autopar.parallel_dims``;
+- ``autopar.ir``, the shared vocabulary (graph names, node meta keys, ShardLayout, the captured and
+  stage graphs, dynamic dims), imports only itself and the base (``autopar.errors``,
+  ``autopar.plan_model``, ``autopar.parallel_dims``);
+- ``autopar.ops``, the differentiable collective, p2p and recompute ops, imports only itself, the
+  vocabulary and the base;
+- ``autopar.runtime.schedules`` (schedules as pure data) imports only itself and the base;
+- ``autopar.runtime`` imports only the runtime, the ops, the vocabulary and the base: no module of
+  ``autopar.passes``, never the lowering, the planner or ``compile``;
+- ``autopar.passes`` imports only the passes, the ops, the vocabulary, the schedules (pure data) and the
+  base: no executor, nothing else of the runtime;
+- the base imports only the base, the vocabulary and the schedules;
 - no import cycle among autopar's modules.
 """
 from __future__ import annotations
@@ -21,9 +28,16 @@ import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = ("autopar.errors", "autopar.plan_model", "autopar.parallel_dims")
+VOCABULARY = ("autopar.ir",)
+OPS = ("autopar.ops",)
+SCHEDULES = ("autopar.runtime.schedules",)  # schedules as pure data: no executor
 LAYERS = {  # a layer -> what its modules may import (module names or packages)
-    "autopar.runtime": ("autopar.runtime", "autopar.passes") + BASE,
-    "autopar.passes": ("autopar.passes", "autopar.runtime") + BASE,
+    "autopar.ir": VOCABULARY + BASE,
+    "autopar.ops": OPS + VOCABULARY + BASE,
+    "autopar.runtime.schedules": SCHEDULES + BASE,
+    "autopar.runtime": ("autopar.runtime",) + OPS + VOCABULARY + BASE,
+    "autopar.passes": ("autopar.passes",) + OPS + VOCABULARY + SCHEDULES + BASE,
+    **{base: BASE + VOCABULARY + SCHEDULES for base in BASE},
 }
 
 
@@ -90,8 +104,8 @@ def _within(module: str, allowed) -> bool:
 
 def back_edges(graph: nx.DiGraph, layers: dict = LAYERS) -> list[tuple[str, str]]:
     """The imports a layer's modules may not make."""
-    return sorted((a, b) for a, b in graph.edges for layer, allowed in layers.items()
-                  if _within(a, (layer,)) and not _within(b, allowed))
+    return sorted({(a, b) for a, b in graph.edges for layer, allowed in layers.items()
+                   if _within(a, (layer,)) and not _within(b, allowed)})
 
 
 def import_cycles(graph: nx.DiGraph) -> list[list[str]]:
@@ -111,16 +125,16 @@ GRAPH = import_graph(module_files(source_folders()))
 
 def test_the_reader_sees_the_whole_source():
     """The graph holds every package and the edges everyone knows of (a reader that found nothing would pass)."""
-    assert {"autopar.compile", "autopar.runtime.program", "autopar.passes.capture",
-            "autopar.runtime.schedules.registry", "autopar.models"} <= set(GRAPH.nodes)
+    assert {"autopar.compile", "autopar.runtime.program", "autopar.passes.capture", "autopar.ir.meta_keys",
+            "autopar.ops.collectives", "autopar.runtime.schedules.registry", "autopar.models"} <= set(GRAPH.nodes)
     assert GRAPH.has_edge("autopar.compile", "autopar.lowering")
     assert GRAPH.has_edge("autopar.runtime.program", "autopar.runtime.executor")
-    assert GRAPH.has_edge("autopar.runtime.materialize", "autopar.runtime.zero3_ops")  # a lazy import
+    assert GRAPH.has_edge("autopar.runtime.materialize", "autopar.ops.zero3_ops")  # a lazy import
     assert GRAPH.number_of_edges() > 300
 
 
 def test_runtime_and_passes_import_nothing_above_them():
-    """runtime/ reads passes/, errors and plan_model only; passes/ no more than runtime/ (docs/architecture.md)."""
+    """runtime/ reads no pass, passes/ no executor; both the vocabulary, the ops and the base (design.md section 6)."""
     bad = back_edges(GRAPH)
     assert not bad, "imports against the layers: " + "; ".join(f"{a} -> {b}" for a, b in bad)
 
@@ -134,7 +148,8 @@ def test_no_import_cycle():
 # -- the checks themselves can fail ------------------------------------------------------------
 def _fake_tree(tmp_path: pathlib.Path, files: dict[str, str]) -> nx.DiGraph:
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"autopar" = "autopar"\n'
-                                             '"autopar.runtime" = "runtime"\n')
+                                             '"autopar.runtime" = "runtime"\n"autopar.passes" = "passes"\n'
+                                             '"autopar.ir" = "ir"\n"autopar.ops" = "ops"\n')
     for rel, text in files.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,3 +193,25 @@ def test_a_cycle_through_a_lazy_import_fails(tmp_path):
     })
     assert import_cycles(graph) == [["autopar.x", "autopar.y", "autopar.z"]]
     assert _cycle_text(graph, ["autopar.x", "autopar.y", "autopar.z"]).count("->") == 3
+
+
+def test_the_layers_as_written_fail_each_wrong_arrow(tmp_path):
+    """runtime -> a pass, passes -> an executor, ops -> the runtime, the vocabulary -> a pass, schedules -> the
+    executor: each a back edge; the arrows design.md allows (down to the vocabulary, the ops, the schedules) are not."""
+    empty = ["autopar/__init__.py", "autopar/errors.py", "runtime/__init__.py", "runtime/executor.py",
+             "runtime/schedules/__init__.py", "runtime/schedules/registry.py", "passes/__init__.py",
+             "passes/pipeline_split.py", "ir/__init__.py", "ir/meta_keys.py", "ops/__init__.py", "ops/p2p.py"]
+    graph = _fake_tree(tmp_path, dict.fromkeys(empty, "") | {
+        "runtime/ok.py": "from autopar.ir import meta_keys\nfrom autopar.ops.p2p import Send\nimport autopar.errors\n",
+        "runtime/bad.py": "def stage():\n    from autopar.passes.pipeline_split import split\n",
+        "passes/ok.py": "from autopar.runtime.schedules.registry import family\nfrom autopar.ops import p2p\n"
+                        "from autopar.ir.meta_keys import PARAM\n",
+        "passes/bad.py": "from autopar.runtime.executor import run_actions\n",
+        "ops/bad.py": "from autopar.runtime import executor\n",
+        "ir/bad.py": "from autopar.passes import pipeline_split\n",
+        "runtime/schedules/bad.py": "from ..executor import run_actions\n",
+    })
+    assert back_edges(graph) == [
+        ("autopar.ir.bad", "autopar.passes.pipeline_split"), ("autopar.ops.bad", "autopar.runtime.executor"),
+        ("autopar.passes.bad", "autopar.runtime.executor"), ("autopar.runtime.bad", "autopar.passes.pipeline_split"),
+        ("autopar.runtime.schedules.bad", "autopar.runtime.executor")]

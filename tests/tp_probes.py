@@ -43,7 +43,7 @@ class _SavedBytes(fx.Interpreter):
         self.per_unit: dict[str, dict[int, int]] = {}
 
     def run_node(self, n):
-        from autopar.passes.meta_keys import MODULE, get_meta
+        from autopar.ir.meta_keys import MODULE, get_meta
         info = get_meta(n, MODULE)
         seen = self.per_unit.setdefault(info.unit if info else "", {})
 
@@ -91,8 +91,8 @@ class _Recorder(fx.Interpreter):
 
 def dropout_masks_run(case: Case, mesh) -> dict:
     """Masks of the replicated and the sharded dropouts of one forward, from every tp rank."""
+    from autopar.ops.tp_rng import ShardedRandom
     from autopar.passes.tp_random import is_random
-    from autopar.runtime.tp_rng import ShardedRandom
     program, data = _compile(case, mesh)
     (stage,) = program.stages.values()
     gm = stage.gm

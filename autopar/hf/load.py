@@ -25,7 +25,7 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
-from autopar.passes.shard_layout import EXPERTS, ZERO3
+from autopar.ir.shard_layout import EXPERTS, ZERO3
 from autopar.runtime.checkpoint import agree_on_error
 from autopar.runtime.checkpoint_layout import Layout
 from autopar.runtime.rank_tensors import Held, held_tensors
@@ -48,7 +48,7 @@ class LoadReport:
 
 def piece_runs(layout: Layout, *, tp_index: int, ep_index: int = 0) -> list[list[tuple[int, int]]]:
     """Per dim of the logical tensor, the index ranges whose concatenation is tp shard ``tp_index``
-    (as its :class:`~autopar.passes.shard_layout.ShardLayout` cuts it) of ep block ``ep_index`` (an
+    (as its :class:`~autopar.ir.shard_layout.ShardLayout` cuts it) of ep block ``ep_index`` (an
     expert tensor split over ep ranks: its experts' rows of dim 0, then the tp cut inside them)."""
     block_shape = layout.ep_local_shape()
     runs = [[(0, n)] for n in block_shape]

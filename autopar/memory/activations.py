@@ -31,11 +31,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.passes.meta_keys import TENSOR, get_meta
-from autopar.passes.recompute import Recompute
-from autopar.runtime.collectives import GraphCollective
+from autopar.ir.meta_keys import TENSOR, get_meta
+from autopar.ops.collectives import GraphCollective
+from autopar.ops.p2p import P2PNode, SendActivation
+from autopar.ops.recompute import Recompute
 from autopar.runtime.memory_probe import SavedLedger
-from autopar.runtime.p2p import P2PNode, SendActivation
 from autopar.runtime.schedules.action import ActionKind
 
 __all__ = ["StageActivations", "stage_activations", "peak_bytes"]
@@ -156,7 +156,7 @@ class _Saves(torch.autograd.Function):
 
 
 def _vocab_cross_entropy_saves(logits, target):
-    """runtime/tp_ops.py: the fp32 softmax of the shard, the local targets and three row masks/counts."""
+    """ops/tp_ops.py: the fp32 softmax of the shard, the local targets and three row masks/counts."""
     rows = tuple(logits.shape[:-1])
     return [torch.empty(tuple(logits.shape), dtype=torch.float32), torch.empty(rows, dtype=torch.long),
             torch.empty(rows, dtype=torch.bool), torch.empty(rows, dtype=torch.bool), torch.empty((), dtype=torch.long)]

@@ -56,7 +56,7 @@ class StateFigures:
 
 def rank_params(stages) -> tuple[list[ParamEntry], int]:
     """(parameters, buffer bytes) of a rank running ``stages``, each tensor once."""
-    from autopar.passes.graph_names import user_name
+    from autopar.ir.graph_names import user_name
 
     seen, params, buffer_bytes = set(), [], 0
     for stage in stages:

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.errors import AutoparError, PlanError
+from autopar.ir.meta_keys import COST, TENSOR, get_meta
 from autopar.lowering import Captured, capture_and_annotate, shard_captured, user_name
 from autopar.memory.activations import stage_activations
 from autopar.memory.states import ParamEntry, rank_params
 from autopar.options import CompileOptions, resolve_plan
 from autopar.passes.collective_audit import audit_collectives
-from autopar.passes.meta_keys import COST, TENSOR, get_meta
 from autopar.passes.moe_detect import find_moe_layers
 from autopar.passes.partition import _allowed_starts, cut_stages, pipeline_segments
 from autopar.passes.pipeline_split import split_graph

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from autopar.errors import PlanError
+from autopar.ir.meta_keys import COST, get_meta
 from autopar.lowering import user_name
-from autopar.passes.meta_keys import COST, get_meta
 from autopar.passes.partition import _allowed_starts, pipeline_segments
 from autopar.planner.stage_cuts import stage_time, weighted_cuts
 from autopar.runtime.schedules.action import Action

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.passes.meta_keys import COST, get_meta
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.meta_keys import COST, get_meta
+from autopar.ir.stage_graph import StageGraph
 from autopar.planning import rank_of
 from autopar.report.nodes import walk
 

@@ -29,7 +29,7 @@ from collections import Counter
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.report.collect import original_graph, stage_graphs
 from autopar.report.nodes import NodeView, describe_node, walk
 

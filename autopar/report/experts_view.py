@@ -1,11 +1,11 @@
 """Expert parallelism in the report: which rank holds which experts, and where tokens move.
 
 Everything is read off the rewritten graphs: each ``MoeDispatch`` / ``MoeCombine`` node carries
-``autopar.moe_exchange`` (:class:`~autopar.passes.meta_keys.MoeExchange`, written by
+``autopar.moe_exchange`` (:class:`~autopar.ir.meta_keys.MoeExchange`, written by
 :mod:`autopar.passes.moe_expert_parallel`): its layer, the ep size, every ep rank's expert range and
 the capacity factor. Which dp indices form an ep group (and an edp group, the ranks holding the same
 experts) is the rule every part reads, :class:`autopar.parallel_dims.ParallelDims`; the capacity is the
-dispatch module's own :meth:`~autopar.runtime.moe_ops.MoeDispatch.capacity` of the rows its input holds.
+dispatch module's own :meth:`~autopar.ops.moe_ops.MoeDispatch.capacity` of the rows its input holds.
 
 :func:`expert_placement` collects the facts; :func:`experts_html` draws them as two tables (ranks x
 layers with the expert ranges and groups; per layer and rank, the all-to-all nodes and their group).
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-from autopar.passes.graph_names import user_name
-from autopar.passes.meta_keys import MOE_EXCHANGE, TENSOR, get_meta
+from autopar.ir.graph_names import user_name
+from autopar.ir.meta_keys import MOE_EXCHANGE, TENSOR, get_meta
 from autopar.parallel_dims import ParallelDims
 from autopar.report.nodes import walk
 

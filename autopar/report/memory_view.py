@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from html import escape
 
-from autopar.passes.meta_keys import PARAM, TENSOR, get_meta
+from autopar.ir.meta_keys import PARAM, TENSOR, get_meta
 from autopar.planning import coords_of
 
 __all__ = ["MemoryTable", "rank_memory", "param_bytes", "memory_html", "format_bytes", "formula_html"]

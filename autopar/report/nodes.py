@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta_keys import MODULE, PARAM, STAGE, TENSOR, TP_PLACEMENT, get_meta
-from autopar.runtime.collectives import GraphCollective
-from autopar.runtime.p2p import RecvActivation, SendActivation
+from autopar.ir.meta_keys import MODULE, PARAM, STAGE, TENSOR, TP_PLACEMENT, get_meta
+from autopar.ops.collectives import GraphCollective
+from autopar.ops.p2p import RecvActivation, SendActivation
 
 __all__ = ["NodeView", "describe_node", "walk", "format_arg", "KINDS"]
 

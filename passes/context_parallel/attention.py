@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.ir.meta_keys import ATTENTION, AttentionInfo, AttnLayout, set_meta
 from autopar.passes.annotate import module_path_of
 from autopar.passes.context_parallel.graph_util import is_op, op_key, param_of, scalar, shape
 from autopar.passes.context_parallel.mask_probe import Frame, Term, classify_visible, probe_terms
-from autopar.passes.meta_keys import ATTENTION, AttentionInfo, AttnLayout, set_meta
 
 __all__ = ["Unrecognised", "AttentionReport", "find_attention", "annotate_attention"]
 

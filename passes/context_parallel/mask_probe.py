@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.ir.meta_keys import MaskInfo
 from autopar.passes.context_parallel.graph_util import ancestors, is_op, param_of, shape, value
-from autopar.passes.meta_keys import MaskInfo
 
 __all__ = ["Term", "Frame", "probe_terms", "classify_visible"]
 

@@ -4,12 +4,12 @@ Given which inputs are cut on the sequence (``input_ids``, ``labels``, ``positio
 of ``attention_mask``: their sequence dim), a :class:`~autopar.passes.context_parallel.seq_place.Place`
 is propagated forward in graph order by the rules of
 :mod:`~autopar.passes.context_parallel.seq_rules`, and every node gets a
-:class:`~autopar.passes.meta_keys.SeqInfo` (``autopar.seq``) naming the rule that placed it:
+:class:`~autopar.ir.meta_keys.SeqInfo` (``autopar.seq``) naming the rule that placed it:
 
 - ``input``: a graph input cut on the sequence; ``replicated``: no sequence in it;
 - ``pointwise``: follows the shard; ``positional`` / ``positions``: computed from positions alone / an
   ``arange`` over the sequence: under cp they must yield the rank's *global* positions
-  (:meth:`~autopar.runtime.context_parallel.layout.CpLayout.positions`);
+  (:meth:`~autopar.ops.context_parallel.layout.CpLayout.positions`);
 - ``attention``: a node of a recognised attention (:mod:`~autopar.passes.context_parallel.attention`),
   replaced by the ring or all-to-all op; ``attention_mask``: a node that only builds attention masks or
   biases (rows at the rank's query positions, columns over every key: the attention op takes them);
@@ -36,13 +36,13 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.ir.meta_keys import SEQ, SeqInfo, set_meta
 from autopar.passes.annotate import module_path_of
 from autopar.passes.context_parallel.attention import AttentionReport, find_attention
 from autopar.passes.context_parallel.graph_util import ancestors, is_op, param_of, shape
 from autopar.passes.context_parallel.rowwise import find_unit
 from autopar.passes.context_parallel.seq_place import Place
 from autopar.passes.context_parallel.seq_rules import RULES, Outcome, Reader, Refuse, family
-from autopar.passes.meta_keys import SEQ, SeqInfo, set_meta
 
 __all__ = ["Refusal", "SeqReport", "analyze_sequence", "annotate_sequence", "default_seq_inputs"]
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 import autopar
+from autopar.ir.dynamic_shapes import SizeExpr, resolve_shape
 from autopar.memory import estimate_memory
 from autopar.models import build_model, lm_loss
+from autopar.ops.p2p import RecvActivation
 from autopar.options import CompileOptions
 from autopar.passes.pipeline_split import size_nodes
-from autopar.planner.profile import profile_model
 from autopar.plan_model import Plan
-from autopar.runtime.dynamic_shapes import SizeExpr, resolve_shape
-from autopar.runtime.p2p import RecvActivation
+from autopar.planner.profile import profile_model
 
 VOCAB = 128
 

@@ -19,7 +19,7 @@ from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.load import read_piece
 from autopar.hf.names import checkpoint_to_program
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.shard_layout import ShardLayout
 from autopar.runtime.checkpoint_layout import Layout, split
 
 pytestmark = pytest.mark.skipif(

@@ -2,7 +2,7 @@
 
 Phi-3 fuses its attention projection, ``qkv_proj = [q | k | v]``; with 4 query heads and 2 kv heads the q
 block is twice the k and v blocks, so tensor parallelism cuts it in unequal blocks (each rank its query heads
-and its kv head: ``ShardLayout(blocks=...)``, passes/shard_layout.py), and ``gate_up_proj`` in 2 equal ones.
+and its kv head: ``ShardLayout(blocks=...)``, ir/shard_layout.py), and ``gate_up_proj`` in 2 equal ones.
 Built as a new user builds it (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``, the folder
 given to ``compile(weights=...)``), each rank reads its pieces of a folder ``save_pretrained`` wrote; it trains
 equal to transformers' own loop on the folder's model (the harness's equivalence: every rank, every dp replica,

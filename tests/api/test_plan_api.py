@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import autopar
+from autopar.ir.shard_layout import ShardLayout
 from autopar.models import build_model, lm_loss
 from autopar.options import CompileOptions
-from autopar.passes.shard_layout import ShardLayout
 from autopar.plan_model import MeshShape, PipelinePlan, Plan
 
 VOCAB = 128

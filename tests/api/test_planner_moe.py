@@ -14,11 +14,11 @@ import autopar
 from autopar.memory import estimate_memory
 from autopar.models import build_model, lm_loss
 from autopar.models.moe import build_moe, moe_loss
+from autopar.ops.moe_ops import moe_exchange_nodes
 from autopar.planner import Candidate, Cluster, CostModel, Device, Link, profile_model, search
+from autopar.planner.candidates import SearchSpace
 from autopar.planner.cost_model import moe_comm
 from autopar.planner.reasons import explain, format_table
-from autopar.planner.candidates import SearchSpace
-from autopar.runtime.moe_ops import moe_exchange_nodes
 
 FAST = Link(latency_s=1e-5, bandwidth=1e9)
 SLOW = Link(latency_s=5e-2, bandwidth=1e6)

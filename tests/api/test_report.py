@@ -11,12 +11,12 @@ import autopar
 from autopar.cli import main
 from autopar.errors import PlanError
 from autopar.models import examples
+from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes
+from autopar.ops.p2p import p2p_nodes
 from autopar.report import graph_diff, render_report, timeline_svg, write_report
 from autopar.report import memory_view
 from autopar.report.collect import graph_groups, original_graph
 from autopar.report.timeline import simulate_plan
-from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
-from autopar.runtime.p2p import p2p_nodes
 from autopar.runtime.schedules.gpipe import gpipe
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
@@ -216,7 +216,7 @@ def test_expert_placement_table_gives_each_ranks_experts_and_groups(moe_page, pa
 
 
 def test_token_movement_lists_each_layers_all_to_all_nodes_on_each_rank(moe_page):
-    from autopar.runtime.moe_ops import moe_exchange_nodes
+    from autopar.ops.moe_ops import moe_exchange_nodes
 
     result, page = moe_page
     graph = graph_groups(result)[0].graph.gm

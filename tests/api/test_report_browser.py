@@ -16,10 +16,10 @@ import torch
 
 import autopar
 from autopar.models import build_model, examples, lm_loss
+from autopar.ops.collectives import collective_nodes
 from autopar.report import write_report
 from autopar.report.collect import graph_groups
 from autopar.report.timeline import simulate_plan
-from autopar.runtime.collectives import collective_nodes
 from equivalence import build
 from schedule_runners import CRITICAL_PATH_CASES, results
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
+from autopar.ir.captured_graph import ItemCount  # noqa: E402
 from autopar.models.hf import HF_RAW, build_hf_raw  # noqa: E402
 from autopar.passes.devices import graph_devices  # noqa: E402
-from autopar.passes.item_count import ItemCount  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "mistral", "qwen3", "mixtral", "bert", "phi3", "gemma")
 
@@ -176,7 +176,7 @@ def test_labels_without_a_model_loss_is_refused():
 
 def _signature(gm):
     """Each node's op, target and shape: what a repeated graph shares with a full capture."""
-    from autopar.passes.meta_keys import TENSOR, get_meta
+    from autopar.ir.meta_keys import TENSOR, get_meta
     return [(n.op, type(gm.get_submodule(n.target)).__name__ if n.op == "call_module" else str(n.target),
              get_meta(n, TENSOR).shape if get_meta(n, TENSOR) else None) for n in gm.graph.nodes]
 

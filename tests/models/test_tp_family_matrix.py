@@ -95,8 +95,8 @@ def _block_collectives(units: dict) -> tuple[tuple, set]:
 def _planned_families() -> dict:
     """{family: ({tp: CoverageReport} at tp=2 and 4, {unit: Counter of collective classes} of rank 0's
     graph at tp=2)}: one capture per family serves both tests."""
-    from autopar.passes.meta_keys import MODULE, get_meta
-    from autopar.runtime.collectives import collective_nodes
+    from autopar.ir.meta_keys import MODULE, get_meta
+    from autopar.ops.collectives import collective_nodes
     logging.disable(logging.WARNING)  # the reports carry every reason the warnings would repeat
     try:
         out = {}

@@ -15,10 +15,10 @@ import torch.fx as fx
 
 import autopar
 from autopar.models import build_model, lm_loss
+from autopar.ops.collectives import TpCopy, TpGather, TpReduce
+from autopar.ops.p2p import RecvActivation, SendActivation
+from autopar.ops.tp_ops import TpGradSum, TpGroupGradSum
 from autopar.passes.capture import capture
-from autopar.runtime.collectives import TpCopy, TpGather, TpReduce
-from autopar.runtime.p2p import RecvActivation, SendActivation
-from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum
 
 __all__ = ["BATCH", "SEQ", "example_batch", "tiny_model", "captured", "planned", "run_forward", "call_nodes"]
 

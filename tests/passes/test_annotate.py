@@ -1,4 +1,4 @@
-"""passes/annotate.py and passes/meta_keys.py: the meta-key registry, FLOPs, bytes, module paths, tied params."""
+"""passes/annotate.py and ir/meta_keys.py: the meta-key registry, FLOPs, bytes, module paths, tied params."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from autopar.ir.meta_keys import (
+    COST, META_KEYS, MODULE, PARAM, TENSOR, NodeCost, get_meta, set_meta,
+)
 from autopar.models import lm_loss
 from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import (
-    COST, META_KEYS, MODULE, PARAM, TENSOR, NodeCost, get_meta, set_meta,
-)
 
 from graph_runner import captured, example_batch, tiny_model
 

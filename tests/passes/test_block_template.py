@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 import autopar
+from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.models import build_model, lm_loss
 from autopar.passes.block_template import MIN_BLOCKS, capture_blocks, find_block_template
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import TENSOR, get_meta
 
 
 def _signature(gm):

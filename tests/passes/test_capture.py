@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 import autopar
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.models import build_model, lm_loss
 from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import MODULE, get_meta
 
 from graph_runner import captured as cached_capture
 

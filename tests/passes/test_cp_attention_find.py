@@ -18,10 +18,10 @@ import torch.nn as nn
 
 pytest.importorskip("transformers")
 
+from autopar.ir.meta_keys import ATTENTION, get_meta  # noqa: E402
 from autopar.passes.annotate import module_path_of  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.context_parallel.attention import annotate_attention, find_attention  # noqa: E402
-from autopar.passes.meta_keys import ATTENTION, get_meta  # noqa: E402
 from cp_families import CAPTURES, SEQ, captured  # noqa: E402
 
 KV_HEADS = {"llama": 2, "qwen3": 2, "mistral": 2, "gemma2": 2, "gpt2": 4, "falcon_mq": 1, "bert": 4, "mixtral": 2,

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autopar.ir.meta_keys import MOE, MOE_LAYER, get_meta
 from autopar.models.moe import build_hf_moe, build_moe, moe_loss
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import MOE, MOE_LAYER, get_meta
 from autopar.passes.moe_detect import annotate_moe, find_moe_layers
 
 HF = importlib.util.find_spec("transformers") is not None

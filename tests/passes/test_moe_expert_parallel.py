@@ -8,11 +8,11 @@ import autopar
 from autopar.errors import PlanError, ShardingError
 from autopar.models import build_model, lm_loss
 from autopar.models.moe import build_moe, moe_loss
+from autopar.ops.moe_ops import DpMean, MoeCombine, MoeDispatch
 from autopar.passes.capture import capture
 from autopar.passes.lowering_state import LoweringState
 from autopar.passes.moe_expert_parallel import shard_experts
 from autopar.plan_model import MeshShape
-from autopar.runtime.moe_ops import DpMean, MoeCombine, MoeDispatch
 
 EP = dict(expert_parallel=2, zero_stage=0, num_microbatches=1)
 
@@ -147,7 +147,7 @@ def test_memory_calculator_counts_the_experts_split_over_ep_and_cut_over_tp():
 
 
 def test_capacity_keeps_the_first_rows_of_each_expert():
-    from autopar.runtime.moe_ops import _keep
+    from autopar.ops.moe_ops import _keep
     ids = torch.tensor([2, 0, 2, 2, 1, 0, 2])
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=4)

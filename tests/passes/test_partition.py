@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import autopar
+from autopar.ir.meta_keys import MODULE, STAGE, get_meta
 from autopar.models import lm_loss
 from autopar.passes.annotate import annotate
 from autopar.passes.capture import capture
-from autopar.passes.meta_keys import MODULE, STAGE, get_meta
 from autopar.passes.partition import balanced_cuts, cut_stages, pipeline_segments
 
 from graph_runner import call_nodes, example_batch, planned, tiny_model

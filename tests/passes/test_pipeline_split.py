@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from autopar.runtime.p2p import RecvActivation, SendActivation, p2p_nodes
+from autopar.ops.p2p import RecvActivation, SendActivation, p2p_nodes
 
 from graph_runner import planned, reference_loss, run_forward
 

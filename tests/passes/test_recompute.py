@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import autopar
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.memory import stage_activations
 from autopar.models import build_model, lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.passes.recompute import Recompute, apply_recompute, recompute_modules, recompute_regions
-from autopar.runtime.collectives import TpCopy, TpReduce
+from autopar.ops.collectives import TpCopy, TpReduce
+from autopar.ops.p2p import p2p_nodes
+from autopar.ops.recompute import Recompute, recompute_modules
+from autopar.passes.recompute import apply_recompute, recompute_regions
 from autopar.runtime.memory_probe import SavedLedger
-from autopar.runtime.p2p import p2p_nodes
 from case_marks import by_world
 from equivalence import assert_equivalent, reference_run
 from memory_harness import RECOMPUTE, results

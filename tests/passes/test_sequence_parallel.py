@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import autopar
+from autopar.ir.meta_keys import MODULE, TENSOR, get_meta
 from autopar.models import lm_loss
-from autopar.passes.meta_keys import MODULE, TENSOR, get_meta
-from autopar.runtime.collectives import (SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter,
+from autopar.ops.collectives import (SpAllGather, SpReduceScatter, TpCopy, TpGather, TpReduce, TpScatter,
                                          collective_nodes)
-from autopar.runtime.tp_ops import SpGatherLinear
-from autopar.runtime.tp_rng import ShardedRandom
+from autopar.ops.tp_ops import SpGatherLinear
+from autopar.ops.tp_rng import ShardedRandom
 
 from graph_runner import example_batch, planned, tiny_model
 

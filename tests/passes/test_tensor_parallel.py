@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import autopar
+from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.models import build_model, lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
+from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes
 from autopar.passes.tp_rules import NoRule, view_dim_map
-from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes
 
 from graph_runner import example_batch, planned, reference_loss, run_forward, tiny_model
 

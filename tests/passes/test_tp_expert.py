@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.passes.shard_layout import ShardLayout
-from autopar.runtime.collectives import TpCopy, TpReduce
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.collectives import TpCopy, TpReduce
 
 from autopar.models.hf import build_hf_raw, hf_raw_example
 from autopar.models.moe import build_moe, moe_loss

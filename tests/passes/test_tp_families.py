@@ -17,10 +17,10 @@ import torch
 pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
-from autopar.passes.meta_keys import MODULE, get_meta  # noqa: E402
-from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
-from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum  # noqa: E402
-from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402
+from autopar.ir.meta_keys import MODULE, get_meta  # noqa: E402
+from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
+from autopar.ops.tp_ops import TpGradSum, TpGroupGradSum  # noqa: E402
+from autopar.ops.tp_reduce_ops import TpPartialSum  # noqa: E402
 from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss, reference  # noqa: E402

@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.ir.meta_keys import TP_PLACEMENT, get_meta
 from autopar.models.examples import gpt_tiny
-from autopar.passes.meta_keys import TP_PLACEMENT, get_meta
-from autopar.runtime.collectives import TpCopy, TpGather, collective_nodes
+from autopar.ops.collectives import TpCopy, TpGather, collective_nodes
 
 
 class PatchHead(nn.Module):

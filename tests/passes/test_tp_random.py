@@ -1,10 +1,10 @@
-"""passes/tp_random.py, runtime/tp_rng.py: sharded-region random ops on a per-rank stream."""
+"""passes/tp_random.py, ops/tp_rng.py: sharded-region random ops on a per-rank stream."""
 from __future__ import annotations
 
 import torch
 
-from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.runtime.tp_rng import TP_RNG_OFFSET, ShardedRandom, TpRngTracker, tp_rng_seed
+from autopar.ir.meta_keys import MODULE, get_meta
+from autopar.ops.tp_rng import TP_RNG_OFFSET, ShardedRandom, TpRngTracker, tp_rng_seed
 
 from graph_runner import planned
 

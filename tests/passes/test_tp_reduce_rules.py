@@ -18,15 +18,15 @@ import torch.fx as fx
 pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
+from autopar.ir.meta_keys import MODULE, TENSOR, Placement, TensorInfo, get_meta  # noqa: E402
 from autopar.models.hf import build_hf_raw, hf_raw_example  # noqa: E402
-from autopar.passes.meta_keys import MODULE, TENSOR, Placement, TensorInfo, get_meta  # noqa: E402
+from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
+from autopar.ops.tp_ops import TpGradSum  # noqa: E402
+from autopar.ops.tp_reduce_ops import TpPartialSum  # noqa: E402
 from autopar.passes.tp_errors import NoRule  # noqa: E402
 from autopar.passes.tp_pullback_rules import embedding_back, index_back  # noqa: E402
 from autopar.passes.tp_reduce_rules import PARTIAL, partial_sum_rule  # noqa: E402
 from autopar.passes.tp_rules import reduce_dims  # noqa: E402
-from autopar.runtime.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
-from autopar.runtime.tp_ops import TpGradSum  # noqa: E402
-from autopar.runtime.tp_reduce_ops import TpPartialSum  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss  # noqa: E402
 
 

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.ir.meta_keys import MODULE, get_meta
+from autopar.ir.shard_layout import ShardLayout
 from autopar.models import lm_loss
-from autopar.passes.meta_keys import MODULE, get_meta
-from autopar.passes.shard_layout import ShardLayout
-from autopar.runtime.collectives import TpCopy, TpGather, TpReduce, collective_nodes
-from autopar.runtime.tp_ops import VocabParallelCrossEntropy
+from autopar.ops.collectives import TpCopy, TpGather, TpReduce, collective_nodes
+from autopar.ops.tp_ops import VocabParallelCrossEntropy
 
 from graph_runner import example_batch, planned, tiny_model
 

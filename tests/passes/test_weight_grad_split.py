@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.passes.pipeline_split import StageGraph
+from autopar.ir.stage_graph import StageGraph
 from autopar.passes.weight_grad_split import expose_stage_weight_uses
 from autopar.runtime.executor import _backward_input, _backward_weight
 
@@ -74,8 +74,8 @@ def test_grouped_weight_gradients_equal_one_call_per_use_and_full_backward():
 
 
 def _run(stage, actions: str, x_batches):
+    from autopar.ops.p2p import P2PChannel
     from autopar.runtime.executor import run_actions
-    from autopar.runtime.p2p import P2PChannel
     from autopar.runtime.schedules.action import Action
     parsed = tuple(Action(int(a[0]), a[1], int(a[2:])) for a in actions.split())
     channel = P2PChannel(rank=0, stage_to_rank={0: 0})

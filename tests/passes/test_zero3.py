@@ -9,8 +9,8 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.models import build_model, lm_loss
-from autopar.runtime.collectives import collective_nodes
-from autopar.runtime.zero3_ops import ZeroFree, ZeroGather
+from autopar.ops.collectives import collective_nodes
+from autopar.ops.zero3_ops import ZeroFree, ZeroGather
 
 
 def _plan(mesh=(2, 1, 1), **options):
@@ -77,7 +77,7 @@ def _moe_plan(dp):
 
 
 def _gathers_by_axis(result):
-    from autopar.passes.graph_names import user_name
+    from autopar.ir.graph_names import user_name
     gm = result.graph(0)
     out = {}
     for node in collective_nodes(gm, ZeroGather):

@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import GraphCollective, TpCopy, TpGather, TpReduce, TpScatter
-from autopar.runtime.p2p import RecvActivation, SendActivation
-from autopar.runtime.tp_ops import TpGradSum, TpGroupGradSum, VocabParallelCrossEntropy
-from autopar.runtime.tp_reduce_ops import TpPartialSum
+from autopar.ops.collectives import GraphCollective, TpCopy, TpGather, TpReduce, TpScatter
+from autopar.ops.p2p import RecvActivation, SendActivation
+from autopar.ops.tp_ops import TpGradSum, TpGroupGradSum, VocabParallelCrossEntropy
+from autopar.ops.tp_reduce_ops import TpPartialSum
 
 __all__ = ["run_train", "shard_of"]
 

@@ -276,3 +276,20 @@ def test_a_rule_is_frozen_keyword_data_whose_pipemare_has_no_warmup_by_default()
         rule.num_stages = 2
     with pytest.raises(TypeError):
         StalenessRule("pipedream", 2)
+
+
+def test_an_asynchronous_program_refuses_a_partial_batch_with_its_shapes():
+    """A batch cut into fewer microbatches than compiled is autopar's PlanError naming the count and the first
+    microbatch's shapes (its message once read an undefined name: a NameError instead)."""
+    from types import SimpleNamespace
+
+    import autopar
+    from autopar.runtime.program_surface import ProgramSurface
+    stages = object()
+    microbatch = {"idx": torch.zeros(2, 16, dtype=torch.long), "target": torch.zeros(2, 16, dtype=torch.long)}
+    program = SimpleNamespace(stages=stages, info=SimpleNamespace(rank=1),
+                              batching=SimpleNamespace(count=4, cut=lambda tensors: ([microbatch] * 3, [stages] * 3)))
+    with pytest.raises(autopar.PlanError) as info:
+        ProgramSurface._microbatches(program, ())
+    assert "makes 3 microbatches (of 4), the first shaped {'idx': (2, 16), 'target': (2, 16)}" in info.value.what
+    assert info.value.where == "rank 1, train_step" and "drop_last=True" in info.value.fix

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from autopar.errors import CheckpointError
+from autopar.ir.shard_layout import ShardLayout
 from autopar.runtime import checkpoint_files as files
-from autopar.passes.shard_layout import ShardLayout
 from autopar.runtime.checkpoint_layout import Layout, join, split
 from equivalence import Case, assert_equivalent, build, reference_run
 

@@ -136,7 +136,7 @@ def _param_bytes(rank: dict) -> int:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_bytes_match_zero_theory(dp: int, stage: int):
     """DDP, ZeRO-1, ZeRO-2 send 2Ψ(N-1)/N per step; ZeRO-3 3Ψ(N-1)/N (1.5x), Ψ padded to N."""
-    from autopar.runtime.comm_audit import theory_bytes
+    from autopar.ops.comm_audit import theory_bytes
     base = _result(AUDIT[(dp, 0, "sgd")])["ranks"]
     for rank, ref in zip(_result(AUDIT[(dp, stage, "sgd")])["ranks"], base):
         psi = _param_bytes(ref)

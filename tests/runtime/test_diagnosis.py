@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from autopar.cli import main
-from autopar.runtime import flight_record
+from autopar.ops import flight_record
+from autopar.ops.flight_record import ACTION, DONE, RECV, SEND, STEP, WAITING, FlightRecord
 from autopar.runtime.diagnosis import RankView, diagnose, read_run
-from autopar.runtime.flight_record import ACTION, DONE, RECV, SEND, STEP, WAITING, FlightRecord
 from autopar.runtime.flight_watch import Report, write_report
 
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from autopar.runtime.flight_record import ACTION, DONE, RECV, SEND, WAITING, FlightRecord, read_record
+from autopar.ops.flight_record import ACTION, DONE, RECV, SEND, WAITING, FlightRecord, read_record
 from autopar.runtime.diagnosis import RankView
 from autopar.runtime.stragglers import MIN_EXCESS_S, RATIO, find_stragglers
 

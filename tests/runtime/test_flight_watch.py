@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from autopar.runtime.flight_record import ACTION, FlightRecord
+from autopar.ops.flight_record import ACTION, FlightRecord
 from autopar.runtime.flight_watch import JobWatch
 
 BEAT = 0.2
@@ -78,7 +78,7 @@ def test_the_heartbeat_thread_diagnoses_a_wait_past_the_deadline_by_itself():
 _EXIT_WHILE_BEATING = """
 import datetime, socket, sys, time
 import torch.distributed as dist
-from autopar.runtime.flight_record import FlightRecord
+from autopar.ops.flight_record import FlightRecord
 from autopar.runtime.flight_watch import JobWatch
 
 with socket.socket() as s:

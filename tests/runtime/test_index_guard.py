@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autopar
+from autopar.ir.meta_keys import INDEX_BOUND, get_meta
 from autopar.models import build_model, lm_loss
-from autopar.passes.meta_keys import INDEX_BOUND, get_meta
 
 import shared_groups as groups
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import autopar
+from autopar.ir.captured_graph import ItemCount
 from autopar.models import build_model, lm_loss
-from autopar.passes.item_count import ItemCount
 from autopar.runtime.item_count import add_item_counts, add_loss_weights, count_labels, weighted_loss
 
 SPEC = ItemCount(labels="labels", shift=0, input="w")

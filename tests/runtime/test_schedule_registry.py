@@ -24,7 +24,7 @@ from autopar.runtime.schedules.registry import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCES = ("autopar", "passes", "runtime", "models")  # the product (bench/ picks peers to race: not a registry)
+SOURCES = ("autopar", "ir", "ops", "passes", "runtime", "models")  # the product (bench/ picks peers to race: not a registry)
 REGISTRY = ROOT / "runtime" / "schedules" / "registry.py"
 # StalenessRule's own kinds ("pipedream", "2bw", "pipemare"): a vocabulary of weight-version rules, not families
 #: lists naming families that are not the registry's table: the schedules staleness rules cover, and the ones

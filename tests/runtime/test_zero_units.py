@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
-from autopar.parallel_dims import ParallelDims
-from autopar.runtime.rank_context import AxisGroup, MeshInfo
+from autopar.ops.comm_audit import CommLog, theory_bytes
 from autopar.options import CompileOptions
+from autopar.parallel_dims import ParallelDims
 from autopar.plan_model import MeshShape
-from autopar.runtime.comm_audit import CommLog, theory_bytes
 from autopar.runtime.ddp_buckets import plan_buckets
+from autopar.runtime.rank_context import AxisGroup, MeshInfo
 from autopar.runtime.zero import ShardedOptimizer, check_elementwise, stepped_here
 
 

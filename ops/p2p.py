@@ -8,12 +8,12 @@ gradients happens inside it, in autograd's order, matched by tags (edge, microba
 
 The nodes talk through a :class:`P2PChannel` (bound by the runtime) that knows which global rank
 runs each stage; stages on the same rank hand values over locally. With the rank's
-:class:`~autopar.runtime.comm_guard.CommGuard` carrying a flight record, every send and every
+:class:`~autopar.ops.comm_guard.CommGuard` carrying a flight record, every send and every
 receive's wait is an entry of it (peer, edge, microbatch), and a receive that fails runs the
 job-wide diagnosis before its error is raised (:mod:`autopar.runtime.flight_watch`).
 
 An edge whose shape follows a symbolic input dim (a sequence length that changes per batch) holds
-``dims``, its shape with :class:`~autopar.runtime.dynamic_shapes.SizeExpr` entries; the executor
+``dims``, its shape with :class:`~autopar.ir.dynamic_shapes.SizeExpr` entries; the executor
 sets ``channel.sizes`` ({symbol: size}) for each microbatch before its forward, and the recv node
 receives into a buffer of the shape they give. The send node checks its tensor against the same
 shape, so a shape the receiver would not expect is autopar's error, not a garbled transfer.
@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError, ScheduleError
-from autopar.runtime.dynamic_shapes import is_symbolic, resolve_shape
-from autopar.runtime.flight_record import DONE, RECV, SEND, WAITING
+from autopar.ir.dynamic_shapes import is_symbolic, resolve_shape
+from autopar.ops.flight_record import DONE, RECV, SEND, WAITING
 
 __all__ = ["P2PChannel", "P2PNode", "SendActivation", "RecvActivation", "p2p_nodes", "forward_receives"]
 

@@ -7,7 +7,7 @@ export gave it), the inputs and tensor dims that carry it, the range a batch may
 export, ``high`` the bound: the model's own maximum or the user's ``max_seq_len``) and the multiple
 the plan needs (``tp`` under sequence parallelism). :class:`SizeExpr` is a size written in those
 symbols (a pipeline edge's ``[rows, seq, hidden]``), evaluated per microbatch by the pipeline's
-send and recv nodes (:mod:`autopar.runtime.p2p`).
+send and recv nodes (:mod:`autopar.ops.p2p`).
 
 Example::
 

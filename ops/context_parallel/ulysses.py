@@ -13,7 +13,7 @@ all-to-all gives every rank back all heads of its own shard::
 
 The gathered sequence is in *layout order* (rank 0's shard, rank 1's, ...; with the load-balanced
 layout not the global order): masks are built from each token's global position
-(:func:`~autopar.runtime.context_parallel.block_math.visible`), so no reordering is needed.
+(:func:`~autopar.ops.context_parallel.block_math.visible`), so no reordering is needed.
 
 Needs the query heads to divide by cp (the heads a tp rank holds, under tp); kv heads divide by cp,
 or cp by them (each kv head is then repeated to ``cp / Hkv`` ranks, multi-query included). The
@@ -23,8 +23,8 @@ per-head rows take the same all-to-all as q, shared rows are all-gathered. gloo 
 
 Example (a world of one: both exchanges are the identity)::
 
-    >>> from autopar.runtime.context_parallel.block_math import AttentionSpec
-    >>> from autopar.runtime.context_parallel.layout import CpLayout
+    >>> from autopar.ops.context_parallel.block_math import AttentionSpec
+    >>> from autopar.ops.context_parallel.layout import CpLayout
     >>> a2a = UlyssesAttention(axis="cp", size=1, layout=CpLayout(seq_len=8, cp=1),
     ...                        spec=AttentionSpec(scale=0.5, causal=True))
     >>> a2a.extra_repr()
@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.runtime.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
-from autopar.runtime.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_scores, grouped,
+from autopar.ops.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
+from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_scores, grouped,
                                                           visible)
-from autopar.runtime.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.layout import CpLayout
 
 __all__ = ["UlyssesAttention", "ulysses_attention", "dense_attention", "seq_to_heads", "heads_to_seq"]
 

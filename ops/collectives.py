@@ -1,7 +1,7 @@
 """autopar's differentiable collectives, inserted into graphs as visible ``call_module`` nodes.
 
 Each module names the mesh axis it communicates over; the runtime binds the axis to a process
-group, and the rank's :class:`~autopar.runtime.comm_guard.CommGuard`, before the graph runs
+group, and the rank's :class:`~autopar.ops.comm_guard.CommGuard`, before the graph runs
 (:func:`bind_collectives`): every collective then waits at most ``p2p_timeout_s`` and a missed
 one is a RuntimeCommError naming the node. Unbound (a plan read in a plain process), calling
 one raises. ``meta_forward`` gives the output's shape for shape propagation, and
@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import RuntimeCommError
-from autopar.passes.shard_layout import ShardLayout
-from autopar.runtime.comm_guard import CommGuard
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.comm_guard import CommGuard
 
 __all__ = ["GraphCollective", "TpCopy", "TpReduce", "SpAllGather", "SpReduceScatter", "TpGather",
            "TpScatter", "Comm", "bind_collectives", "collective_nodes", "all_gather_dim",

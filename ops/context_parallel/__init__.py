@@ -1,4 +1,4 @@
-"""Context parallelism's runtime ops (installed as ``autopar.runtime.context_parallel``): the sequence cut over cp.
+"""Context parallelism's ops (installed as ``autopar.ops.context_parallel``): the sequence cut over cp.
 
 Phase 1 (issue 36): the ops and the layout stand alone and are tested against one device; no pass inserts
 them into a graph yet and no program builds a cp group (docs/context_parallel.md lists what the

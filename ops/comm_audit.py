@@ -3,7 +3,7 @@
 Every dp collective of the runtime (DDP buckets, ZeRO reductions and broadcasts, ZeRO-3's graph
 gathers, DataParallel's scatter/gather) goes through the wrappers here, which append one
 :class:`CommRecord` to the program's :class:`CommLog` and run the collective under the log's
-:class:`~autopar.runtime.comm_guard.CommGuard` (a deadline and autopar's error; the handle an
+:class:`~autopar.ops.comm_guard.CommGuard` (a deadline and autopar's error; the handle an
 ``async_op=True`` call returns keeps both). A record holds the payload and the bytes
 *this rank sends* under the bandwidth-optimal ring algorithms, for a group of N ranks and a
 payload of n bytes (the whole, unsharded buffer):
@@ -25,7 +25,7 @@ forward/backward pass.
 
 Example::
 
-    >>> from autopar.runtime.comm_audit import theory_bytes
+    >>> from autopar.ops.comm_audit import theory_bytes
     >>> theory_bytes(zero_stage=3, param_bytes=1000, dp=2) / theory_bytes(zero_stage=0, param_bytes=1000, dp=2)
     1.5
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.comm_guard import CommGuard
+from autopar.ops.comm_guard import CommGuard
 
 __all__ = ["CommRecord", "CommLog", "all_reduce", "reduce", "broadcast", "all_gather_into",
            "reduce_scatter_into", "scatter", "gather", "theory_bytes"]
@@ -58,7 +58,7 @@ class CommLog:
     """The dp collectives of one training step (reset by the program at each step's start)."""
 
     records: list[CommRecord] = field(default_factory=list)
-    guard: CommGuard | None = None  # the program's deadline for these collectives (runtime/comm_guard.py)
+    guard: CommGuard | None = None  # the program's deadline for these collectives (ops/comm_guard.py)
 
     def reset(self) -> None:
         self.records.clear()

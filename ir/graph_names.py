@@ -1,6 +1,6 @@
 """Names in a captured graph, as the user's model spells them.
 
-Capture roots the model under ``MODEL_PREFIX`` (:mod:`autopar.passes.capture`): a parameter the
+Capture (:mod:`autopar.passes.capture`) roots the model under ``MODEL_PREFIX``: a parameter the
 user calls ``blocks.0.mlp.fc.weight`` is the graph attribute ``model.blocks.0.mlp.fc.weight``.
 The compiler, the planner and the runtime all name parameters to the user through this one function.
 
@@ -13,9 +13,9 @@ Example::
 """
 from __future__ import annotations
 
-from autopar.passes.capture import MODEL_PREFIX
+__all__ = ["MODEL_PREFIX", "user_name"]
 
-__all__ = ["user_name"]
+MODEL_PREFIX = "model"  # the attribute capture's wrappers hold the user's model as (passes/capture.py)
 
 
 def user_name(graph_name: str) -> str:

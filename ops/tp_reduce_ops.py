@@ -9,7 +9,7 @@ local sum of a dim whose pieces each sit on ``tp / parts`` ranks).
 
 Backward is the identity (times ``scale``), Megatron's g: the result is read replicated, and where
 the region reads it back on its shards the gradient is already summed over tp by the f there
-(a :class:`~autopar.runtime.tp_ops.TpGradSum`), so every rank's gradient of the result is the whole one;
+(a :class:`~autopar.ops.tp_ops.TpGradSum`), so every rank's gradient of the result is the whole one;
 what each rank's slice of the input gets is its own part of it.
 
 Example (one process, world of one)::
@@ -20,7 +20,7 @@ Example (one process, world of one)::
 """
 from __future__ import annotations
 
-from autopar.runtime.collectives import Comm, GraphCollective, _ReduceFromRegion
+from autopar.ops.collectives import Comm, GraphCollective, _ReduceFromRegion
 
 __all__ = ["TpPartialSum"]
 

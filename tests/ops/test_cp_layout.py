@@ -1,4 +1,4 @@
-"""The cp layout and its batch helpers (runtime/context_parallel/layout.py), in one process."""
+"""The cp layout and its batch helpers (ops/context_parallel/layout.py), in one process."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import PlanError
-from autopar.runtime.context_parallel.layout import CpLayout, document_ids, join_batch, shard_batch
+from autopar.ops.context_parallel.layout import CpLayout, document_ids, join_batch, shard_batch
 
 
 def test_load_balanced_ranks_hold_chunk_i_and_its_mirror():

@@ -1,4 +1,4 @@
-"""Context parallelism's attention ops against one device (runtime/context_parallel/ring.py, ulysses.py).
+"""Context parallelism's attention ops against one device (ops/context_parallel/ring.py, ulysses.py).
 
 Every case of tests/cp_runners.py (causal or not, padding, sliding windows, GQA and MQA, packed
 documents, ALiBi, a learned bias, soft-capping, the load-balanced and the contiguous layout, value

@@ -1,7 +1,7 @@
 """Ring attention over the cp ranks: K/V blocks passed around the ring, the softmax merged online.
 
 Each cp rank holds its shard of q, k and v (``[B, H, L, D]``, ``L = seq / cp``, in the layout of
-:class:`~autopar.runtime.context_parallel.layout.CpLayout`). Forward, in ``cp`` steps::
+:class:`~autopar.ops.context_parallel.layout.CpLayout`). Forward, in ``cp`` steps::
 
     step 0           step 1           step 2           step 3          (cp = 4; Ki = rank i's K/V block)
     r0: q0 . K0      r0: q0 . K3      r0: q0 . K2      r0: q0 . K1
@@ -12,7 +12,7 @@ Each cp rank holds its shard of q, k and v (``[B, H, L, D]``, ``L = seq / cp``, 
           (one ``batch_isend_irecv``, started before the step's compute so the two overlap)
 
 Every block's output and log-sum-exp are merged into the running result in fp32
-(:func:`~autopar.runtime.context_parallel.block_math.merge`). Within a step each (query run, key run)
+(:func:`~autopar.ops.context_parallel.block_math.merge`). Within a step each (query run, key run)
 pair of the two shards is a sub-block, skipped when no pair in it may meet (a causal future, keys out
 of the sliding window, no shared document, an all-masked piece of the dense mask); with the
 load-balanced layout a rank's two chunks make the causal work equal on every rank.
@@ -29,8 +29,8 @@ cannot be reproduced on shards).
 
 Example (a world of one: the ring is this rank alone)::
 
-    >>> from autopar.runtime.context_parallel.block_math import AttentionSpec
-    >>> from autopar.runtime.context_parallel.layout import CpLayout
+    >>> from autopar.ops.context_parallel.block_math import AttentionSpec
+    >>> from autopar.ops.context_parallel.layout import CpLayout
     >>> ring = RingAttention(axis="cp", size=1, layout=CpLayout(seq_len=8, cp=1),
     ...                      spec=AttentionSpec(scale=0.5, causal=True))
     >>> ring.extra_repr()
@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.runtime.collectives import Comm, GraphCollective
-from autopar.runtime.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_backward,
+from autopar.ops.collectives import Comm, GraphCollective
+from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_backward,
                                                           block_forward, grouped, merge)
-from autopar.runtime.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.layout import CpLayout
 
 __all__ = ["RingAttention", "ring_attention", "RingPass"]
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.passes.shard_layout import ShardLayout
-from autopar.runtime.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
+from autopar.ir.shard_layout import ShardLayout
+from autopar.ops.collectives import (Comm, GraphCollective, _CopyToRegion, all_gather_dim, issue,
                                          reduce_scatter_dim)
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGatherLinear", "TpGradSum",
@@ -37,7 +37,7 @@ __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "SpGathe
 
 def local_shard(x: torch.Tensor, *, dim: int, rank: int, size: int, chunks: int = 1, parts: int = 0,
                 inner: int | None = None, blocks: tuple = ()) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``x`` over ``size`` ranks as :class:`~autopar.passes.shard_layout.ShardLayout`
+    """Rank ``rank``'s piece of ``x`` over ``size`` ranks as :class:`~autopar.ir.shard_layout.ShardLayout`
     ``(dim, chunks, parts, inner, blocks)`` cuts it, a new tensor.
 
     In a graph it cuts a value without a gradient (a mask, ALiBi slopes) that a region reads sharded.

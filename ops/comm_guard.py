@@ -5,7 +5,7 @@ default, and the subgroups a DeviceMesh makes get that default whatever ``init_p
 was given. So a rank that skipped an all-reduce (it raised, it runs another schedule, it died
 without its socket closing) would hang its peers for half an hour. Instead the runtime issues
 each collective asynchronously and waits on it for at most ``p2p_timeout_s`` (the same option
-as the pipeline's p2p waits, :mod:`autopar.runtime.p2p`); a missed deadline or a failed peer
+as the pipeline's p2p waits, :mod:`autopar.ops.p2p`); a missed deadline or a failed peer
 raises :class:`autopar.errors.RuntimeCommError` naming this rank, the stage and action running
 (or the phase of the step), the collective, its purpose and the global ranks of its group, and
 what to do.
@@ -23,7 +23,7 @@ timeout, and only their errors are translated.
 After a timeout the group is unusable (the peer that arrives late pairs with nothing): the step
 is lost, and the job should stop and resume from its last checkpoint (docs/checkpoints.md).
 
-With a flight record (:mod:`autopar.runtime.flight_record`), each collective is an entry (op,
+With a flight record (:mod:`autopar.ops.flight_record`), each collective is an entry (op,
 purpose, group, its number in the group), marked waiting while this rank blocks in it and done or
 failed after; ``on_failure`` (the job-wide watch, :mod:`autopar.runtime.flight_watch`) runs the
 diagnosis before the error is raised, and its one-line summary joins the error's message.
@@ -67,7 +67,7 @@ class CommGuard:
     rank: int
     timeout_s: float
     place: Callable[[], str] = field(default=lambda: "")  # the stage and action running, or the phase
-    flight: object = None  # this rank's FlightRecord (runtime/flight_record.py), or None
+    flight: object = None  # this rank's FlightRecord (ops/flight_record.py), or None
     on_failure: Callable[[str], str] | None = None  # the job-wide diagnosis (runtime/flight_watch.py)
     _ranks: dict = field(default_factory=dict, repr=False)  # id(group) -> (group, its global ranks)
 

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import Comm, GraphCollective, issue
+from autopar.ops.collectives import Comm, GraphCollective, issue
 
 __all__ = ["MoeDispatch", "MoeCombine", "DpMean", "all_to_all_rows", "moe_exchange_nodes", "dropped_rows"]
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.ir.shard_layout import ZERO3
+from autopar.ops import comm_audit as comm
+from autopar.ops.collectives import GraphCollective
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.shard_layout import ZERO3
-from autopar.runtime import comm_audit as comm
-from autopar.runtime.collectives import GraphCollective
 
 __all__ = ["ZeroGather", "ZeroFree", "Zero3Runtime", "Zero3Shard", "shard_zero3_parameters", "full_parameters",
            "bind_zero3", "padded_numel", "zero3_targets", "zero3_shards"]
@@ -59,7 +59,7 @@ class Zero3Shard:
 
 class Zero3Runtime:
     """One stage graph's ZeRO-3 state at run time: the comm log and prefetched gathers (each gather
-    communicates over the group its axis is bound to: :func:`autopar.runtime.collectives.bind_collectives`)."""
+    communicates over the group its axis is bound to: :func:`autopar.ops.collectives.bind_collectives`)."""
 
     def __init__(self, gm, *, comm_log=None):
         self.gm, self.comm_log = gm, comm_log

@@ -1,6 +1,6 @@
 """Context parallelism's attention ops in one process: the block arithmetic, the graph nodes, the refusals.
 
-The spawned cp=2 and cp=4 groups are tests/runtime/test_cp_attention.py; here every case of
+The spawned cp=2 and cp=4 groups are tests/ops/test_cp_attention.py; here every case of
 tests/cp_runners.py also runs at cp=1 (both strategies, the load-balanced layout's two chunks).
 """
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError, RuntimeCommError
-from autopar.runtime.collectives import collective_nodes
-from autopar.runtime.context_parallel.block_math import AttentionSpec, KeyBlock, block_forward, grouped, merge
-from autopar.runtime.context_parallel.layout import CpLayout
-from autopar.runtime.context_parallel.ring import RingAttention, ring_attention
-from autopar.runtime.context_parallel.ulysses import UlyssesAttention, ulysses_attention
+from autopar.ops.collectives import collective_nodes
+from autopar.ops.context_parallel.block_math import AttentionSpec, KeyBlock, block_forward, grouped, merge
+from autopar.ops.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.ring import RingAttention, ring_attention
+from autopar.ops.context_parallel.ulysses import UlyssesAttention, ulysses_attention
 from cp_runners import CASES, _compare, run_one
 
 SPEC = AttentionSpec(scale=0.35, causal=True)

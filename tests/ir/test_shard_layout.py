@@ -1,4 +1,4 @@
-"""ShardLayout (passes/shard_layout.py): every rank's piece against an oracle written here, and the round trips.
+"""ShardLayout (ir/shard_layout.py): every rank's piece against an oracle written here, and the round trips.
 
 The oracle cuts a tensor of distinct values with torch's own ``split``/``chunk``, block by block, as the
 layouts are documented (rank r holds piece ``r * ways // size`` of a block cut ``ways`` ways; the inner dim's
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from autopar.errors import PlanError
-from autopar.passes.shard_layout import EXPERTS, ZERO3, ShardLayout
+from autopar.ir.shard_layout import EXPERTS, ZERO3, ShardLayout
 from autopar.plan_model import Plan
 
 

@@ -12,7 +12,7 @@ Example::
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> from autopar.passes.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
-    >>> from autopar.passes.meta_keys import TENSOR, get_meta
+    >>> from autopar.ir.meta_keys import TENSOR, get_meta
     >>> node = next(n for n in gm.graph.nodes if n.op == "call_function")   # the positions' arange
     >>> get_meta(node, TENSOR).shape, get_meta(node, TENSOR).dtype
     ((32,), torch.int64)
@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
-from autopar.passes.shard_layout import ShardLayout
+from autopar.ir.shard_layout import ShardLayout
 
 __all__ = [
     "TENSOR",
@@ -54,6 +54,7 @@ __all__ = [
     "StageInfo",
     "Placement",
     "IndexBound",
+    "range_text",
     "MetaKey",
     "META_KEYS",
     "get_meta",
@@ -122,7 +123,7 @@ class StageInfo:
 class Placement:
     """Tensor-parallel placement of a node's output: 'R' replicated, 'S' sharded as ``layout`` says, 'P' partial sum.
 
-    A sharded output's :class:`~autopar.passes.shard_layout.ShardLayout` says how it is cut over tp: its dim,
+    A sharded output's :class:`~autopar.ir.shard_layout.ShardLayout` says how it is cut over tp: its dim,
     equal ``chunks`` (a fused qkv projection's output), ``parts`` (fewer kv heads than tp), ``inner`` (GQA's
     broadcast of a kv head to its query heads) or unequal ``blocks`` (a fused ``[q | k | v]`` whose q and kv
     blocks differ in size). ``dim``, ``chunks``, ``parts``, ``inner`` and ``blocks`` read the layout's (None,
@@ -179,6 +180,11 @@ class IndexBound:
     rows: int
     lookups: tuple[str, ...]
     low: int = 0
+
+
+def range_text(low: int, rows: int) -> str:
+    """The valid indices of a table as text: 'rows 0..31', or 'rows -32..31' where negatives wrap."""
+    return f"rows {low}..{rows - 1}"
 
 
 @dataclass(frozen=True)
@@ -332,7 +338,7 @@ class MetaKey:
 META_KEYS = MappingProxyType(
     {
         TENSOR: MetaKey(TENSOR, TensorInfo, "passes.annotate.annotate_tensors",
-                        ("passes.pipeline_split", "passes.tensor_parallel", "runtime.p2p", "passes.zero3")),
+                        ("passes.pipeline_split", "passes.tensor_parallel", "ops.p2p", "passes.zero3")),
         COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_tensors",
                       ("passes.partition", "autopar.planner")),
         PARAM: MetaKey(PARAM, ParamInfo, "passes.annotate.annotate_params",
