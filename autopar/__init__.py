@@ -17,7 +17,7 @@ from autopar.mesh import init_mesh
 from autopar.options import CompileOptions
 from autopar.plan_model import MeshShape, Plan
 from autopar.planning import PlanResult, plan
-from autopar.runtime.step_report import StepReport
+from autopar.runtime.execution.step_report import StepReport
 
 __all__ = [
     "compile", "plan", "init_mesh", "default_optimizer", "Plan", "PlanResult", "MeshShape",

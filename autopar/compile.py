@@ -15,12 +15,12 @@ from autopar.lowering import _is_meta, resolve
 from autopar.mesh import mesh_info, mesh_shape_of
 from autopar.plan_model import Plan
 from autopar.shape_builder import lower_program, make_builder
-from autopar.runtime.init_replay import init_filler
-from autopar.runtime.materialize import materialize_rank
-from autopar.runtime.unused_state import keep_unused
-from autopar.runtime.program import RankProgram
-from autopar.runtime.mixed_precision import masters_for_rank
-from autopar.runtime.param_groups import group_template
+from autopar.runtime.execution.init_replay import init_filler
+from autopar.runtime.state.materialize import materialize_rank
+from autopar.runtime.state.unused_state import keep_unused
+from autopar.runtime.execution.program import RankProgram
+from autopar.runtime.state.mixed_precision import masters_for_rank
+from autopar.runtime.state.param_groups import group_template
 from autopar.validation import check_arguments, checked_options
 
 __all__ = ["compile", "default_optimizer"]
@@ -79,14 +79,14 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     ``loss_fn(output, target)`` turns it into a training program (``program.train_step``),
     without it the program runs inference (``program(*inputs)``). ``optimizer`` is a factory
     ``params -> torch.optim.Optimizer`` (``optimizer_params="named"``: of ``(name, param)`` pairs), called
-    once on stand-ins of the whole model to learn its parameter groups (runtime/param_groups.py), then on
+    once on stand-ins of the whole model to learn its parameter groups (runtime/state/param_groups.py), then on
     each rank's share. Options: see :class:`autopar.options.CompileOptions`.
     ``plan="auto"``: the planner (autopar/planner) chooses for ``cluster`` (default: this machine);
     with ``mesh=None`` it also chooses dp, pp and tp and builds the mesh (options given pin decisions).
     A model built under ``torch.device("meta")`` is materialised rank by rank: each rank allocates
-    only the tensors it holds, filled by ``weights`` (a filler, :mod:`autopar.runtime.materialize`),
+    only the tensors it holds, filled by ``weights`` (a filler, :mod:`autopar.runtime.state.materialize`),
     else by the model's own initialisers from global rank 0's ``torch.initial_seed()``
-    (:mod:`autopar.runtime.init_replay`: the values a CPU build after ``torch.manual_seed(seed)`` draws).
+    (:mod:`autopar.runtime.execution.init_replay`: the values a CPU build after ``torch.manual_seed(seed)`` draws).
     """
     check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
                     where="compile")  # autopar/validation.py: every argument, before anything runs
@@ -135,8 +135,8 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
         masters = {} if _is_meta(model) else masters_for_rank(model, lowered, schedule=schedule, info=info)
     fill = _filler(model, weights)
     program_class = RankProgram
-    if schedule.staleness is not None:  # asynchronous schedules run one endless stream (runtime/async_pipeline.py)
-        from autopar.runtime.async_pipeline import AsyncProgram
+    if schedule.staleness is not None:  # asynchronous: one endless stream (runtime/execution/async_pipeline.py)
+        from autopar.runtime.execution.async_pipeline import AsyncProgram
         program_class = AsyncProgram
     program = program_class(lowered=lowered, info=info, schedule=schedule,  # (how it runs: lowered.plan.run)
                             optimizer_factory=factory, param_groups=groups, state_keys=state_keys, masters=masters,

@@ -32,11 +32,11 @@ import torch.nn as nn
 from autopar.errors import PlanError, ShardingError
 from autopar.ir.graph_names import MODEL_PREFIX
 from autopar.ir.meta_keys import MODULE, get_meta
-from autopar.passes.tp_coverage import unsharded_matmuls
-from autopar.passes.tp_expert import find_expert_regions
-from autopar.passes.tp_regions import find_tp_regions
-from autopar.passes.tp_rules import op_name
-from autopar.passes.vocab_parallel import find_vocab_parallel
+from autopar.passes.tp.tp_coverage import unsharded_matmuls
+from autopar.passes.moe.tp_expert import find_expert_regions
+from autopar.passes.tp.tp_regions import find_tp_regions
+from autopar.passes.tp.tp_rules import op_name
+from autopar.passes.tp.vocab_parallel import find_vocab_parallel
 
 __all__ = ["coverage", "coverage_by_tp", "CoverageReport", "WeightCoverage"]
 

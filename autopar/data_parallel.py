@@ -1,7 +1,7 @@
 """``compile(data_parallel="dataparallel")``: the DataParallel baseline's entry, next to :func:`autopar.compile`.
 
 The model is lowered without its loss (dp rank 0 computes it over the gathered outputs) into one
-stage, and this rank's :class:`autopar.runtime.data_parallel.DataParallelProgram` runs it
+stage, and this rank's :class:`autopar.runtime.execution.data_parallel.DataParallelProgram` runs it
 (``docs/data_parallel.md``). Only pp=1, one microbatch and no ZeRO apply.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from autopar.errors import PlanError
 from autopar.lowering import lower, resolve
-from autopar.runtime.data_parallel import DataParallelProgram
+from autopar.runtime.execution.data_parallel import DataParallelProgram
 from autopar.runtime.schedules.registry import build_schedule
 
 __all__ = ["compile_data_parallel"]

@@ -30,7 +30,7 @@ examples:
 
 def diagnose_text(run_dir: str) -> str:
     """The report of ``run_dir`` (raises InputError when it holds neither a diagnosis nor flight files)."""
-    from autopar.runtime.diagnosis import read_run
+    from autopar.runtime.diagnostics.diagnosis import read_run
 
     if not os.path.isdir(run_dir):
         raise InputError(f"{run_dir!r} is not a folder", where="autopar diagnose RUN_DIR",

@@ -24,29 +24,29 @@ from autopar.ir.graph_names import user_name
 from autopar.ir.shard_layout import ShardLayout
 from autopar.ir.stage_graph import StageGraph
 from autopar.options import CompileOptions, resolve_plan
-from autopar.passes.annotate import annotate_graph
-from autopar.passes.batch_stats import check_batch_statistics
-from autopar.passes.block_template import repeat_blocks
-from autopar.passes.capture_model import capture_model, is_meta
-from autopar.passes.chimera_replicate import replicate_stages
+from autopar.passes.frontend.annotate import annotate_graph
+from autopar.passes.frontend.batch_stats import check_batch_statistics
+from autopar.passes.frontend.block_template import repeat_blocks
+from autopar.passes.frontend.capture_model import capture_model, is_meta
+from autopar.passes.pipeline.chimera_replicate import replicate_stages
 from autopar.passes.lowering_state import LoweringState, ModelSource
-from autopar.passes.mean_loss import find_token_mean_loss
-from autopar.passes.moe_aux import sync_router_statistics
-from autopar.passes.moe_expert_parallel import shard_experts
-from autopar.passes.partition import assign_stages
+from autopar.passes.frontend.mean_loss import find_token_mean_loss
+from autopar.passes.moe.moe_aux import sync_router_statistics
+from autopar.passes.moe.moe_expert_parallel import shard_experts
+from autopar.passes.pipeline.partition import assign_stages
 from autopar.passes.pass_manager import PassStep, run_passes
-from autopar.passes.pipeline_split import split_pipeline
-from autopar.passes.recompute import recompute
-from autopar.passes.seq_bounds import bound_dynamic_dims
-from autopar.passes.sequence_parallel import shard_sequence_parallel
-from autopar.passes.static_shapes import check_static_shapes
-from autopar.passes.tensor_parallel import shard_tensor_parallel
-from autopar.passes.tp_expert import shard_expert_parallel
-from autopar.passes.tp_random import fork_sharded_random
-from autopar.passes.tp_select import select_expert_regions, select_tp_regions, select_vocab_parallel
-from autopar.passes.vocab_parallel import VocabParallel, shard_vocab_parallel
-from autopar.passes.weight_grad_split import expose_weight_uses
-from autopar.passes.zero3 import shard_parameters_zero3
+from autopar.passes.pipeline.pipeline_split import split_pipeline
+from autopar.passes.pipeline.recompute import recompute
+from autopar.passes.frontend.seq_bounds import bound_dynamic_dims
+from autopar.passes.tp.sequence_parallel import shard_sequence_parallel
+from autopar.passes.frontend.static_shapes import check_static_shapes
+from autopar.passes.tp.tensor_parallel import shard_tensor_parallel
+from autopar.passes.moe.tp_expert import shard_expert_parallel
+from autopar.passes.tp.tp_random import fork_sharded_random
+from autopar.passes.tp.tp_select import select_expert_regions, select_tp_regions, select_vocab_parallel
+from autopar.passes.tp.vocab_parallel import VocabParallel, shard_vocab_parallel
+from autopar.passes.pipeline.weight_grad_split import expose_weight_uses
+from autopar.passes.data_parallel.zero3 import shard_parameters_zero3
 from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.runtime.schedules.registry import family
@@ -244,7 +244,7 @@ def capture_planned(model: nn.Module, *, plan: Plan, pinned: bool, example_input
 
     ``pinned``: the Plan was given (by the user or the planner): its stage starts, regions, vocabulary and
     expert shards are taken as written. ``dynamic``: {position in the inputs (the target after them): dims}
-    to capture symbolic; None: as the Plan's ``dynamic_shapes`` says (passes/capture_model.py)."""
+    to capture symbolic; None: as the Plan's ``dynamic_shapes`` says (passes/frontend/capture_model.py)."""
     if loss_fn is not None and example_target is None:
         raise PlanError("loss_fn given without example_target", where="compile/plan arguments",
                         fix="pass example_target= (one global batch of targets)")

@@ -1,7 +1,7 @@
 """Meshes: a torch DeviceMesh whose dim names come from ``dp``, ``pp``, ``tp``.
 
 :func:`init_mesh` builds one from torchrun's environment (gloo on CPU, NCCL on CUDA);
-:func:`mesh_info` reads this rank's :class:`~autopar.runtime.rank_context.MeshInfo` off a mesh: its
+:func:`mesh_info` reads this rank's :class:`~autopar.runtime.execution.rank_context.MeshInfo` off a mesh: its
 coordinates, the process group of each axis and the global ranks along it.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from autopar.elastic import restart_safe_rendezvous
 from autopar.errors import PlanError
 from autopar.parallel_dims import MESH_AXES, ParallelDims, mesh_groups
 from autopar.plan_model import MeshShape
-from autopar.runtime.rank_context import MeshInfo
+from autopar.runtime.execution.rank_context import MeshInfo
 from autopar.validation import check_mesh_degrees, parse_mesh_shape
 
 __all__ = ["init_mesh", "MeshInfo", "mesh_info", "mesh_shape_of", "parse_mesh_shape"]

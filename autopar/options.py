@@ -125,7 +125,7 @@ def resolve_plan(options: CompileOptions, *, given: Plan | None, mesh: MeshShape
                                                                    requested=requested),
                               stage_starts=g.pipeline.stage_starts if g else ()),
         tp_regions=g.tp_regions if g else (),
-        param_shards=g.param_shards if g else {},  # (a given Plan's expert shards: passes/tp_select.py)
+        param_shards=g.param_shards if g else {},  # (a given Plan's expert shards: passes/tp/tp_select.py)
         vocab_parallel=g.vocab_parallel if g else (),
         sequence_parallel=(g.sequence_parallel if g else options.sequence_parallel) and mesh.tp > 1
         and options.tensor_parallel,

@@ -140,7 +140,7 @@ class PipelinePlan(_Frozen):
 class TpRegionPlan(_Frozen):
     """One tensor-parallel region: its column-parallel and row-parallel linears (module paths).
 
-    ``gathered``: columns no row closes, their output all-gathered (passes/tp_gather_output.py).
+    ``gathered``: columns no row closes, their output all-gathered (passes/tp/tp_gather_output.py).
     """
 
     columns: tuple[str, ...]
@@ -200,7 +200,7 @@ class AnalysisChoices(_Frozen):
     # divides by tp (else replicated, with a warning); True: required (ShardingError if it does not divide)
     vocab_parallel: bool | None = None
     # identical blocks (a long ModuleList): "once" captures a few and repeats the last, "every" captures all,
-    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/block_template.py)
+    # "auto" is "once" for models on the meta device with 8 or more identical blocks (passes/frontend/block_template.py)
     block_capture: Literal["auto", "once", "every"] = "auto"
 
 

@@ -100,7 +100,7 @@ class PlanResult:
             lines.append(f"## stage {s.stage}: inputs {list(s.input_names)}, "
                          f"{len(s.param_names)} parameters, {len(s.recvs)} recv, {len(s.sends)} send")
             lines.append(s.gm.code.strip())
-            for name, region in s.gm.named_children():  # recompute regions (passes/recompute.py)
+            for name, region in s.gm.named_children():  # recompute regions (passes/pipeline/recompute.py)
                 if name.startswith("recompute_") and hasattr(region, "body"):
                     lines.append(f"### {name} ({region.mode} recompute)\n{region.body.code.strip()}")
         lines.append(f"## schedule for pp rank {r.coords['pp']}: "

@@ -4,8 +4,8 @@
 hands the runtime a *builder* (:func:`make_builder`) that lowers this rank's stages again for
 another shape: the model captured again under the lowered (pinned) Plan, so the stage cuts,
 tensor-parallel regions and shards are the same and the new graphs hold the same tensors under the
-same names (``runtime/graft.py`` points them at the compiled graphs' own). The runtime decides
-when (``runtime/shape_cache.py``): once with the dims that changed symbolic, else per shape.
+same names (``runtime/execution/graft.py`` points them at the compiled graphs' own). The runtime decides
+when (``runtime/execution/shape_cache.py``): once with the dims that changed symbolic, else per shape.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def lower_program(model: nn.Module, *, plan: Plan, pinned: bool, tp_rank: int, e
                   loss_fn=None, options: CompileOptions, dp_rank: int = 0, stages=None) -> tuple[Captured, Lowered]:
     """(the capture, its lowering for tp rank ``tp_rank``) under the resolved ``plan``: :func:`autopar.lowering.lower`,
     keeping the capture for :func:`recapture`. A graph whose symbolic dims a pass cannot carry is captured
-    again with fixed shapes (logged): other shapes are then compiled on their own (runtime/shape_cache.py)."""
+    again with fixed shapes (logged): other shapes are then compiled on their own (runtime/execution/shape_cache.py)."""
     common = dict(plan=plan, pinned=pinned, example_inputs=example_inputs, example_target=example_target,
                   loss_fn=loss_fn, options=options)
     cap = capture_planned(model, **common)
@@ -50,7 +50,7 @@ def recapture(cap: Captured, lowered_plan: Plan, *, model: nn.Module, batch: dic
 
     ``batch``: {graph input: microbatch tensor} to capture at (None: the example's microbatch);
     ``dynamic``: {graph input: dims} to keep symbolic. The stage cuts, regions and shards are the
-    Plan's, so the new graphs hold the same tensors under the same names (runtime/graft.py).
+    Plan's, so the new graphs hold the same tensors under the same names (runtime/execution/graft.py).
     """
     names = cap.captured.input_names
     example = dict(zip(names, cap.example_args))

@@ -11,7 +11,7 @@ to do) instead of a foreign traceback from deep inside capture, or a silent wron
 - :func:`checked_options`: the options, validated, and refused where they would have no effect
   on this mesh (``sequence_parallel=True`` with tp=1);
 - :func:`check_captured`: what only the captured graph shows: the loss is a scalar, example
-  token ids and positions stay inside the tables they index (:mod:`autopar.passes.index_bounds`);
+  token ids and positions stay inside the tables they index (:mod:`autopar.passes.frontend.index_bounds`);
 - :func:`check_mesh_degrees`, :func:`parse_mesh_shape`, :func:`check_checkpoint_path`, :func:`check_state_dict`.
 
 Example::
@@ -31,12 +31,12 @@ import torch.nn as nn
 from autopar.errors import InputError, PlanError
 from autopar.options import CompileOptions
 from autopar.parallel_dims import ParallelDims
-from autopar.passes.index_bounds import annotate_index_bounds, constant_index_problems, index_problem
+from autopar.passes.frontend.index_bounds import annotate_index_bounds, constant_index_problems, index_problem
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.weight_grad_split import check_split_backward_recompute
-from autopar.passes.zero3 import check_zero3
+from autopar.passes.pipeline.weight_grad_split import check_split_backward_recompute
+from autopar.passes.data_parallel.zero3 import check_zero3
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
-from autopar.runtime.checkpoint_files import check_checkpoint_path, check_state_dict
+from autopar.runtime.checkpoints.checkpoint_files import check_checkpoint_path, check_state_dict
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
 

@@ -11,7 +11,7 @@ AdamW(lr=1e-3), in one forward/backward per step (autopar ``num_microbatches=1``
 
 Step times alternate in rounds (``bench/_timing.py``). Memory is the model state each rank
 holds after a step: the storage of parameters, gradients and optimizer state, counted the same
-way for every contender (``autopar.runtime.model_state``; DTensors by their local shards;
+way for every contender (``autopar.runtime.state.model_state``; DTensors by their local shards;
 torch DDP's bucket buffers, a second copy of the gradients, are not counted), the larger of
 the two ranks.
 
@@ -60,7 +60,7 @@ def _local(t):
 
 
 def _state_bytes(params, optimizer) -> dict:
-    from autopar.runtime.model_state import storage_bytes
+    from autopar.runtime.state.model_state import storage_bytes
     params = list(params)
     opt = getattr(optimizer, "optim", optimizer)
     state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -74,7 +74,7 @@ def _state_bytes(params, optimizer) -> dict:
 def _autopar(model, data, zero_stage: int):
     import autopar
     from autopar.models import lm_loss
-    from autopar.runtime.model_state import model_state_bytes
+    from autopar.runtime.state.model_state import model_state_bytes
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     program = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,

@@ -1,8 +1,8 @@
 """The flight record's cost: the same program with and without it, alternated in one run.
 
 Every rank keeps a flight record (its last actions, collectives and transfers, ops/flight_record.py),
-a heartbeat thread writing to the rendezvous store once a second (runtime/flight_watch.py) and the
-straggler figures riding on the step's existing all-reduce (runtime/stragglers.py). This benchmark
+a heartbeat thread writing to the rendezvous store once a second (runtime/diagnostics/flight_watch.py) and the
+straggler figures riding on the step's existing all-reduce (runtime/diagnostics/stragglers.py). This benchmark
 compiles one model twice in one 2-rank process group, ``flight_record=0`` (none of it) and the default
 (all of it), and alternates their training steps (``_timing.measure``: short rounds, order flipped
 each round, barrier-bracketed steps), for the meshes where the record writes the most entries per
@@ -30,7 +30,7 @@ from _setup import adamw, seeded_model, text_batches  # noqa: E402
 from _spawn import spawn  # noqa: E402
 from _timing import DEFAULTS, Contender, measure, row_cells  # noqa: E402
 
-from autopar.runtime.flight_watch import HEARTBEAT_S  # noqa: E402
+from autopar.runtime.diagnostics.flight_watch import HEARTBEAT_S  # noqa: E402
 
 __all__ = ["run", "section", "main"]
 

@@ -77,7 +77,7 @@ def body(rank: int, world: int, folder: str, fields: dict, build: str) -> list[d
     import transformers
     import autopar
     import autopar.hf
-    from autopar.runtime.rank_tensors import held_tensors
+    from autopar.runtime.state.rank_tensors import held_tensors
     from torch.distributed.device_mesh import init_device_mesh
     transformers.logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("dp", "pp", "tp"))

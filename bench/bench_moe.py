@@ -10,7 +10,7 @@ router, its load-balancing loss) on the same token batches (global batch 16, seq
 - ``autopar ep=2, capacity 1.0``: ep=2 with ``moe_capacity_factor=1.0``; its dropped-row share is printed.
 
 Step times alternate in rounds (``bench/_timing.py``); memory is the model state each rank holds
-after a step (``autopar.runtime.model_state``), the larger of the two ranks.
+after a step (``autopar.runtime.state.model_state``), the larger of the two ranks.
 
     python bench/bench_moe.py                  # prints the tables, updates docs/benchmarks.md
     python bench/bench_moe.py --smoke          # the smallest setting, to check it runs (no doc update)
@@ -54,7 +54,7 @@ def _build(model: dict):
 def _contender(model, data, ep: int, capacity_factor: float | None = None):
     import autopar
     from autopar.models.moe import moe_loss
-    from autopar.runtime.model_state import model_state_bytes
+    from autopar.runtime.state.model_state import model_state_bytes
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     program = autopar.compile(copy.deepcopy(model), mesh, example_inputs=(data[0][0],), loss_fn=moe_loss,

@@ -34,7 +34,7 @@ from _report import console_table, markdown_rows, markdown_table, run_note, stam
 from _spawn import spawn
 from _timing import DEFAULTS, Contender, measure, row_cells
 
-from autopar.runtime.trace import gather_events, replay
+from autopar.runtime.execution.trace import gather_events, replay
 
 __all__ = ["MODEL", "run", "section", "main"]
 
@@ -119,7 +119,7 @@ def _autopar_contender(model: nn.Module, data, schedule: str, microbatches: int)
 
 def _floor(program, *, skip: int) -> float:
     """Median over the timed steps of the schedule's own step time: the simulator's replay of the step's
-    actions with their measured durations and transfers that take no time (runtime/trace.py ``replay``).
+    actions with their measured durations and transfers that take no time (runtime/execution/trace.py ``replay``).
 
     An action's measured duration is its compute and the executor's own work for it, less its waits
     on the other rank; with free transfers, the replay's step is the shortest that this schedule

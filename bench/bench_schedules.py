@@ -38,7 +38,7 @@ from _report import console_table, markdown_rows, markdown_table, run_note, stam
 from _spawn import spawn
 from _timing import Contender, measure, row_cells
 
-from autopar.runtime.trace import gather_events, measured_bubble, replay
+from autopar.runtime.execution.trace import gather_events, measured_bubble, replay
 
 __all__ = ["PEERS", "GPTStage", "run", "section", "main"]
 
@@ -116,7 +116,7 @@ def _autopar(model, data, schedule: str):
 
 def _bubbles(program, *, skip: int) -> dict:
     """autopar's bubble over the timed steps: measured (mean over ranks) and the simulator's replay of the
-    same step (runtime/trace.py), each the median over steps, and the median of the per-step gaps."""
+    same step (runtime/execution/trace.py), each the median over steps, and the median of the per-step gaps."""
     measured, simulated, gaps = [], [], []
     for events in program.step_events[skip:]:
         ranks = gather_events(program, events=events)
@@ -196,12 +196,12 @@ Runs of the same code on the same quiet machine differ by up to 5% per schedule 
 either side. Costs autopar had over the peer, found with cProfile
 (`python bench/profile_step.py schedules --schedule zb_v`, every rank) and cut: (1) the non-finite check
 after backward ran `torch.isfinite(g).all()` on each of the rank's 50 gradients, 13 ms per step on one core;
-it is now one sum per gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/numerics.py`). (2) W made
+it is now one sum per gradient, one `isfinite` and one host sync, 0.5 ms (`runtime/execution/numerics.py`). (2) W made
 one `autograd.grad` per weight use (50 per microbatch on rank 0); it now makes one per level of uses that do
 not feed each other (25). (3) The first stage split its backward like every other, though nobody waits for
 its B (its inputs are tokens): autopar's ZB-V and ZB-H1 now run that stage's whole backward at W in one
 autograd call, as the peer does, and W adds a later microbatch's weight gradient in place
-(`runtime/executor.py`). (4) W left a linear's weight gradient transposed (the layout autograd returns
+(`runtime/execution/executor.py`). (4) W left a linear's weight gradient transposed (the layout autograd returns
 for `t(weight)`), so AdamW, the non-finite check and the gradient collectives read it strided; W now
 copies a gradient of another layout into the parameter's, as autograd's own accumulation does (AdamW's
 ops per step 2.9 ms -> 1.6 ms on rank 0, the peer's 1.4 ms). With these, torch.profiler shows both
@@ -243,7 +243,7 @@ def section(rows: list[dict]) -> str:
         "",
         "autopar's bubble (the share of a step a rank is not computing, mean over the ranks) measured in "
         "each timed step and simulated by replaying that step's own action times and transfer latency "
-        "in the schedule simulator (`autopar.runtime.trace.replay`), medians over the timed steps:",
+        "in the schedule simulator (`autopar.runtime.execution.trace.replay`), medians over the timed steps:",
         "",
         bubble_table(rows),
         "",

@@ -4,7 +4,7 @@ Each family trains a tiny model on 2 gloo ranks (its own spawned group, so one f
 shows in the next) for ``--steps`` steps on a few character batches used in turn, and every
 ``--every`` steps reads, on every rank, the resident set size (``VmRSS`` of ``/proc/self/status``)
 and the bytes and count of the storages of every live tensor the garbage collector finds
-(``autopar.runtime.memory_probe.live_storages``). The growth from step ``--base`` (100) to the last
+(``autopar.runtime.diagnostics.memory_probe.live_storages``). The growth from step ``--base`` (100) to the last
 step is what a longer run would keep adding; the acceptance for issue 37 is under 2 MB of RSS per rank
 from step 100 to 599 for every family.
 
@@ -94,7 +94,7 @@ def _body(rank: int, world: int, name: str, steps: int, every: int, save_every: 
     """Train family ``name``; every rank's readings [{rank, step, rss, tensor_bytes, storages}]."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.memory_probe import live_storages
+    from autopar.runtime.diagnostics.memory_probe import live_storages
 
     mesh = init_device_mesh("cpu", FAMILIES[name][1], mesh_dim_names=("dp", "pp", "tp"))
     program, data = _compile(name, mesh)

@@ -57,7 +57,7 @@ def _lowered(model, data, num_microbatches: int):
 
 def _measure(size: int, *, rounds: int) -> dict:
     from autopar.models import lm_loss
-    from autopar.runtime.executor import run_actions
+    from autopar.runtime.execution.executor import run_actions
     from autopar.runtime.schedules.action import Action, ActionKind
     data, model = bench_pipeline._data(), bench_pipeline._build_model()
     m = bench_pipeline.BATCH // size

@@ -17,7 +17,7 @@ import sys
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.asynchronous import pipedream, pipedream_2bw, pipemare
 from autopar.runtime.schedules.registry import closed_forms_table, default_stages_per_rank, schedule_names
-from autopar.runtime.trace import from_simulation, plot_timeline
+from autopar.runtime.execution.trace import from_simulation, plot_timeline
 
 __all__ = ["SCHEDULES", "figures", "main"]
 

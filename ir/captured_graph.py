@@ -1,10 +1,10 @@
 """The captured program the lowering starts from and the runtime reads: :class:`CapturedGraph`.
 
-Capture (:mod:`autopar.passes.capture`) writes it. Besides the graph it says how the step fills the
+Capture (:mod:`autopar.passes.frontend.capture`) writes it. Besides the graph it says how the step fills the
 inputs capture added: :class:`ItemCount`, how a step counts the label tokens a model's own loss divides by
-(``num_items_in_batch``, :mod:`autopar.passes.item_count`) or a token-mean ``loss_fn`` weighs its
-microbatches by (:data:`LOSS_WEIGHT`, :mod:`autopar.passes.mean_loss`); the runtime counts them
-(:mod:`autopar.runtime.item_count`).
+(``num_items_in_batch``, :mod:`autopar.passes.frontend.item_count`) or a token-mean ``loss_fn`` weighs its
+microbatches by (:data:`LOSS_WEIGHT`, :mod:`autopar.passes.frontend.mean_loss`); the runtime counts them
+(:mod:`autopar.runtime.execution.item_count`).
 
 Example::
 
@@ -25,7 +25,7 @@ from autopar.ir.dynamic_shapes import DynamicDim
 __all__ = ["CapturedGraph", "ItemCount", "NUM_ITEMS", "LOSS_WEIGHT"]
 
 NUM_ITEMS = "num_items_in_batch"  # the keyword transformers' losses divide their sum by
-LOSS_WEIGHT = "autopar_loss_weight"  # the microbatch's key for its loss weight (runtime/item_count.py)
+LOSS_WEIGHT = "autopar_loss_weight"  # the microbatch's key for its loss weight (runtime/execution/item_count.py)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class CapturedGraph:
     item_count: ItemCount | None = None
     extra_args: tuple = ()  # example values of the inputs capture added (the count), in input order
     # a loss_fn that is a token mean of the target: each microbatch's loss weighted by its tokens
-    # (passes/mean_loss.py; set by the lowering)
+    # (passes/frontend/mean_loss.py; set by the lowering)
     loss_weight: ItemCount | None = None
-    # the input dims the graph keeps symbolic (passes/dynamic_capture.py): it runs any size of them
+    # the input dims the graph keeps symbolic (passes/frontend/dynamic_capture.py): it runs any size of them
     dynamic: tuple[DynamicDim, ...] = ()

@@ -1,6 +1,6 @@
 """Dims of the batch that change from step to step: which inputs carry them, their range, and sizes made of them.
 
-A graph captured with a *dynamic* dim (``torch.export`` with ``Dim.AUTO``, :mod:`autopar.passes.capture`)
+A graph captured with a *dynamic* dim (``torch.export`` with ``Dim.AUTO``, :mod:`autopar.passes.frontend.capture`)
 reads that dim's size at run time (``aten.sym_size``) instead of a number baked into its views, so one
 graph runs every sequence length. :class:`DynamicDim` records one such dim: its symbol (the name
 export gave it), the inputs and tensor dims that carry it, the range a batch may take (``low`` from

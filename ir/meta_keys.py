@@ -7,10 +7,10 @@ drops it (see :func:`drop_meta`).
 Example::
 
     >>> from autopar.models.examples import gpt_tiny
-    >>> from autopar.passes.capture import capture
+    >>> from autopar.passes.frontend.capture import capture
     >>> model, (x,), loss_fn, y = gpt_tiny()
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
-    >>> from autopar.passes.annotate import annotate
+    >>> from autopar.passes.frontend.annotate import annotate
     >>> gm = annotate(gm, example_inputs=(x, y), model=model)
     >>> from autopar.ir.meta_keys import TENSOR, get_meta
     >>> node = next(n for n in gm.graph.nodes if n.op == "call_function")   # the positions' arange
@@ -192,7 +192,7 @@ class MoeRole:
     """The part a node plays in a mixture-of-experts layer (module path ``layer``).
 
     ``role``: router, scores, topk, row_ids, offsets, expert_weight, expert_op, combine, shared_expert,
-    aux_loss (passes/moe_detect.py).
+    aux_loss (passes/moe/moe_detect.py).
     """
 
     layer: str
@@ -337,24 +337,26 @@ class MetaKey:
 
 META_KEYS = MappingProxyType(
     {
-        TENSOR: MetaKey(TENSOR, TensorInfo, "passes.annotate.annotate_tensors",
-                        ("passes.pipeline_split", "passes.tensor_parallel", "ops.p2p", "passes.zero3")),
-        COST: MetaKey(COST, NodeCost, "passes.annotate.annotate_tensors",
-                      ("passes.partition", "autopar.planner")),
-        PARAM: MetaKey(PARAM, ParamInfo, "passes.annotate.annotate_params",
-                       ("passes.tensor_parallel", "passes.pipeline_split", "autopar.planning")),
-        MODULE: MetaKey(MODULE, ModuleInfo, "passes.annotate.annotate_modules",
-                        ("passes.partition", "passes.tensor_parallel", "passes.tp_regions", "passes.zero3")),
-        STAGE: MetaKey(STAGE, StageInfo, "passes.partition.assign_stages",
-                       ("passes.pipeline_split",)),
-        TP_PLACEMENT: MetaKey(TP_PLACEMENT, Placement, "passes.tensor_parallel.shard_tensor_parallel",
-                              ("passes.sequence_parallel", "passes.tp_random")),  # vocab/SP passes write it too
-        INDEX_BOUND: MetaKey(INDEX_BOUND, IndexBound, "passes.index_bounds.annotate_index_bounds",
-                             ("runtime.index_guard", "autopar.validation")),
-        MOE: MetaKey(MOE, MoeRole, "passes.moe_detect.annotate_moe", ("passes.moe_expert_parallel",)),
-        MOE_LAYER: MetaKey(MOE_LAYER, MoeLayer, "passes.moe_detect.annotate_moe",
-                           ("passes.moe_expert_parallel", "autopar.memory")),
-        MOE_EXCHANGE: MetaKey(MOE_EXCHANGE, MoeExchange, "passes.moe_expert_parallel.shard_experts",
+        TENSOR: MetaKey(TENSOR, TensorInfo, "passes.frontend.annotate.annotate_tensors",
+                        ("passes.pipeline.pipeline_split", "passes.tp.tensor_parallel", "ops.p2p",
+                         "passes.data_parallel.zero3")),
+        COST: MetaKey(COST, NodeCost, "passes.frontend.annotate.annotate_tensors",
+                      ("passes.pipeline.partition", "autopar.planner")),
+        PARAM: MetaKey(PARAM, ParamInfo, "passes.frontend.annotate.annotate_params",
+                       ("passes.tp.tensor_parallel", "passes.pipeline.pipeline_split", "autopar.planning")),
+        MODULE: MetaKey(MODULE, ModuleInfo, "passes.frontend.annotate.annotate_modules",
+                        ("passes.pipeline.partition", "passes.tp.tensor_parallel", "passes.tp.tp_regions",
+                         "passes.data_parallel.zero3")),
+        STAGE: MetaKey(STAGE, StageInfo, "passes.pipeline.partition.assign_stages",
+                       ("passes.pipeline.pipeline_split",)),
+        TP_PLACEMENT: MetaKey(TP_PLACEMENT, Placement, "passes.tp.tensor_parallel.shard_tensor_parallel",
+                              ("passes.tp.sequence_parallel", "passes.tp.tp_random")),  # vocab/SP passes write it too
+        INDEX_BOUND: MetaKey(INDEX_BOUND, IndexBound, "passes.frontend.index_bounds.annotate_index_bounds",
+                             ("runtime.execution.index_guard", "autopar.validation")),
+        MOE: MetaKey(MOE, MoeRole, "passes.moe.moe_detect.annotate_moe", ("passes.moe.moe_expert_parallel",)),
+        MOE_LAYER: MetaKey(MOE_LAYER, MoeLayer, "passes.moe.moe_detect.annotate_moe",
+                           ("passes.moe.moe_expert_parallel", "autopar.memory")),
+        MOE_EXCHANGE: MetaKey(MOE_EXCHANGE, MoeExchange, "passes.moe.moe_expert_parallel.shard_experts",
                               ("autopar.report",)),
         ATTENTION: MetaKey(ATTENTION, AttentionInfo, "passes.context_parallel.attention.annotate_attention",
                            ("passes.context_parallel.seq_dims",)),

@@ -1,6 +1,6 @@
 """The pipeline's stage graphs: one stage's program, what it reads and holds, and the edges between stages.
 
-The pipeline split (:mod:`autopar.passes.pipeline_split`) writes them; the runtime (executor, a rank's
+The pipeline split (:mod:`autopar.passes.pipeline.pipeline_split`) writes them; the runtime (executor, a rank's
 parts) runs them. Every value computed on stage a and read on stage b > a is an :class:`Edge`: a
 ``send_<edge>`` node at the end of a, a ``recv_<edge>`` node at the start of b.
 

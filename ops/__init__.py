@@ -23,4 +23,8 @@ What every collective runs through::
     comm_guard.py         a deadline on every collective, and the error naming a missed one
     comm_audit.py         counted dp collectives, and the bytes ZeRO's theory predicts
     flight_record.py      each rank's ring buffer of its last actions, collectives and transfers
+
+Context parallelism (its own package)::
+
+    context_parallel/     the cp layout, ring and all-to-all attention ops
 """

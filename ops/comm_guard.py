@@ -25,7 +25,7 @@ is lost, and the job should stop and resume from its last checkpoint (docs/check
 
 With a flight record (:mod:`autopar.ops.flight_record`), each collective is an entry (op,
 purpose, group, its number in the group), marked waiting while this rank blocks in it and done or
-failed after; ``on_failure`` (the job-wide watch, :mod:`autopar.runtime.flight_watch`) runs the
+failed after; ``on_failure`` (the job-wide watch, :mod:`autopar.runtime.diagnostics.flight_watch`) runs the
 diagnosis before the error is raised, and its one-line summary joins the error's message.
 
 Example::
@@ -68,7 +68,7 @@ class CommGuard:
     timeout_s: float
     place: Callable[[], str] = field(default=lambda: "")  # the stage and action running, or the phase
     flight: object = None  # this rank's FlightRecord (ops/flight_record.py), or None
-    on_failure: Callable[[str], str] | None = None  # the job-wide diagnosis (runtime/flight_watch.py)
+    on_failure: Callable[[str], str] | None = None  # the job-wide diagnosis (runtime/diagnostics/flight_watch.py)
     _ranks: dict = field(default_factory=dict, repr=False)  # id(group) -> (group, its global ranks)
 
     def ranks_of(self, group) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ allocation that grows, no lock, no communication. With a ``folder`` (compile's `
 buffer is a file mapped into memory, ``flight/rank<R>.bin`` (strings go once each to
 ``rank<R>.names``), so a rank killed by SIGKILL or aborted by gloo leaves its record behind: the
 kernel keeps a shared mapping's pages when the process dies. :func:`read_record` reads it back;
-:mod:`autopar.runtime.diagnosis` reads every rank's record together.
+:mod:`autopar.runtime.diagnostics.diagnosis` reads every rank's record together.
 
     >>> record = FlightRecord(rank=0, capacity=8)
     >>> a = record.begin(ACTION, "0F0", stage=0, microbatch=0)

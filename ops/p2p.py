@@ -10,7 +10,7 @@ The nodes talk through a :class:`P2PChannel` (bound by the runtime) that knows w
 runs each stage; stages on the same rank hand values over locally. With the rank's
 :class:`~autopar.ops.comm_guard.CommGuard` carrying a flight record, every send and every
 receive's wait is an entry of it (peer, edge, microbatch), and a receive that fails runs the
-job-wide diagnosis before its error is raised (:mod:`autopar.runtime.flight_watch`).
+job-wide diagnosis before its error is raised (:mod:`autopar.runtime.diagnostics.flight_watch`).
 
 An edge whose shape follows a symbolic input dim (a sequence length that changes per batch) holds
 ``dims``, its shape with :class:`~autopar.ir.dynamic_shapes.SizeExpr` entries; the executor
@@ -148,7 +148,7 @@ class P2PChannel:
     def prune(self, taken: Callable[[int, int, bool], bool]) -> None:
         """Finish the sends a receiver has taken, ``taken(stage, microbatch, is_grad)``; the rest stay pending.
 
-        For a pipeline that never drains (runtime/async_pipeline.py): gloo reports a send complete only
+        For a pipeline that never drains (runtime/execution/async_pipeline.py): gloo reports a send complete only
         once it is waited on, and a wait returns only once the receiver has posted its receive, so only
         a send the caller knows was taken (from what that stage has sent since) is waited on here."""
         keep = []

@@ -1,6 +1,6 @@
 """The checkpointed region a recompute pass leaves in a stage graph: :class:`Recompute`, a ``call_module`` node.
 
-:mod:`autopar.passes.recompute` moves each region's nodes into a GraphModule owned by one
+:mod:`autopar.passes.pipeline.recompute` moves each region's nodes into a GraphModule owned by one
 :class:`Recompute`; at run time the module runs that body through ``torch.utils.checkpoint``
 (non-reentrant, RNG state preserved): ``"full"`` keeps only the region's inputs, ``"selective"`` also
 stores the outputs of the ops in :data:`SAVED_OPS` and recomputes every other op in backward. The

@@ -4,7 +4,7 @@ A ``mean`` or ``sum`` over a dim that tensor parallelism shards (OLMo 2's q/k RM
 head's features: ``mean(x ** 2, -1)``) computes, on each rank, the reduction of its own slice: a
 partial sum. :class:`TpPartialSum` sits right after it: forward it all-reduces (sum) over tp and
 multiplies by ``scale``, so every rank holds the reduction of the whole dim
-(``passes/tp_reduce_rules.py`` chooses ``scale``: ``1 / tp`` after a local mean, ``parts / tp`` after a
+(``passes/tp/tp_reduce_rules.py`` chooses ``scale``: ``1 / tp`` after a local mean, ``parts / tp`` after a
 local sum of a dim whose pieces each sit on ``tp / parts`` ranks).
 
 Backward is the identity (times ``scale``), Megatron's g: the result is read replicated, and where

@@ -1,6 +1,6 @@
 """ZeRO-3's graph collectives: gather a group of sharded parameters before use, free them after.
 
-:mod:`autopar.passes.zero3` puts these ``call_module`` nodes into a stage graph:
+:mod:`autopar.passes.data_parallel.zero3` puts these ``call_module`` nodes into a stage graph:
 
 - :class:`ZeroGather` (``zero3_gather_k``): forward all-gathers the flat 1/N shards of a group
   of parameters (a pipeline unit's) over dp and returns the full parameters; it starts the next

@@ -41,7 +41,7 @@ class ModelSource:
     loss_fn: Any = None
     keywords: tuple[str, ...] | None = None  # a dict batch: the forward's keyword names of ``inputs``
     own_loss: bool = False  # no loss_fn, a ``labels`` input: the model's own loss
-    # {position in ``inputs`` (the target after them): dims} to capture symbolic (passes/dynamic_capture.py);
+    # {position in ``inputs`` (the target after them): dims} to capture symbolic (passes/frontend/dynamic_capture.py);
     # None: as the Plan's dynamic_shapes says (``seq``: the sequence dim of the batch's token inputs)
     dynamic: Mapping[int, tuple[int, ...]] | None = None
 
@@ -59,23 +59,23 @@ class LoweringState:
     source: ModelSource | None = None
     # -- made once per model (the capture phase)
     schedule: Any = None  # the Plan's schedule, built and validated (runtime/schedules)
-    template: Any = None  # BlockTemplate (passes/block_template.py): identical blocks captured once
-    captured: Any = None  # CapturedGraph (passes/capture.py)
+    template: Any = None  # BlockTemplate (passes/frontend/block_template.py): identical blocks captured once
+    captured: Any = None  # CapturedGraph (passes/frontend/capture.py)
     example_args: tuple = ()  # the microbatch inputs (and extra inputs, and target) the graph runs on
-    # -- the graph, and from the pipeline split on the stage graphs (StageGraph, passes/pipeline_split.py)
+    # -- the graph, and from the pipeline split on the stage graphs (StageGraph, passes/pipeline/pipeline_split.py)
     gm: fx.GraphModule | None = None
     stages: tuple | None = None
     # -- what the analyses found, each right before the pass that reads it
-    vocab: Any = None  # VocabParallel (passes/vocab_parallel.py): embedding, head and loss on vocabulary shards
-    regions: tuple = ()  # TpRegion (passes/tp_regions.py), found on the graph shard_tensor_parallel rewrites
-    expert_regions: tuple = ()  # ExpertRegion (passes/tp_expert.py): expert MLPs sharded over tp
+    vocab: Any = None  # VocabParallel (passes/tp/vocab_parallel.py): embedding, head and loss on vocabulary shards
+    regions: tuple = ()  # TpRegion (passes/tp/tp_regions.py), found on the graph shard_tensor_parallel rewrites
+    expert_regions: tuple = ()  # ExpertRegion (passes/moe/tp_expert.py): expert MLPs sharded over tp
     # -- what the transforms made (graph names)
     specs: Mapping[str, Any] = field(default_factory=dict)  # tp-sharded parameters -> ShardLayout
     partial_grads: tuple[str, ...] = ()  # replicated params read on sequence shards: grads summed over tp
     region_plans: tuple = ()  # TpRegionPlan of each tensor-parallel region (module paths)
     starts: tuple[str, ...] = ()  # the unit each stage after the first begins at
     shared: Mapping[str, tuple[int, ...]] | None = None  # {user name: stages reading it}, read before the split
-    experts: tuple[str, ...] = ()  # the expert tensors split over ep (passes/moe_expert_parallel.py)
+    experts: tuple[str, ...] = ()  # the expert tensors split over ep (passes/moe/moe_expert_parallel.py)
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule, *, mesh: MeshShape | None = None, example_inputs: tuple = (),

@@ -39,8 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError, PassError
 from autopar.ir.meta_keys import TENSOR, get_meta
-from autopar.passes.annotate import annotate_tensors
-from autopar.passes.shape_prop import MetaRun, to_fake
+from autopar.passes.frontend.annotate import annotate_tensors
+from autopar.passes.frontend.shape_prop import MetaRun, to_fake
 
 __all__ = ["PassStep", "run_passes", "HasGraphs", "check_stage_graph", "placeholder_inputs", "KINDS"]
 

@@ -88,15 +88,15 @@ def dropout_reshard(case, mesh) -> dict:
 
     import torch.distributed as dist
     from autopar.ops.tp_rng import tp_rng_seed
-    from autopar.runtime import checkpoint_files as files
-    from autopar.runtime.rng_state import _trackers, derived_seed
+    from autopar.runtime.checkpoints import checkpoint_files as files
+    from autopar.runtime.checkpoints.rng_state import _trackers, derived_seed
     root = _root(case)
     saved = files.read_manifest(files.resolve(root))
     expected = derived_seed(saved["rng"]["seed"], saved["step"])
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("autopar.runtime.checkpoint")
+    logger = logging.getLogger("autopar.runtime.checkpoints.checkpoint")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:

@@ -72,7 +72,7 @@ def batch() -> dict:
 @functools.lru_cache(maxsize=None)
 def captured(family: str, impl: str):
     """(model, the captured graph on :func:`batch`, the batch), once per test session."""
-    from autopar.passes.capture import capture
+    from autopar.passes.frontend.capture import capture
     model, data = build(family, impl), batch()
     graph = capture(model, tuple(data.values()), keywords=tuple(data), own_loss=True)
     return model, graph, data

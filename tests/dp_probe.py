@@ -15,7 +15,7 @@ def probe_run(case, mesh) -> dict:
     """``parallel_run`` plus comm audit, memory and overlap facts (gathered from every rank)."""
     import autopar
     from autopar.models import lm_loss
-    from autopar.runtime.model_state import model_state_bytes
+    from autopar.runtime.state.model_state import model_state_bytes
     from equivalence import batches, build, make_optimizer, replica_record
     model = build(case)
     data = batches(case, model.cfg.vocab_size)

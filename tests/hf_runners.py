@@ -57,7 +57,7 @@ def cpu_reference(case) -> dict:
 def meta_train(case, mesh) -> dict:
     """The family built on meta, compiled on ``mesh``: this rank's losses, state and held bytes."""
     import autopar
-    from autopar.runtime.model_state import storage_bytes
+    from autopar.runtime.state.model_state import storage_bytes
     model = _build(case, device="meta")
     data = token_batches(case)
     program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=logits_loss,

@@ -20,7 +20,7 @@ def _inference(case, mesh, model, **extra):
 
 
 def _held_elements(program) -> int:
-    from autopar.runtime.rank_tensors import held_tensors
+    from autopar.runtime.state.rank_tensors import held_tensors
     return sum(h.tensor.numel() for h in held_tensors(program))
 
 

@@ -4,7 +4,7 @@ Every case runs under :func:`measured_run` (a runner of the equivalence harness,
 ``"memory_harness:measured_run"``): it trains like ``equivalence.parallel_run`` (losses and the
 full state_dict for :func:`equivalence.assert_equivalent`) and also records, on every rank, the
 bytes saved for backward by each stage forward of the first step and the model-state bytes held
-after the last step (``autopar.runtime.memory_probe``). :func:`results` runs all cases of one
+after the last step (``autopar.runtime.diagnostics.memory_probe``). :func:`results` runs all cases of one
 world size in one spawned group, once per test session; :func:`estimate` is the memory
 calculator's figure for a case, computed in the test process.
 """
@@ -65,7 +65,7 @@ def measured_run(case: Case, mesh) -> dict:
 
     import autopar
     from autopar.models import lm_loss
-    from autopar.runtime.memory_probe import held_state_bytes, recording_activations
+    from autopar.runtime.diagnostics.memory_probe import held_state_bytes, recording_activations
 
     model = build(case)
     data = batches(case, model.cfg.vocab_size)
@@ -125,7 +125,7 @@ def async_measured_run(case: Case, mesh) -> dict:
 
     import autopar
     from autopar.models import lm_loss
-    from autopar.runtime.memory_probe import held_state_bytes, weight_version_bytes
+    from autopar.runtime.diagnostics.memory_probe import held_state_bytes, weight_version_bytes
 
     model = build(case)
     data = batches(case, model.cfg.vocab_size)

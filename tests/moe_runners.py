@@ -197,7 +197,7 @@ def _replica(program) -> dict:
 
 def train(case: Case, mesh, more: dict | None = None) -> dict:
     """This rank's run of an MoE case under autopar; the last step counts its all-to-alls."""
-    with _Logged("autopar.passes.block_template") as template:
+    with _Logged("autopar.passes.frontend.block_template") as template:
         program, step, data = _compile(case, mesh, more=more)
     losses, norms = [], []
     for b in data[:-1]:
@@ -210,7 +210,7 @@ def train(case: Case, mesh, more: dict | None = None) -> dict:
     state = program.full_state_dict()
     pretrained = _pretrained_round_trip(case, program, state) if pretrained_round_trip(case) else None
     reloaded = _reload(case, program) if dict(case.extra).get(WEIGHTS) and dict(case.extra).get(SAVE) else None
-    from autopar.runtime.memory_probe import held_state_bytes
+    from autopar.runtime.diagnostics.memory_probe import held_state_bytes
     return {"losses": losses, "state": state, "plan": program.plan.model_dump_json(),
             "states": held_state_bytes(program),
             "dropped": _dropped(program), **record, **_expert_record(program), "grad_norms": norms,

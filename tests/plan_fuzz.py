@@ -215,7 +215,7 @@ def _deadline(seconds: int):
 @contextlib.contextmanager
 def cached_capture():
     """Memoise the tracer per (model, input shapes and dtypes, loss, mode); each call gets a deep copy."""
-    import autopar.passes.capture_model as lowering  # the capture pass's tracer (passes/capture_model.py)
+    import autopar.passes.frontend.capture_model as lowering  # the capture pass's tracer
 
     real = lowering.capture
     memo: dict = {}

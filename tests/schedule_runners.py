@@ -66,8 +66,8 @@ def async_run(case: Case, mesh) -> dict:
 
 
 def trace_run(case: Case, mesh) -> dict:
-    """Train ``case.steps`` steps; every step's events from every rank, lined up (runtime/trace.py)."""
-    from autopar.runtime.trace import gather_events
+    """Train ``case.steps`` steps; every step's events from every rank, lined up (runtime/execution/trace.py)."""
+    from autopar.runtime.execution.trace import gather_events
     data = text_batches(case)
     program = _compile(case, mesh, data)
     steps = []
@@ -138,7 +138,7 @@ ASYNC_DICT_CASES = [Case(model="llama", mesh=(1, 2, 1), kind="hf_runners:own_los
                          options=(("schedule", "pipedream"), ("num_microbatches", 2)))]
 if importlib.util.find_spec("transformers") is None:  # the [test] extra installs it
     ASYNC_DICT_CASES = []
-#: a measured step's own critical path (runtime/trace.py measured_critical_path): 1F1B and ZB-V on pp=2
+#: a measured step's own critical path (runtime/execution/trace.py measured_critical_path): 1F1B and ZB-V on pp=2
 CRITICAL_PATH_CASES = [_case("gpt_tiny", (1, 2, 1), "1f1b", 4, kind="schedule_runners:trace_run", steps=2),
                        _case("gpt_tiny", (1, 2, 1), "zb_v", 4, layers=4, kind="schedule_runners:trace_run", steps=2)]
 ALL_CASES = (SYNC_CASES + INFER_CASES + ASYNC_CASES + ASYNC_DICT_CASES

@@ -2,7 +2,7 @@
 
 ``Case(kind="soak_runners:held", extra=(("at", (20, 60)), ...))`` trains ``max(at)`` steps on a few
 batches used in turn and, after each step listed in ``at``, counts on every rank what the process holds
-alive (:func:`autopar.runtime.memory_probe.live_storages`: tensor storages, their bytes, and the garbage
+alive (:func:`autopar.runtime.diagnostics.memory_probe.live_storages`: tensor storages, their bytes, and the garbage
 collector's objects). A program that keeps anything per step or per microbatch holds more at the later
 count; one that holds steady holds exactly the same. ``("save_every", k)`` also saves a checkpoint every
 ``k`` steps (under a temporary root).
@@ -49,7 +49,7 @@ def held(case: Case, mesh) -> dict:
 
     import torch.distributed as dist
 
-    from autopar.runtime.memory_probe import live_storages
+    from autopar.runtime.diagnostics.memory_probe import live_storages
 
     extra = dict(case.extra)
     at, save_every = tuple(extra.get("at", AT)), extra.get("save_every")

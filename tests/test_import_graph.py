@@ -125,11 +125,12 @@ GRAPH = import_graph(module_files(source_folders()))
 
 def test_the_reader_sees_the_whole_source():
     """The graph holds every package and the edges everyone knows of (a reader that found nothing would pass)."""
-    assert {"autopar.compile", "autopar.runtime.program", "autopar.passes.capture", "autopar.ir.meta_keys",
-            "autopar.ops.collectives", "autopar.runtime.schedules.registry", "autopar.models"} <= set(GRAPH.nodes)
+    assert {"autopar.compile", "autopar.runtime.execution.program", "autopar.passes.frontend.capture",
+            "autopar.ir.meta_keys", "autopar.ops.collectives", "autopar.runtime.schedules.registry",
+            "autopar.models"} <= set(GRAPH.nodes)
     assert GRAPH.has_edge("autopar.compile", "autopar.lowering")
-    assert GRAPH.has_edge("autopar.runtime.program", "autopar.runtime.executor")
-    assert GRAPH.has_edge("autopar.runtime.materialize", "autopar.ops.zero3_ops")  # a lazy import
+    assert GRAPH.has_edge("autopar.runtime.execution.program", "autopar.runtime.execution.executor")
+    assert GRAPH.has_edge("autopar.runtime.state.materialize", "autopar.ops.zero3_ops")  # a lazy import
     assert GRAPH.number_of_edges() > 300
 
 
@@ -198,20 +199,22 @@ def test_a_cycle_through_a_lazy_import_fails(tmp_path):
 def test_the_layers_as_written_fail_each_wrong_arrow(tmp_path):
     """runtime -> a pass, passes -> an executor, ops -> the runtime, the vocabulary -> a pass, schedules -> the
     executor: each a back edge; the arrows design.md allows (down to the vocabulary, the ops, the schedules) are not."""
-    empty = ["autopar/__init__.py", "autopar/errors.py", "runtime/__init__.py", "runtime/executor.py",
+    empty = ["autopar/__init__.py", "autopar/errors.py", "runtime/__init__.py", "runtime/execution/executor.py",
              "runtime/schedules/__init__.py", "runtime/schedules/registry.py", "passes/__init__.py",
-             "passes/pipeline_split.py", "ir/__init__.py", "ir/meta_keys.py", "ops/__init__.py", "ops/p2p.py"]
+             "passes/pipeline/pipeline_split.py", "ir/__init__.py", "ir/meta_keys.py", "ops/__init__.py", "ops/p2p.py"]
     graph = _fake_tree(tmp_path, dict.fromkeys(empty, "") | {
         "runtime/ok.py": "from autopar.ir import meta_keys\nfrom autopar.ops.p2p import Send\nimport autopar.errors\n",
-        "runtime/bad.py": "def stage():\n    from autopar.passes.pipeline_split import split\n",
+        "runtime/bad.py": "def stage():\n    from autopar.passes.pipeline.pipeline_split import split\n",
         "passes/ok.py": "from autopar.runtime.schedules.registry import family\nfrom autopar.ops import p2p\n"
                         "from autopar.ir.meta_keys import PARAM\n",
-        "passes/bad.py": "from autopar.runtime.executor import run_actions\n",
-        "ops/bad.py": "from autopar.runtime import executor\n",
-        "ir/bad.py": "from autopar.passes import pipeline_split\n",
-        "runtime/schedules/bad.py": "from ..executor import run_actions\n",
+        "passes/bad.py": "from autopar.runtime.execution.executor import run_actions\n",
+        "ops/bad.py": "from autopar.runtime.execution import executor\n",
+        "ir/bad.py": "from autopar.passes.pipeline import pipeline_split\n",
+        "runtime/schedules/bad.py": "from ..execution.executor import run_actions\n",
     })
     assert back_edges(graph) == [
-        ("autopar.ir.bad", "autopar.passes.pipeline_split"), ("autopar.ops.bad", "autopar.runtime.executor"),
-        ("autopar.passes.bad", "autopar.runtime.executor"), ("autopar.runtime.bad", "autopar.passes.pipeline_split"),
-        ("autopar.runtime.schedules.bad", "autopar.runtime.executor")]
+        ("autopar.ir.bad", "autopar.passes.pipeline.pipeline_split"),
+        ("autopar.ops.bad", "autopar.runtime.execution.executor"),
+        ("autopar.passes.bad", "autopar.runtime.execution.executor"),
+        ("autopar.runtime.bad", "autopar.passes.pipeline.pipeline_split"),
+        ("autopar.runtime.schedules.bad", "autopar.runtime.execution.executor")]

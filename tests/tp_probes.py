@@ -92,7 +92,7 @@ class _Recorder(fx.Interpreter):
 def dropout_masks_run(case: Case, mesh) -> dict:
     """Masks of the replicated and the sharded dropouts of one forward, from every tp rank."""
     from autopar.ops.tp_rng import ShardedRandom
-    from autopar.passes.tp_random import is_random
+    from autopar.passes.tp.tp_random import is_random
     program, data = _compile(case, mesh)
     (stage,) = program.stages.values()
     gm = stage.gm

@@ -9,7 +9,7 @@ its ZeRO-3 block, its own experts of a mixture-of-experts layer split over ep) w
 slicing (:func:`autopar.hf.load.read_piece`); no rank ever holds the whole model, and nothing is
 initialised twice. What a checkpoint does not carry (buffers the model computes at construction and
 does not save, such as rotary ``inv_freq``) is drawn by the model's own initialisers
-(:func:`autopar.runtime.init_replay.init_filler`), which replay every module's initialiser once on
+(:func:`autopar.runtime.execution.init_replay.init_filler`), which replay every module's initialiser once on
 that rank: for a very large model that costs time, never memory.
 
 The checkpoint is checked against the whole model when the filler is made, the same way on every
@@ -27,8 +27,8 @@ from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.load import read_piece
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
-from autopar.runtime.init_replay import init_filler
-from autopar.runtime.materialize import Filler, Slot
+from autopar.runtime.execution.init_replay import init_filler
+from autopar.runtime.state.materialize import Filler, Slot
 
 __all__ = ["pretrained_weights"]
 

@@ -2,7 +2,7 @@
 
 ``load_pretrained(program, folder)`` sets the weights (and persistent buffers) of a compiled
 program from a local ``transformers`` checkpoint. Every rank reads, for each tensor it holds
-(:func:`autopar.runtime.rank_tensors.held_tensors`: only its stages, its tensor-parallel shard,
+(:func:`autopar.runtime.state.rank_tensors.held_tensors`: only its stages, its tensor-parallel shard,
 its ZeRO-3 block, its experts of a tensor split over ep), just those index ranges of the file, with
 safetensors slicing: a fused projection's tp shard is one range per block on the sharded dim, a ZeRO-3
 block the rows that hold its flat range, an ep rank's experts their range of dim 0. Nothing is
@@ -26,9 +26,9 @@ from autopar.errors import CheckpointError
 from autopar.hf.folder import PretrainedFolder
 from autopar.hf.names import checkpoint_to_program, find_hf_model, ignored_on_load
 from autopar.ir.shard_layout import EXPERTS, ZERO3
-from autopar.runtime.checkpoint import agree_on_error
-from autopar.runtime.checkpoint_layout import Layout
-from autopar.runtime.rank_tensors import Held, held_tensors
+from autopar.runtime.checkpoints.checkpoint import agree_on_error
+from autopar.runtime.checkpoints.checkpoint_layout import Layout
+from autopar.runtime.state.rank_tensors import Held, held_tensors
 
 __all__ = ["load_pretrained", "LoadReport", "piece_runs", "read_piece"]
 
@@ -74,7 +74,7 @@ def _rows(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]
 def read_piece(folder: PretrainedFolder, name: str, layout: Layout, *, tp_index: int, z_index: int,
                dtype: torch.dtype, ep_index: int = 0) -> torch.Tensor:
     """The piece of checkpoint tensor ``name`` that rank (ep_index, tp_index, z_index) holds under ``layout``;
-    equal to :func:`autopar.runtime.checkpoint_layout.split` of the whole tensor, reading only the piece."""
+    equal to :func:`autopar.runtime.checkpoints.checkpoint_layout.split` of the whole tensor, reading only the piece."""
     runs = piece_runs(layout, tp_index=tp_index, ep_index=ep_index)
     if not layout.z3:
         return folder.read(name, runs, dtype=dtype)

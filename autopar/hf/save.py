@@ -8,7 +8,7 @@ library keeps (``model.embed_tokens.weight``, not ``lm_head.weight``).
 
 The gather streams: file by file, every rank sends rank 0 the pieces it holds of that file's
 tensors (dp index 0, or every dp index for ZeRO-3 blocks; tp index 0 of a replicated tensor), and
-rank 0 joins them (:func:`autopar.runtime.checkpoint_layout.join`) and writes the file, so rank 0
+rank 0 joins them (:func:`autopar.runtime.checkpoints.checkpoint_layout.join`) and writes the file, so rank 0
 holds one file's tensors at a time and the others only their own pieces. Rank 0 writes into a
 temporary folder beside ``folder``, fsyncs every file and the folder, and renames it into place.
 """
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from autopar.errors import CheckpointError
 from autopar.hf.folder import INDEX_FILE, SINGLE_FILE
 from autopar.hf.names import find_hf_model, library_class, tied_targets
-from autopar.runtime.checkpoint import agree_on_error
-from autopar.runtime.checkpoint_layout import Layout, join
-from autopar.runtime.checkpoint_files import fsync_path
-from autopar.runtime.rank_tensors import held_tensors
+from autopar.runtime.checkpoints.checkpoint import agree_on_error
+from autopar.runtime.checkpoints.checkpoint_layout import Layout, join
+from autopar.runtime.checkpoints.checkpoint_files import fsync_path
+from autopar.runtime.state.rank_tensors import held_tensors
 
 __all__ = ["save_pretrained", "parse_size"]
 

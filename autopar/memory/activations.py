@@ -3,7 +3,7 @@
 :func:`stage_activations` runs a stage graph's forward once on *fake* tensors (no memory is
 allocated; a 70B-shaped stage runs in well under a second) under autograd, with
 ``torch.autograd.graph.saved_tensors_hooks`` recording every storage autograd saves — the same
-:class:`~autopar.runtime.memory_probe.SavedLedger` the runtime probe uses on real tensors. So the
+:class:`~autopar.runtime.diagnostics.memory_probe.SavedLedger` the runtime probe uses on real tensors. So the
 figure follows the actual kernels (the CPU flash attention keeps q, k, v, out and the logsumexp,
 never the s×s scores), views share their base's storage, and the recompute regions count what
 they hold (inputs; for selective, the stored matmul outputs). Parameters, buffers and the batch
@@ -35,7 +35,7 @@ from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.ops.collectives import GraphCollective
 from autopar.ops.p2p import P2PNode, SendActivation
 from autopar.ops.recompute import Recompute
-from autopar.runtime.memory_probe import SavedLedger
+from autopar.runtime.diagnostics.memory_probe import SavedLedger
 from autopar.runtime.schedules.action import ActionKind
 
 __all__ = ["StageActivations", "stage_activations", "peak_bytes"]

@@ -6,11 +6,11 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
   parameter once even when a tied weight appears on two of its stages), never from allocations,
   so a meta-device model costs nothing;
 - ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
-  (:func:`autopar.runtime.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
+  (:func:`autopar.runtime.state.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
   trainable parameter (flattened, zero-padded to a multiple of dp), and of an expert tensor split over
   ep (``local``) ``ceil(n / edp)`` of its ep-local ``n`` (ZeRO-3 shards it over the edp = dp / ep
   ranks holding the same experts; whole where dp == ep), and ZeRO-1/2 partition the expert tensors
-  whole over those ranks as the runtime does (:func:`autopar.runtime.zero.owned_experts`), so their
+  whole over those ranks as the runtime does (:func:`autopar.runtime.state.zero.owned_experts`), so their
   optimizer state (and ZeRO-2's gradients) is on one edp rank;
 - ``precision="bf16"`` keeps a bf16 compute copy of every parameter and fp32 gradients, and an fp32
   master where the parameter is stepped: the master is optimizer state (ZeRO's K = 12 bytes per
@@ -85,7 +85,7 @@ class _Numel:
 def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = frozenset()) -> list[list[str]]:
     """The names each dp rank owns under ZeRO-1/2, partitioned as the runtime partitions them
     (``local`` parameters, MoE experts split over ep, are outside it: see :func:`owned_experts`)."""
-    from autopar.runtime.zero import partition_params
+    from autopar.runtime.state.zero import partition_params
 
     return partition_params([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name not in local], dp)
 
@@ -93,8 +93,8 @@ def owned_names(params: list[ParamEntry], *, dp: int, local: frozenset[str] = fr
 def owned_experts(params: list[ParamEntry], *, dims: ParallelDims, coords: dict[str, int],
                   local: frozenset[str]) -> set[str]:
     """The expert tensors (``local``) the rank at ``coords`` owns under ZeRO-1/2: the runtime's rule
-    (:func:`autopar.runtime.zero.owned_experts`, over the rank's edp group)."""
-    from autopar.runtime.zero import owned_experts as rule
+    (:func:`autopar.runtime.state.zero.owned_experts`, over the rank's edp group)."""
+    from autopar.runtime.state.zero import owned_experts as rule
 
     return rule([(p.name, _Numel(p.numel)) for p in params if p.trainable and p.name in local], dims=dims, coords=coords)
 

@@ -1,6 +1,6 @@
 """Weight-sized buffers of the asynchronous schedules: what a stage holds besides its live weights.
 
-An asynchronous pipeline (runtime/async_pipeline.py) never drains, and between any two actions a
+An asynchronous pipeline (runtime/execution/async_pipeline.py) never drains, and between any two actions a
 stage may hold, each the size of its trainable weights:
 
 - a copy of each weight version that a forward in flight read while an update came before its

@@ -2,7 +2,7 @@
 
 A *chunk* is the smallest piece a pipeline stage is made of: the code before the first block
 together with block 0, each later block, and the code after the last block (a stage may begin
-only at a block or right after the last one; see :mod:`autopar.passes.partition`). For every
+only at a block or right after the last one; see :mod:`autopar.passes.pipeline.partition`). For every
 tensor-parallel degree the planner considers, :func:`profile_model` shards the captured graph
 (the compiler's own passes), cuts it into one stage per chunk, and reads per sample:
 
@@ -10,15 +10,15 @@ tensor-parallel degree the planner considers, :func:`profile_model` shards the c
 - the chunk's parameters as this tp rank holds them (:func:`autopar.memory.states.rank_params`);
 - bytes saved for backward with each recompute mode, and the recompute transient
   (:func:`autopar.memory.stage_activations`, a fake run);
-- each collective and its bytes (:func:`autopar.passes.collective_audit.audit_collectives`);
+- each collective and its bytes (:func:`autopar.passes.tp.collective_audit.audit_collectives`);
 - the bytes a stage beginning at the chunk receives (its recv edges);
 - its MoE layers (:class:`MoeCost`: experts, top-k, expert tensors, the bytes of the routed rows
-  an all-to-all would move), from :func:`autopar.passes.moe_detect.find_moe_layers` on the graph
+  an all-to-all would move), from :func:`autopar.passes.moe.moe_detect.find_moe_layers` on the graph
   captured with its experts whole (``expert_parallel=1``).
 
 The model is captured once, at one sample per microbatch, its sequences padded to the bound the
 batches may reach (``max_seq_len``, else the model's own maximum; docs/batches.md), and with its
-identical blocks captured once (:mod:`autopar.passes.block_template`): the template block's chunk
+identical blocks captured once (:mod:`autopar.passes.frontend.block_template`): the template block's chunk
 stands for every block, so an 80-layer model costs what a 3-layer one does. Costs scale linearly with the microbatch.
 """
 from __future__ import annotations
@@ -37,12 +37,12 @@ from autopar.lowering import Captured, capture_and_annotate, shard_captured, use
 from autopar.memory.activations import stage_activations
 from autopar.memory.states import ParamEntry, rank_params
 from autopar.options import CompileOptions, resolve_plan
-from autopar.passes.collective_audit import audit_collectives
-from autopar.passes.moe_detect import find_moe_layers
-from autopar.passes.partition import _allowed_starts, cut_stages, pipeline_segments
-from autopar.passes.pipeline_split import split_graph
-from autopar.passes.recompute import recompute_stage
-from autopar.passes.seq_bounds import model_max_length, padded_to
+from autopar.passes.tp.collective_audit import audit_collectives
+from autopar.passes.moe.moe_detect import find_moe_layers
+from autopar.passes.pipeline.partition import _allowed_starts, cut_stages, pipeline_segments
+from autopar.passes.pipeline.pipeline_split import split_graph
+from autopar.passes.pipeline.recompute import recompute_stage
+from autopar.passes.frontend.seq_bounds import model_max_length, padded_to
 from autopar.plan_model import MeshShape
 
 __all__ = ["CommCost", "MoeCost", "ChunkCost", "ModelProfile", "profile_model", "RECOMPUTE"]
@@ -64,7 +64,7 @@ class CommCost:
 
 @dataclass(frozen=True)
 class MoeCost:
-    """One recognised MoE layer of a chunk (:mod:`autopar.passes.moe_detect`), per sample of the microbatch.
+    """One recognised MoE layer of a chunk (:mod:`autopar.passes.moe.moe_detect`), per sample of the microbatch.
 
     ``dispatch_bytes``: the routed rows (tokens x top-k) entering the first expert matmul, x hidden x
     bytes, what the dispatch all-to-all moves; ``combine_bytes``: the rows leaving the last one (the

@@ -18,7 +18,7 @@ executor's timed actions) and, when asked, proposes the stage boundaries that ba
    is balanced; the proposal says how much faster the slowest stage should get.
 3. :meth:`LoadBalancer.apply` (collective) compiles the program again with the new
    ``Plan.pipeline.stage_starts`` and moves everything over through a resharding checkpoint
-   (:mod:`autopar.runtime.checkpoint`): weights, buffers, optimizer state (by parameter name, so
+   (:mod:`autopar.runtime.checkpoints.checkpoint`): weights, buffers, optimizer state (by parameter name, so
    SGD momentum and Adam moments follow their weight to its new stage) and the step counter.
    Nothing is lost: training continues as if the split had been the new one from the start.
 
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.ir.meta_keys import COST, get_meta
 from autopar.lowering import user_name
-from autopar.passes.partition import _allowed_starts, pipeline_segments
+from autopar.passes.pipeline.partition import _allowed_starts, pipeline_segments
 from autopar.planner.stage_cuts import stage_time, weighted_cuts
 from autopar.runtime.schedules.action import Action
 

@@ -1,6 +1,6 @@
 """Stage boundaries for devices of different speed and memory: balanced cuts, weighted.
 
-:func:`autopar.passes.partition.balanced_cuts` minimises the largest stage cost when every stage
+:func:`autopar.passes.pipeline.partition.balanced_cuts` minimises the largest stage cost when every stage
 runs on the same kind of device. :func:`weighted_cuts` solves the general problem the planner
 needs: stage ``s`` runs at relative speed ``speeds[s]`` (its time is its cost / speed) and may be
 refused by ``fits(s, begin, end)`` (the chunks begin..end-1 do not fit its memory). It minimises

@@ -2,7 +2,7 @@
 
 Everything is read off the rewritten graphs: each ``MoeDispatch`` / ``MoeCombine`` node carries
 ``autopar.moe_exchange`` (:class:`~autopar.ir.meta_keys.MoeExchange`, written by
-:mod:`autopar.passes.moe_expert_parallel`): its layer, the ep size, every ep rank's expert range and
+:mod:`autopar.passes.moe.moe_expert_parallel`): its layer, the ep size, every ep rank's expert range and
 the capacity factor. Which dp indices form an ep group (and an edp group, the ranks holding the same
 experts) is the rule every part reads, :class:`autopar.parallel_dims.ParallelDims`; the capacity is the
 dispatch module's own :meth:`~autopar.ops.moe_ops.MoeDispatch.capacity` of the rows its input holds.

@@ -126,8 +126,9 @@ def _critical_path_html(path, *, unit: str = "units", anchor: str = "") -> str:
 
 
 def _measured_section(result, events) -> str:
-    """A measured step (``runtime.trace.gather_events``): replayed with its own action times, its critical path."""
-    from autopar.runtime.trace import measured_bubble, replay
+    """A measured step (``runtime.execution.trace.gather_events``): replayed with its own action times, its
+    critical path."""
+    from autopar.runtime.execution.trace import measured_bubble, replay
 
     sim = replay(result.schedule, events)
     measured = measured_bubble(events)
@@ -135,7 +136,7 @@ def _measured_section(result, events) -> str:
                    for r, (m, s) in enumerate(zip(measured, sim.bubble_fraction)))
     return (f'<section id="measured"><h2>Measured step</h2><p>A step as it ran: each action with its measured '
             f"time, placed by the schedule's dependencies with the step's least transfer latency (the replay of "
-            f"runtime/trace.py; times in seconds). The critical path is outlined.</p>"
+            f"runtime/execution/trace.py; times in seconds). The critical path is outlined.</p>"
             f'<figure id="measured-timeline">{timeline_svg(sim, title="measured step (s)", critical=True)}</figure>'
             f'<table class="figures"><tr><th></th><th>bubble measured</th><th>replayed</th></tr>{rows}</table>'
             f"{_critical_path_html(sim.critical_path, unit='s', anchor='measured-')}</section>")
@@ -148,7 +149,7 @@ def render_report(result, *, title: str | None = None, formula: bool = True, cap
     ``formula``: add memory as a formula of microbatch size and sequence length (plans the model twice
     more, at other sizes); with ``capacity`` (bytes per device; by default the planner's cluster when it
     chose the Plan), the longest sequence and largest microbatch that fit. ``events``: a measured step
-    of this plan (:func:`autopar.runtime.trace.gather_events`), shown with its own critical path.
+    of this plan (:func:`autopar.runtime.execution.trace.gather_events`), shown with its own critical path.
     """
     plan = result.plan
     title = title or f"autopar report: {plan.model_name} on {plan.mesh}"

@@ -23,7 +23,7 @@ Example::
 
     >>> import torch
     >>> from autopar.models.examples import gpt_tiny
-    >>> from autopar.passes.capture import capture
+    >>> from autopar.passes.frontend.capture import capture
     >>> model, (x,), loss_fn, y = gpt_tiny()
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> report = find_attention(gm)
@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.meta_keys import ATTENTION, AttentionInfo, AttnLayout, set_meta
-from autopar.passes.annotate import module_path_of
+from autopar.passes.frontend.annotate import module_path_of
 from autopar.passes.context_parallel.graph_util import is_op, op_key, param_of, scalar, shape
 from autopar.passes.context_parallel.mask_probe import Frame, Term, classify_visible, probe_terms
 

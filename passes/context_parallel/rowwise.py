@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.passes.annotate import module_path_of
+from autopar.passes.frontend.annotate import module_path_of
 from autopar.passes.context_parallel.graph_util import ancestors, shape, value
 from autopar.passes.context_parallel.seq_place import Place
 

@@ -21,7 +21,7 @@ from it. The analysis writes meta only and rewrites nothing.
 Example::
 
     >>> from autopar.models.examples import gpt_tiny
-    >>> from autopar.passes.capture import capture
+    >>> from autopar.passes.frontend.capture import capture
     >>> model, (x,), loss_fn, y = gpt_tiny()
     >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
     >>> report = analyze_sequence(gm, seq_inputs={"idx": 1, "target": 1})
@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.ir.meta_keys import SEQ, SeqInfo, set_meta
-from autopar.passes.annotate import module_path_of
+from autopar.passes.frontend.annotate import module_path_of
 from autopar.passes.context_parallel.attention import AttentionReport, find_attention
 from autopar.passes.context_parallel.graph_util import ancestors, is_op, param_of, shape
 from autopar.passes.context_parallel.rowwise import find_unit

@@ -52,7 +52,7 @@ class Family(NamedTuple):
     fixed: bool = True  # stages_per_rank is the only num_virtual accepted; else it is an option >= minimum
     minimum: int = 1
     split_backward: bool = False  # B (input gradient) and W (weight gradient) run apart
-    asynchronous: bool = False  # weight updates without a flush (an endless stream, runtime/async_pipeline.py)
+    asynchronous: bool = False  # updates without a flush (an endless stream, runtime/execution/async_pipeline.py)
     replicas: int = 1  # model replicas the stages come in (Chimera: a second pipeline the other way)
     peak_grows: bool = False  # in-flight peak grows with every microbatch (else steady by 2·pp microbatches)
     bounded: bool = False  # planner/pipeline_bound.py's lower bound holds (one replica, one F, B, W each)

@@ -135,7 +135,7 @@ def simulate(schedule: Schedule, *, costs: StageCosts, durations: Mapping[Action
     """Validate ``schedule``, then time it under ``costs``.
 
     ``durations`` overrides the cost of individual actions (a replay of measured times, as
-    :func:`autopar.runtime.trace.replay` does); ``costs.p2p`` still applies. ``validated``: the caller
+    :func:`autopar.runtime.execution.trace.replay` does); ``costs.p2p`` still applies. ``validated``: the caller
     has validated this very schedule already (the planner simulates one cached schedule under many costs).
     """
     if not validated:

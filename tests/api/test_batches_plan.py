@@ -17,7 +17,7 @@ from autopar.memory import estimate_memory
 from autopar.models import build_model, lm_loss
 from autopar.ops.p2p import RecvActivation
 from autopar.options import CompileOptions
-from autopar.passes.pipeline_split import size_nodes
+from autopar.passes.pipeline.pipeline_split import size_nodes
 from autopar.plan_model import Plan
 from autopar.planner.profile import profile_model
 

@@ -43,7 +43,7 @@ def test_a_refused_plan_reports_its_error_and_nothing_sharded():
 
 
 def test_reasons_come_from_the_region_finder():
-    """A linear whose shard meets an op with no rule is a gathered column (passes/tp_gather_output.py); one whose
+    """A linear whose shard meets an op with no rule is a gathered column (passes/tp/tp_gather_output.py); one whose
     output the graph returns stays replicated, the reason naming why (find_tp_regions' record)."""
     import torch
     import torch.nn as nn

@@ -17,7 +17,7 @@ from autopar.cli import build_parser
 from autopar.options import CompileOptions
 from autopar.planning import PlanResult
 from autopar.report.api_doc import BEGIN, END, describe_option, options_table
-from autopar.runtime.program import RankProgram
+from autopar.runtime.execution.program import RankProgram
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 API = (DOCS / "api.md").read_text()

@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.models import build_model, lm_loss
-from autopar.runtime.batch_split import microbatch_rows
+from autopar.runtime.execution.batch_split import microbatch_rows
 
 VOCAB = 128
 
@@ -105,7 +105,7 @@ def test_a_shorter_sequence_and_a_partial_batch_train(one_rank_mesh):
 def test_a_sequence_parallel_length_must_divide_by_tp():
     """Checked per batch; the error names the dim, the length, tp and both fixes (no process group needed)."""
     from autopar.ir.dynamic_shapes import DynamicDim
-    from autopar.runtime.shape_cache import check_sizes
+    from autopar.runtime.execution.shape_cache import check_sizes
     seq = DynamicDim(symbol="s0", inputs=(("input_ids", 1),), low=2, high=64, multiple_of=2)
     check_sizes((seq,), (("input_ids", (4, 18)),), where="rank 0")
     with pytest.raises(autopar.InputError) as info:

@@ -20,7 +20,7 @@ from autopar.hf.folder import PretrainedFolder
 from autopar.hf.load import read_piece
 from autopar.hf.names import checkpoint_to_program
 from autopar.ir.shard_layout import ShardLayout
-from autopar.runtime.checkpoint_layout import Layout, split
+from autopar.runtime.checkpoints.checkpoint_layout import Layout, split
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None,

@@ -58,7 +58,7 @@ def test_coordinates_positions_and_groups_match_the_unflattened_mesh(d):
 
 
 def test_expert_groups_are_contiguous_dp_blocks():
-    """dp index d is ep rank d % ep of block d // ep (as runtime/moe_groups.py laid them out before)."""
+    """dp index d is ep rank d % ep of block d // ep (as runtime/state/moe_groups.py laid them out before)."""
     d = ParallelDims(dp=4, ep=2)
     assert d.groups("ep") == [[0, 1], [2, 3]] and d.groups("edp") == [[0, 2], [1, 3]]
     wide = ParallelDims(dp=4, pp=1, tp=2, ep=2)  # tp inside: dp neighbours are two ranks apart

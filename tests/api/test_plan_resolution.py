@@ -112,7 +112,8 @@ def _option_reads(path: pathlib.Path) -> set[str]:
 
 
 def test_the_lowering_reads_no_option_the_plan_records():
-    reads = set().union(*(_option_reads(p) for p in [ROOT / "autopar" / "lowering.py", *(ROOT / "passes").glob("*.py")]))
+    sources = [ROOT / "autopar" / "lowering.py", *(ROOT / "passes").rglob("*.py")]
+    reads = set().union(*(_option_reads(p) for p in sources))
     assert reads and reads <= set(ANALYSIS_OPTIONS), reads  # the lowering's passes: the analysis options only
     for name in ("compile.py", "planning.py"):  # the entry points hand runtime options on, nothing the Plan holds
         assert not _option_reads(ROOT / "autopar" / name) & set(RESOLVED), name

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from autopar.errors import PlanError
-from autopar.passes.partition import balanced_cuts
+from autopar.passes.pipeline.partition import balanced_cuts
 from autopar.planner.stage_cuts import stage_time, weighted_cuts
 
 

@@ -143,7 +143,7 @@ def test_chromium_shows_the_critical_path_of_a_4_rank_pipeline(schedule, tmp_pat
 @pytest.mark.parametrize("case", CRITICAL_PATH_CASES, ids=lambda c: dict(c.options)["schedule"])
 def test_chromium_shows_a_measured_step_and_its_critical_path(case, tmp_path):
     """A real 2-rank pp=2 step (1F1B, ZB-V) in the report: its replay's timeline, its critical path outlined."""
-    from autopar.runtime.trace import measured_critical_path
+    from autopar.runtime.execution.trace import measured_critical_path
 
     browser = _browser()
     run = results(case.world_size)[case]

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import autopar  # noqa: E402
 from autopar.ir.captured_graph import ItemCount  # noqa: E402
 from autopar.models.hf import HF_RAW, build_hf_raw  # noqa: E402
-from autopar.passes.devices import graph_devices  # noqa: E402
+from autopar.passes.frontend.devices import graph_devices  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "mistral", "qwen3", "mixtral", "bert", "phi3", "gemma")
 
@@ -67,7 +67,7 @@ def test_library_defaults_shard_as_fully_as_caches_off(caplog):
     shares = {}
     for use_cache in (True, False):
         model = build_hf_raw("llama", device="meta", use_cache=use_cache)
-        with caplog.at_level("INFO", logger="autopar.passes.capture"):
+        with caplog.at_level("INFO", logger="autopar.passes.frontend.capture"):
             caplog.clear()
             result = autopar.plan(model, {"tp": 2}, example_inputs=(tokens,), loss_fn=logits_loss,
                                   example_target=targets)
@@ -87,7 +87,7 @@ def test_dict_batch_keyword_inputs_and_the_models_own_loss():
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     result = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=batch)
     captured = result.captured.captured
-    # the step's label-token count: one more input, counted after the causal LM's shift (passes/item_count.py)
+    # the step's label-token count: one more input, counted after the causal LM's shift (passes/frontend/item_count.py)
     assert captured.input_names == ("input_ids", "attention_mask", "labels", "num_items_in_batch")
     assert captured.has_loss and captured.keywords == ("input_ids", "attention_mask", "labels")
     assert captured.item_count == ItemCount(labels="labels", shift=1)
@@ -185,7 +185,7 @@ def test_hf_layers_are_captured_once_and_repeated(caplog):
     """transformers' blocks differ only in ``layer_idx`` (their position): a block template still applies."""
     model = build_hf_raw("llama", device="meta", num_hidden_layers=9)
     tokens = torch.randint(0, 128, (4, 8))
-    with caplog.at_level("INFO", logger="autopar.passes.block_template"):
+    with caplog.at_level("INFO", logger="autopar.passes.frontend.block_template"):
         once = autopar.plan(model, {"pp": 2, "tp": 2}, example_inputs=(tokens,), loss_fn=logits_loss,
                             example_target=tokens, ranks=[0, 3])
     assert any("3 blocks captured, 6 repeated" in r.getMessage() for r in caplog.records)

@@ -18,9 +18,9 @@ import autopar  # noqa: E402
 from autopar.errors import PlanError  # noqa: E402
 from autopar.models.hf import build_hf_raw  # noqa: E402
 from autopar.ops.zero3_ops import padded_numel, shard_zero3_parameters  # noqa: E402
-from autopar.runtime.checkpoint_layout import split  # noqa: E402
-from autopar.runtime.init_replay import init_filler  # noqa: E402
-from autopar.runtime.materialize import materialize_rank  # noqa: E402
+from autopar.runtime.checkpoints.checkpoint_layout import split  # noqa: E402
+from autopar.runtime.execution.init_replay import init_filler  # noqa: E402
+from autopar.runtime.state.materialize import materialize_rank  # noqa: E402
 from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, run_cases  # noqa: E402
 from hf_runners import cpu_reference, hf_loop_reference, logits_loss, padded_batches  # noqa: E402

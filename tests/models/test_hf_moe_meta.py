@@ -21,9 +21,9 @@ from autopar.hf import pretrained_weights  # noqa: E402
 from autopar.lowering import capture_and_annotate, lower_captured  # noqa: E402
 from autopar.models.moe import build_hf_moe  # noqa: E402
 from autopar.plan_model import MeshShape  # noqa: E402
-from autopar.runtime.checkpoint_layout import split  # noqa: E402
-from autopar.runtime.init_replay import init_filler  # noqa: E402
-from autopar.runtime.materialize import materialize_rank  # noqa: E402
+from autopar.runtime.checkpoints.checkpoint_layout import split  # noqa: E402
+from autopar.runtime.execution.init_replay import init_filler  # noqa: E402
+from autopar.runtime.state.materialize import materialize_rank  # noqa: E402
 from autopar.validation import checked_options  # noqa: E402
 
 

@@ -84,9 +84,9 @@ def test_batchnorm_with_frozen_statistics_plans_on_dp():
 def test_unshardable_patterns_warn_naming_the_node(caplog):
     """GPT-2's Conv1D is addmm with a (in, out) weight: a projection, sharded on the weight's dim 1
     (columns) and 0 (rows) without a warning; BERT's MLM-head dense, whose shard stops at a layer_norm, is a
-    column with its output all-gathered (passes/tp_gather_output.py), without a warning either."""
+    column with its output all-gathered (passes/tp/tp_gather_output.py), without a warning either."""
     model, x, y = _example("hf_gpt2")
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.tp_regions"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
     assert "c_attn" not in caplog.text and "c_fc" not in caplog.text
     shards = result.plan.param_shards
@@ -94,7 +94,7 @@ def test_unshardable_patterns_warn_naming_the_node(caplog):
     assert shards["transformer.h.0.attn.c_attn.weight"].chunks == 3  # fused [q | k | v]
     caplog.clear()
     model, x, y = _example("hf_bert")
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.tp_regions"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
     assert "cls.predictions.transform.dense" not in caplog.text
     assert len(result.plan.tp_regions) >= 5  # attention and MLP of both layers, and the head's dense

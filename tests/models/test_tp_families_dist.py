@@ -1,5 +1,6 @@
-"""The families whose sharding passes/vocab_parallel.py, passes/tp_gather_output.py and passes/tp_expert.py add
-train equal to one device: BERT's and RoBERTa's masked-LM heads (word embeddings with padding_idx, a decoder
+"""The families whose sharding passes/tp/vocab_parallel.py, passes/tp/tp_gather_output.py and
+passes/moe/tp_expert.py add train equal to one device: BERT's and RoBERTa's masked-LM heads (word
+embeddings with padding_idx, a decoder
 tied to them, the dense before the norm a column with a gathered output), ViT's patch convolution (gathered
 on its channels), BART's head with its logits bias buffer, and Mixtral's and Qwen2-MoE's 3-D fused experts,
 at tp=2 and at pp=2 x tp=2 (Mixtral also at tp=4); DeepSeek-V3's latent attention (its up-projections split by
@@ -55,7 +56,7 @@ _SHARDED = {
 _WHOLE = {name: tuple(f"model.layers.{i}.self_attn.{w}.weight" for i in (0, 1)
                       for w in ("q_a_proj", "kv_a_proj_with_mqa"))
           for name in ("deepseek_v3", "deepseek_v2")}
-# columns whose output must be all-gathered (passes/tp_gather_output.py); Swin's o_proj is one too while its
+# columns whose output must be all-gathered (passes/tp/tp_gather_output.py); Swin's o_proj is one too while its
 # attention stays replicated (a row once that attention shards), so the check is for these at least
 _GATHERED = {"bert": ["cls.predictions.transform.dense"], "roberta": ["lm_head.dense"],
              "vit": ["vit.embeddings.patch_embeddings.projection"],

@@ -18,7 +18,7 @@ from autopar.models import build_model, lm_loss
 from autopar.ops.collectives import TpCopy, TpGather, TpReduce
 from autopar.ops.p2p import RecvActivation, SendActivation
 from autopar.ops.tp_ops import TpGradSum, TpGroupGradSum
-from autopar.passes.capture import capture
+from autopar.passes.frontend.capture import capture
 
 __all__ = ["BATCH", "SEQ", "example_batch", "tiny_model", "captured", "planned", "run_forward", "call_nodes"]
 

@@ -1,4 +1,4 @@
-"""passes/annotate.py and ir/meta_keys.py: the meta-key registry, FLOPs, bytes, module paths, tied params."""
+"""passes/frontend/annotate.py and ir/meta_keys.py: the meta-key registry, FLOPs, bytes, module paths, tied params."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +12,8 @@ from autopar.ir.meta_keys import (
     COST, META_KEYS, MODULE, PARAM, TENSOR, NodeCost, get_meta, set_meta,
 )
 from autopar.models import lm_loss
-from autopar.passes.annotate import annotate
-from autopar.passes.capture import capture
+from autopar.passes.frontend.annotate import annotate
+from autopar.passes.frontend.capture import capture
 
 from graph_runner import captured, example_batch, tiny_model
 
@@ -122,7 +122,7 @@ def test_attention_flops_are_counted(gpt):
 
 
 def test_activation_bytes_are_output_bytes_and_zero_for_inputs_weights_and_views(gpt):
-    from autopar.passes.annotate import _is_view
+    from autopar.passes.frontend.annotate import _is_view
     _, gm = gpt
     views = 0
     for node in gm.graph.nodes:

@@ -1,4 +1,4 @@
-"""Identical blocks captured once and repeated (passes/block_template.py) give the graphs a full capture gives."""
+"""Identical blocks captured once and repeated (passes/frontend/block_template.py) give a full capture's graphs."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +8,8 @@ from torch import nn
 import autopar
 from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.models import build_model, lm_loss
-from autopar.passes.block_template import MIN_BLOCKS, capture_blocks, find_block_template
-from autopar.passes.capture import capture
+from autopar.passes.frontend.block_template import MIN_BLOCKS, capture_blocks, find_block_template
+from autopar.passes.frontend.capture import capture
 
 
 def _signature(gm):

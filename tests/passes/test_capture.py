@@ -1,4 +1,4 @@
-"""passes/capture.py: export and symbolic_trace capture, module paths, input names, meta models, errors."""
+"""passes/frontend/capture.py: export and symbolic_trace capture, module paths, input names, meta models, errors."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import torch.utils._pytree as pytree
 import autopar
 from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.models import build_model, lm_loss
-from autopar.passes.annotate import annotate
-from autopar.passes.capture import capture
+from autopar.passes.frontend.annotate import annotate
+from autopar.passes.frontend.capture import capture
 
 from graph_runner import captured as cached_capture
 

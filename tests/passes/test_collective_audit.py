@@ -1,4 +1,4 @@
-"""passes/collective_audit.py: collective counts and bytes per block equal the analytic figures.
+"""passes/tp/collective_audit.py: collective counts and bytes per block equal the analytic figures.
 
 Per block per microbatch (Korthikanti et al. 2022, section 4.2.2): tensor parallelism does
 4 all-reduces of b·s·h values (2 forward, 2 backward); with sequence parallelism 4 all-gathers
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.passes.collective_audit import audit_collectives, format_audit, per_unit, wire_bytes
+from autopar.passes.tp.collective_audit import audit_collectives, format_audit, per_unit, wire_bytes
 
 from graph_runner import planned
 

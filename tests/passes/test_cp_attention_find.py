@@ -19,8 +19,8 @@ import torch.nn as nn
 pytest.importorskip("transformers")
 
 from autopar.ir.meta_keys import ATTENTION, get_meta  # noqa: E402
-from autopar.passes.annotate import module_path_of  # noqa: E402
-from autopar.passes.capture import capture  # noqa: E402
+from autopar.passes.frontend.annotate import module_path_of  # noqa: E402
+from autopar.passes.frontend.capture import capture  # noqa: E402
 from autopar.passes.context_parallel.attention import annotate_attention, find_attention  # noqa: E402
 from cp_families import CAPTURES, SEQ, captured  # noqa: E402
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from autopar.ir.meta_keys import SEQ, get_meta  # noqa: E402
-from autopar.passes.capture import capture  # noqa: E402
+from autopar.passes.frontend.capture import capture  # noqa: E402
 from autopar.passes.context_parallel.seq_dims import analyze_sequence, annotate_sequence, default_seq_inputs  # noqa
 from cp_families import CAPTURES, SEQ as S, captured  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""passes/moe_detect.py: MoE layers recognised in captured graphs of four models, and what is left out."""
+"""passes/moe/moe_detect.py: MoE layers recognised in captured graphs of four models, and what is left out."""
 import importlib.util
 
 import pytest
@@ -7,8 +7,8 @@ import torch.nn as nn
 
 from autopar.ir.meta_keys import MOE, MOE_LAYER, get_meta
 from autopar.models.moe import build_hf_moe, build_moe, moe_loss
-from autopar.passes.capture import capture
-from autopar.passes.moe_detect import annotate_moe, find_moe_layers
+from autopar.passes.frontend.capture import capture
+from autopar.passes.moe.moe_detect import annotate_moe, find_moe_layers
 
 HF = importlib.util.find_spec("transformers") is not None
 

@@ -1,4 +1,4 @@
-"""passes/moe_expert_parallel.py and passes/moe_aux.py read off autopar.plan (no process group), and the
+"""passes/moe/moe_expert_parallel.py and passes/moe/moe_aux.py read off autopar.plan (no process group), and the
 expert-parallel refusals, each an AutoparError naming what to change."""
 import pytest
 import torch
@@ -9,9 +9,9 @@ from autopar.errors import PlanError, ShardingError
 from autopar.models import build_model, lm_loss
 from autopar.models.moe import build_moe, moe_loss
 from autopar.ops.moe_ops import DpMean, MoeCombine, MoeDispatch
-from autopar.passes.capture import capture
+from autopar.passes.frontend.capture import capture
 from autopar.passes.lowering_state import LoweringState
-from autopar.passes.moe_expert_parallel import shard_experts
+from autopar.passes.moe.moe_expert_parallel import shard_experts
 from autopar.plan_model import MeshShape
 
 EP = dict(expert_parallel=2, zero_stage=0, num_microbatches=1)

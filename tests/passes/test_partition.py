@@ -1,4 +1,4 @@
-"""passes/partition.py: optimal cost-balanced cuts, only at block boundaries, explicit starts, errors."""
+"""passes/pipeline/partition.py: optimal cost-balanced cuts, only at block boundaries, explicit starts, errors."""
 from __future__ import annotations
 
 import itertools
@@ -10,9 +10,9 @@ from hypothesis import given, settings, strategies as st
 import autopar
 from autopar.ir.meta_keys import MODULE, STAGE, get_meta
 from autopar.models import lm_loss
-from autopar.passes.annotate import annotate
-from autopar.passes.capture import capture
-from autopar.passes.partition import balanced_cuts, cut_stages, pipeline_segments
+from autopar.passes.frontend.annotate import annotate
+from autopar.passes.frontend.capture import capture
+from autopar.passes.pipeline.partition import balanced_cuts, cut_stages, pipeline_segments
 
 from graph_runner import call_nodes, example_batch, planned, tiny_model
 
@@ -114,7 +114,7 @@ def test_cuts_minimise_the_largest_stage_cost_of_the_real_graph():
     gm, _ = _annotated_gpt(num_layers=6, vocab_size=1024)
     segments = pipeline_segments(gm)
     costs = [s.cost for s in segments]
-    from autopar.passes.partition import _allowed_starts
+    from autopar.passes.pipeline.partition import _allowed_starts
     allowed = _allowed_starts(segments)
     for num_stages in (2, 3, 4):
         cuts = balanced_cuts(costs, num_stages, allowed)

@@ -1,4 +1,4 @@
-"""passes/pipeline_split.py: stage graphs joined by visible send/recv nodes, parameters placed once."""
+"""passes/pipeline/pipeline_split.py: stage graphs joined by visible send/recv nodes, parameters placed once."""
 from __future__ import annotations
 
 from collections import Counter

@@ -1,4 +1,4 @@
-"""Activation recomputation (passes/recompute.py): the regions, equal gradients, less memory, as predicted."""
+"""Activation recomputation (passes/pipeline/recompute.py): the regions, equal gradients, less memory, as predicted."""
 from __future__ import annotations
 
 import copy
@@ -14,8 +14,8 @@ from autopar.models import build_model, lm_loss
 from autopar.ops.collectives import TpCopy, TpReduce
 from autopar.ops.p2p import p2p_nodes
 from autopar.ops.recompute import Recompute, recompute_modules
-from autopar.passes.recompute import apply_recompute, recompute_regions
-from autopar.runtime.memory_probe import SavedLedger
+from autopar.passes.pipeline.recompute import apply_recompute, recompute_regions
+from autopar.runtime.diagnostics.memory_probe import SavedLedger
 from case_marks import by_world
 from equivalence import assert_equivalent, reference_run
 from memory_harness import RECOMPUTE, results

@@ -1,4 +1,4 @@
-"""passes/sequence_parallel.py: f/g become all-gather/reduce-scatter, the residual stream is seq-sharded."""
+"""passes/tp/sequence_parallel.py: f/g become all-gather/reduce-scatter, the residual stream is seq-sharded."""
 from __future__ import annotations
 
 from collections import Counter

@@ -1,4 +1,4 @@
-"""passes/tensor_parallel.py, tp_regions.py, tp_rules.py: Megatron f/g per block, local shapes, errors."""
+"""passes/tp/tensor_parallel.py, tp_regions.py, tp_rules.py: Megatron f/g per block, local shapes, errors."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ import autopar
 from autopar.ir.meta_keys import MODULE, get_meta
 from autopar.models import build_model, lm_loss
 from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes
-from autopar.passes.tp_rules import NoRule, view_dim_map
+from autopar.passes.tp.tp_rules import NoRule, view_dim_map
 
 from graph_runner import example_batch, planned, reference_loss, run_forward, tiny_model
 

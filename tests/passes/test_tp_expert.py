@@ -1,4 +1,4 @@
-"""passes/tp_expert.py: every expert's MLP column/row-sharded over tp (3-D fused expert weights, grouped
+"""passes/moe/tp_expert.py: every expert's MLP column/row-sharded over tp (3-D fused expert weights, grouped
 or gathered by expert id), and per-expert module lists sharded by the region finder as ordinary linears."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism across transformers families, from the graph alone (passes/tp_rules.py,
+"""Tensor parallelism across transformers families, from the graph alone (passes/tp/tp_rules.py,
 tp_regions.py, tensor_parallel.py): Conv1D's (in, out) weights, Falcon's ``x @ W.T``, fused qkv
 of every layout, fewer kv heads than tp (multi-query included), ALiBi, partial rotary, q/k norms.
 

@@ -1,5 +1,5 @@
-"""Columns with a gathered output (passes/tp_gather_output.py) and buffers sliced on vocabulary-sharded
-logits (passes/vocab_parallel.py), read off ``autopar.plan`` in this process. Equality to one device: BERT,
+"""Columns with a gathered output (passes/tp/tp_gather_output.py) and buffers sliced on vocabulary-sharded
+logits (passes/tp/vocab_parallel.py), read off ``autopar.plan`` in this process. Equality to one device: BERT,
 RoBERTa, ViT and BART in tests/models/test_tp_families_dist.py."""
 from __future__ import annotations
 

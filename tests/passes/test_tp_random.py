@@ -1,4 +1,4 @@
-"""passes/tp_random.py, ops/tp_rng.py: sharded-region random ops on a per-rank stream."""
+"""passes/tp/tp_random.py, ops/tp_rng.py: sharded-region random ops on a per-rank stream."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Reductions over a tensor-parallel shard (passes/tp_reduce_rules.py) and shards pulled back to position
-tables (passes/tp_pullback_rules.py), read off ``autopar.plan`` in this process.
+"""Reductions over a tensor-parallel shard (passes/tp/tp_reduce_rules.py) and shards pulled back to position
+tables (passes/tp/tp_pullback_rules.py), read off ``autopar.plan`` in this process.
 
 OLMo 2's q/k RMSNorms reduce over every head's features before the head split: each is a partial sum
 all-reduced forward (one :class:`TpPartialSum` per norm), its result read back on the shards through a
@@ -23,10 +23,10 @@ from autopar.models.hf import build_hf_raw, hf_raw_example  # noqa: E402
 from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes  # noqa: E402
 from autopar.ops.tp_ops import TpGradSum  # noqa: E402
 from autopar.ops.tp_reduce_ops import TpPartialSum  # noqa: E402
-from autopar.passes.tp_errors import NoRule  # noqa: E402
-from autopar.passes.tp_pullback_rules import embedding_back, index_back  # noqa: E402
-from autopar.passes.tp_reduce_rules import PARTIAL, partial_sum_rule  # noqa: E402
-from autopar.passes.tp_rules import reduce_dims  # noqa: E402
+from autopar.passes.tp.tp_errors import NoRule  # noqa: E402
+from autopar.passes.tp.tp_pullback_rules import embedding_back, index_back  # noqa: E402
+from autopar.passes.tp.tp_reduce_rules import PARTIAL, partial_sum_rule  # noqa: E402
+from autopar.passes.tp.tp_rules import reduce_dims  # noqa: E402
 from tp_families import build_family, example_batch, logits_loss  # noqa: E402
 
 

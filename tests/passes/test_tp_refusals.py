@@ -1,4 +1,4 @@
-"""Every refusal of the tensor-parallel propagation (passes/tp_rules.py), each on a small model that
+"""Every refusal of the tensor-parallel propagation (passes/tp/tp_rules.py), each on a small model that
 trains to a wrong result without it.
 
 Each model reads a column linear's output (sharded on its features over tp) with an op that cannot run on
@@ -74,7 +74,7 @@ def test_refused_op_keeps_the_model_exact(name, caplog):
     torch.manual_seed(0)
     model = _Region(op, down_in=down_in)
     x, y = _example()
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp_regions"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.tp_regions"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=F.mse_loss, example_target=y)
     mb = result.plan.microbatch_size
     losses, grads = run_train(result, {"x": x[:mb], "target": y[:mb]})

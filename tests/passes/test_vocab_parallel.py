@@ -1,4 +1,4 @@
-"""passes/vocab_parallel.py: the embedding and the LM head + loss sharded on the vocabulary."""
+"""passes/tp/vocab_parallel.py: the embedding and the LM head + loss sharded on the vocabulary."""
 from __future__ import annotations
 
 import logging
@@ -107,7 +107,7 @@ def test_vocabulary_not_divisible_by_tp_raises_sharding_error():
 def test_vocabulary_not_divisible_stays_replicated_by_default(caplog):
     model = tiny_model("gpt_tiny", (("vocab_size", 126),))
     x, y = example_batch(126)
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.vocab_parallel"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.vocab_parallel"):
         result = autopar.plan(model, {"tp": 4}, example_inputs=(x,), loss_fn=lm_loss, example_target=y)
     assert "its vocabulary of 126 does not divide by tp=4" in caplog.text and "pad the vocabulary" in caplog.text
     assert result.plan.vocab_parallel == () and "lm_head.weight" not in result.plan.param_shards
@@ -120,7 +120,7 @@ def _smoothed(logits, target):
 def test_unrecognised_loss_keeps_head_and_tied_embedding_replicated(caplog):
     model = tiny_model("gpt_tiny")
     x, y = example_batch(model.cfg.vocab_size)
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.vocab_parallel"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.vocab_parallel"):
         result = autopar.plan(model, {"tp": 2}, example_inputs=(x,), loss_fn=_smoothed, example_target=y)
     text = caplog.text
     assert "model.lm_head" in text and "label_smoothing=0.1" in text and "stays replicated" in text
@@ -150,7 +150,7 @@ class _Classifier(torch.nn.Module):
 def test_classifier_head_shards_only_when_its_classes_divide(tp, head_sharded, caplog):
     torch.manual_seed(0)
     x, y = torch.randint(0, 128, (4, 8)), torch.randint(0, 10, (4,))
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.vocab_parallel"):
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.tp.vocab_parallel"):
         result = autopar.plan(_Classifier(), {"tp": tp}, example_inputs=(x,), loss_fn=F.cross_entropy,
                               example_target=y)
     assert result.plan.vocab_parallel == (("emb", "head") if head_sharded else ("emb",))

@@ -1,4 +1,4 @@
-"""passes/weight_grad_split.py and the executor's split backward (B, then W) in one process.
+"""passes/pipeline/weight_grad_split.py and the executor's split backward (B, then W) in one process.
 
 The stage graph is written by hand: a linear with bias, then two projections of one input (q and
 k, one level), then a tied weight read a second time at the end, as a tied embedding and head are.
@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.stage_graph import StageGraph
-from autopar.passes.weight_grad_split import expose_stage_weight_uses
-from autopar.runtime.executor import _backward_input, _backward_weight
+from autopar.passes.pipeline.weight_grad_split import expose_stage_weight_uses
+from autopar.runtime.execution.executor import _backward_input, _backward_weight
 
 aten = torch.ops.aten
 NAMES = ("w_in", "b_in", "w_q", "w_k", "w_tied")
@@ -75,7 +75,7 @@ def test_grouped_weight_gradients_equal_one_call_per_use_and_full_backward():
 
 def _run(stage, actions: str, x_batches):
     from autopar.ops.p2p import P2PChannel
-    from autopar.runtime.executor import run_actions
+    from autopar.runtime.execution.executor import run_actions
     from autopar.runtime.schedules.action import Action
     parsed = tuple(Action(int(a[0]), a[1], int(a[2:])) for a in actions.split())
     channel = P2PChannel(rank=0, stage_to_rank={0: 0})
@@ -101,7 +101,7 @@ def test_stage_sending_no_gradient_upstream_runs_whole_backward_at_w():
 
 def test_weight_gradients_of_several_microbatches_add_in_place_into_one_owned_sum():
     """W's sums equal a fresh sum per microbatch, and a gradient shared by two parameters stays unchanged."""
-    from autopar.runtime.executor import _accumulate
+    from autopar.runtime.execution.executor import _accumulate
     shared = torch.ones(3)
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
     _accumulate(a, [(0, shared)])

@@ -127,7 +127,7 @@ class _TransposedWeight(torch.nn.Module):
 
 
 def test_free_follows_the_uses_of_a_view_of_the_weight():
-    from autopar.passes.zero3 import _is_view
+    from autopar.passes.data_parallel.zero3 import _is_view
     x = torch.randn(8, 8)
     gm = autopar.plan(_TransposedWeight(), (2, 1, 1), example_inputs=(x,), zero_stage=3,
                       loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y),

@@ -284,7 +284,7 @@ def test_an_asynchronous_program_refuses_a_partial_batch_with_its_shapes():
     from types import SimpleNamespace
 
     import autopar
-    from autopar.runtime.program_surface import ProgramSurface
+    from autopar.runtime.execution.program_surface import ProgramSurface
     stages = object()
     microbatch = {"idx": torch.zeros(2, 16, dtype=torch.long), "target": torch.zeros(2, 16, dtype=torch.long)}
     program = SimpleNamespace(stages=stages, info=SimpleNamespace(rank=1),

@@ -14,8 +14,8 @@ import torch
 
 from autopar.errors import CheckpointError
 from autopar.ir.shard_layout import ShardLayout
-from autopar.runtime import checkpoint_files as files
-from autopar.runtime.checkpoint_layout import Layout, join, split
+from autopar.runtime.checkpoints import checkpoint_files as files
+from autopar.runtime.checkpoints.checkpoint_layout import Layout, join, split
 from equivalence import Case, assert_equivalent, build, reference_run
 
 import shared_groups as groups

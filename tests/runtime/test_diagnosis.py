@@ -8,8 +8,8 @@ import pytest
 from autopar.cli import main
 from autopar.ops import flight_record
 from autopar.ops.flight_record import ACTION, DONE, RECV, SEND, STEP, WAITING, FlightRecord
-from autopar.runtime.diagnosis import RankView, diagnose, read_run
-from autopar.runtime.flight_watch import Report, write_report
+from autopar.runtime.diagnostics.diagnosis import RankView, diagnose, read_run
+from autopar.runtime.diagnostics.flight_watch import Report, write_report
 
 
 class Clock:

@@ -29,7 +29,7 @@ EXTRA = [
     Case(model="llama_tiny", mesh=(1, 2, 1), options=(("schedule", "1f1b"), ("num_microbatches", 4))),
 ]
 # targets padded with -100 unevenly (equivalence.batches): later rows, microbatches and dp ranks hold
-# fewer counted tokens, so a mean of per-microbatch means differs from one device's (passes/mean_loss.py)
+# fewer counted tokens, so a mean of per-microbatch means differs from one device's (passes/frontend/mean_loss.py)
 PADDED = [Case(model="gpt_tiny", mesh=mesh, options=options, extra=(("padded_targets", True),))
           for mesh, options in [((2, 1, 1), (("zero_stage", 0),)), ((1, 2, 1), (("schedule", "1f1b"),)),
                                 ((1, 2, 1), (("schedule", "zb_h1"),)), ((1, 2, 1), (("schedule", "dualpipev"),)),

@@ -154,9 +154,9 @@ def test_collective_that_times_out_names_rank_collective_and_group():
         assert "Where: rank 0, stage 0" in text and "over ranks [0, 1]" in text
         assert "p2p_timeout_s" in text and "resume from the last checkpoint" in text
     dp_text, tp_text = out["dp"][0][0], out["tp"][0][0]
-    # lm_loss is a token mean: the step's first dp collective sums its target tokens (runtime/item_count.py)
+    # lm_loss is a token mean: the step's first dp collective sums its target tokens (runtime/execution/item_count.py)
     assert "the all_reduce (the step's target tokens" in dp_text and "agreeing on the step's rows and tokens" in dp_text
-    # a loss that is no token mean: rank 1 joins the step's batch agreement (runtime/batch_agreement.py) and
+    # a loss that is no token mean: rank 1 joins the step's batch agreement (runtime/execution/batch_agreement.py) and
     # stops, so rank 0's own gradient reduction times out, and the job-wide diagnosis names rank 1 at the agreement
     grads_text = out["dp_grads"][0][0]
     assert "(grad_reduce) did not complete within 2 s" in grads_text

@@ -136,7 +136,7 @@ def test_autopar_diagnose_prints_the_report_the_ranks_wrote(case, capsys):
 @pytest.mark.parametrize("case", ["stop_sending", "skip_all_reduce", "killed"])
 def test_the_report_comes_within_the_deadline_and_a_few_seconds(case):
     """From the first wait that never ends to the report: at most p2p_timeout_s (2 s) and 5 s."""
-    from autopar.runtime.diagnosis import read_run
+    from autopar.runtime.diagnostics.diagnosis import read_run
     root, _ = _run(case)
     report = read_run(os.path.join(root, case))
     first = min(w.entry.start for w in report.waits)

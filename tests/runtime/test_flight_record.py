@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from autopar.ops.flight_record import ACTION, DONE, RECV, SEND, WAITING, FlightRecord, read_record
-from autopar.runtime.diagnosis import RankView
-from autopar.runtime.stragglers import MIN_EXCESS_S, RATIO, find_stragglers
+from autopar.runtime.diagnostics.diagnosis import RankView
+from autopar.runtime.diagnostics.stragglers import MIN_EXCESS_S, RATIO, find_stragglers
 
 
 def test_the_ring_keeps_the_last_entries_in_order_and_forgets_the_oldest():

@@ -8,7 +8,7 @@ import time
 import torch.distributed as dist
 
 from autopar.ops.flight_record import ACTION, FlightRecord
-from autopar.runtime.flight_watch import JobWatch
+from autopar.runtime.diagnostics.flight_watch import JobWatch
 
 BEAT = 0.2
 
@@ -79,7 +79,7 @@ _EXIT_WHILE_BEATING = """
 import datetime, socket, sys, time
 import torch.distributed as dist
 from autopar.ops.flight_record import FlightRecord
-from autopar.runtime.flight_watch import JobWatch
+from autopar.runtime.diagnostics.flight_watch import JobWatch
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""The token-mean weighting of a step (runtime/item_count.py), in one process: weights against numbers
+"""The token-mean weighting of a step (runtime/execution/item_count.py), in one process: weights against numbers
 computed by hand, the weighted microbatch losses against torch's cross-entropy over the whole batch, the dp
 count through a stand-in all-reduce, and a compiled program on one rank against one device."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import autopar
 from autopar.ir.captured_graph import ItemCount
 from autopar.models import build_model, lm_loss
-from autopar.runtime.item_count import add_item_counts, add_loss_weights, count_labels, weighted_loss
+from autopar.runtime.execution.item_count import add_item_counts, add_loss_weights, count_labels, weighted_loss
 
 SPEC = ItemCount(labels="labels", shift=0, input="w")
 
@@ -106,7 +106,7 @@ def test_a_one_rank_program_of_four_microbatches_trains_on_the_batchs_token_mean
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
     program = autopar.compile(model, one_rank_mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
                               example_target=data[0][1], optimizer=sgd, num_microbatches=4)
-    assert program.captured.loss_weight is not None  # lm_loss was seen as a token mean (passes/mean_loss.py)
+    assert program.captured.loss_weight is not None  # lm_loss was seen as a token mean (passes/frontend/mean_loss.py)
     opt = sgd(list(reference.parameters()))
     for x, y in data:
         loss = program.train_step(x, target=y)

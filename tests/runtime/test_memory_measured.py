@@ -4,7 +4,7 @@ an asynchronous schedule keeps.
 
 Both sides count storages (a tensor's memory once, whatever views it has). Model states are read
 off the program after a step; activations are recorded by saved-tensor hooks around each stage
-forward of the first step (runtime/memory_probe.py) and predicted by a fake-tensor forward
+forward of the first step (runtime/diagnostics/memory_probe.py) and predicted by a fake-tensor forward
 (autopar/memory/activations.py).
 """
 from __future__ import annotations

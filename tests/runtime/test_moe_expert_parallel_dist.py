@@ -36,7 +36,7 @@ def _case(model, dp, pp=1, zero=0, tp=1, clip=None, extra=()):
 # ZeRO-3: the experts over edp = dp / ep (whole at dp=2, where edp = 1), the rest over dp
 ZERO3 = [_case("switch", 2, zero=3), _case("hf_mixtral", 2, zero=3), _case("switch", 4, zero=3),
          _case("hf_qwen3_moe", 4, zero=3)]
-# max_grad_norm: the global norm counts every expert once (runtime/clip.py), clipping equal to one device's
+# max_grad_norm: the global norm counts every expert once (runtime/state/clip.py), clipping equal to one device's
 CLIPPED = [_case("switch", 2, clip=CLIP), _case("deepseek", 2, zero=2, clip=CLIP), _case("switch", 4, clip=CLIP),
            _case("switch", 4, zero=1, clip=CLIP), _case("deepseek", 4, zero=3, clip=CLIP)]
 # built on meta, each rank's pieces (its experts only) read from the CPU build's save_pretrained folder by
@@ -55,7 +55,7 @@ PIPED = dataclasses.replace(_case("hf_mixtral", 2, pp=2), overrides=(("output_ro
                                      ("schedule", "1f1b")))
 _MODELS = ("hf_mixtral", "hf_qwen3_moe", "deepseek", "switch")
 # every model on each mesh of the issue: dp=2 ep=2, dp=4 ep=2, dp=2 ep=2 x tp=2 (each ep rank's experts
-# column/row-sharded over tp, passes/tp_expert.py) and dp=2 ep=2 x pp=2; then ZeRO stages, clipping, meta
+# column/row-sharded over tp, passes/moe/tp_expert.py) and dp=2 ep=2 x pp=2; then ZeRO stages, clipping, meta
 CASES = [*(_case(m, 2) for m in _MODELS), *(_case(m, 4) for m in _MODELS),
          *(_case(m, 2, tp=2) for m in _MODELS), *(_case(m, 2, pp=2) for m in _MODELS),
          _case("deepseek", 2, zero=1), _case("switch", 4, zero=2), *ZERO3, *CLIPPED, *META, META_ZERO3]

@@ -1,4 +1,4 @@
-"""runtime/numerics.py without processes: the fused finite check and the message naming the bad tensor."""
+"""runtime/execution/numerics.py without processes: the fused finite check and the message naming the bad tensor."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autopar.runtime.numerics import all_finite, local_nonfinite
+from autopar.runtime.execution.numerics import all_finite, local_nonfinite
 
 INF, NAN = float("inf"), float("nan")
 

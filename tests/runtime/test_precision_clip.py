@@ -24,9 +24,9 @@ from case_marks import by_world
 from equivalence import Case, assert_equivalent, batches, build, make_optimizer
 from memory_harness import ALL, MEMORY, PRECISION, ROUND_TRIP, results
 from autopar.parallel_dims import ParallelDims
-from autopar.runtime.clip import clip_grad_norm, counted_here
-from autopar.passes.low_precision import low_precision_copy
-from autopar.runtime.mixed_precision import MasterWeights
+from autopar.runtime.state.clip import clip_grad_norm, counted_here
+from autopar.passes.frontend.low_precision import low_precision_copy
+from autopar.runtime.state.mixed_precision import MasterWeights
 
 LOSS_RTOL = 1e-2
 UPDATE_RTOL = 0.10

@@ -1,6 +1,6 @@
 """``program.optimizer`` as a torch optimizer, without a process group: parameter groups by name, torch's and
-transformers' schedulers on it, its state_dict, and the errors a loop can meet (runtime/zero.py,
-runtime/param_groups.py). The spawned loops that judge it on meshes are in tests/runtime/test_training_loop.py."""
+transformers' schedulers on it, its state_dict, and the errors a loop can meet (runtime/state/zero.py,
+runtime/state/param_groups.py). The spawned loops that judge it on meshes are in tests/runtime/test_training_loop.py."""
 from __future__ import annotations
 
 import copy
@@ -11,11 +11,11 @@ import torch.nn as nn
 from torch.optim import lr_scheduler
 
 import autopar
-from autopar.runtime.checkpoint_extra import check_extra
-from autopar.runtime.param_groups import group_template
-from autopar.runtime.rank_context import AxisGroup
-from autopar.runtime.step_report import batch_counts
-from autopar.runtime.zero import ShardedOptimizer
+from autopar.runtime.checkpoints.checkpoint_extra import check_extra
+from autopar.runtime.state.param_groups import group_template
+from autopar.runtime.execution.rank_context import AxisGroup
+from autopar.runtime.execution.step_report import batch_counts
+from autopar.runtime.state.zero import ShardedOptimizer
 
 ONE_RANK = AxisGroup(group=None, ranks=(0,), index=0)
 

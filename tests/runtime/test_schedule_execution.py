@@ -50,7 +50,7 @@ def _plan(schedule: str, *, pp: int = 2, m: int = 4, layers: int = 2, model: str
     ("pipedream_2bw", dict(pp=4, m=2), ScheduleError, "pipedream_2bw needs num_microbatches >= 4", "'pipedream'"),
 ])
 def test_wrong_schedule_combinations_fail_before_capture(schedule, options, error, message, fix, monkeypatch):
-    import autopar.passes.capture_model as capture_model  # the capture pass's tracer
+    import autopar.passes.frontend.capture_model as capture_model  # the capture pass's tracer
     monkeypatch.setattr(capture_model, "capture", lambda *a, **k: pytest.fail("captured before checking"))
     with pytest.raises(error, match=message) as info:
         _plan(schedule, **options)
@@ -65,7 +65,7 @@ def test_fewer_blocks_than_stages_names_the_stage_count():
 
 
 def test_async_schedule_refuses_weights_tied_across_ranks():
-    from autopar.runtime.async_pipeline import AsyncProgram
+    from autopar.runtime.execution.async_pipeline import AsyncProgram
     result = _plan("pipedream", m=2)  # GPT ties its embedding and head: stages 0 and 1
     assert result.plan.shared_params["lm_head.weight"] == (0, 1)
     with pytest.raises(PlanError, match="no weight shared by stages on different ranks") as info:

@@ -3,7 +3,7 @@
 Every schedule family (synchronous, split backward, DualPipe and Chimera, each asynchronous one), DDP,
 ZeRO-1/2/3, tp, ep and a run saving a checkpoint every 10 steps train 60 steps on every rank of a spawned
 group (tests/shared_groups.py; the cases and their runner: tests/soak_runners.py). No clock: the census
-is counted, not timed (runtime/memory_probe.py ``live_storages``):
+is counted, not timed (runtime/diagnostics/memory_probe.py ``live_storages``):
 
 - the storages of every live tensor the garbage collector finds, and their bytes, are the same after
   step 20 and step 60 on every rank: anything kept per step or per microbatch (a weight version, a send's

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.registry import family, schedule_names
 from autopar.runtime.schedules.step_graph import END, critical_path, step_graph
-from autopar.runtime.trace import action_durations, bubble_report, measured_critical_path, replay, transfer_latency
+from autopar.runtime.execution.trace import (action_durations, bubble_report, measured_critical_path, replay,
+                                             transfer_latency)
 from schedule_runners import CRITICAL_PATH_CASES, results
 
 UNIT = StageCosts(forward=1, backward=1, weight=1)
@@ -119,7 +120,7 @@ def test_the_graph_ends_at_every_rank_last_action_and_marks_transfers():
 def test_a_measured_step_gives_its_own_critical_path(case):
     """A real 2-rank pp=2 run (1F1B, ZB-V): each step's events give the step graph with the measured durations,
     and its critical path is made of the run's own action times and its transfer latency, as long as the
-    replayed step (runtime/trace.py replay)."""
+    replayed step (runtime/execution/trace.py replay)."""
     result = results(case.world_size)[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
     schedule = result["schedule"]

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
-from autopar.runtime.trace import (
+from autopar.runtime.execution.trace import (
     TraceEvent, action_durations, bubble_report, chrome_trace, from_simulation, measured_bubble, plot_timeline,
     replay, transfer_latency, write_chrome_trace,
 )
@@ -76,7 +76,7 @@ def test_measured_bubble_is_within_3_points_of_the_simulated_one_at_p2():
     lengthens that action in the measurement and in the replay alike; the replay cannot know of a
     stall while a process waits (a receiver woken late), which only the transfer latency could
     carry. That latency is the least time from a producer's end to its consumer's wait ending, over
-    the step's transfers (runtime/trace.py ``transfer_latency``): the least because every other
+    the step's transfers (runtime/execution/trace.py ``transfer_latency``): the least because every other
     sample adds a wake-up delay, and negative samples (data sent before the producer's action
     ended) count, so a late wake-up is never taken for the transfer. A stall of a waiting process
     is then the only thing left between the two figures; the median of five steps keeps one or two

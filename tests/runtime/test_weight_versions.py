@@ -1,4 +1,4 @@
-"""runtime/weight_versions.py against numbers computed by hand: PipeMare's weight correction and velocity,
+"""runtime/execution/weight_versions.py against numbers computed by hand: PipeMare's weight correction and velocity,
 and the bookkeeping of a stage's weight versions (snapshots kept, pending updates applied in order)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar.errors import RuntimeCommError
-from autopar.runtime.weight_versions import WeightVersions, corrected_weights, update_velocity
+from autopar.runtime.execution.weight_versions import WeightVersions, corrected_weights, update_velocity
 
 
 def test_correction_moves_the_newest_weights_back_by_lag_times_delta():

@@ -10,9 +10,9 @@ from autopar.ops.comm_audit import CommLog, theory_bytes
 from autopar.options import CompileOptions
 from autopar.parallel_dims import ParallelDims
 from autopar.plan_model import MeshShape
-from autopar.runtime.ddp_buckets import plan_buckets
-from autopar.runtime.rank_context import AxisGroup, MeshInfo
-from autopar.runtime.zero import ShardedOptimizer, check_elementwise, stepped_here
+from autopar.runtime.state.ddp_buckets import plan_buckets
+from autopar.runtime.execution.rank_context import AxisGroup, MeshInfo
+from autopar.runtime.state.zero import ShardedOptimizer, check_elementwise, stepped_here
 
 
 def _named(sizes):
@@ -133,7 +133,7 @@ class _DoneWork:
 
 def _buckets_summing_two_equal_ranks(monkeypatch, named, overlap=False):
     """GradBuckets over a dp of 2 whose all-reduce adds an equal rank's gradient (no process group)."""
-    from autopar.runtime import ddp_buckets
+    from autopar.runtime.state import ddp_buckets
 
     def all_reduce(t, **_):
         t.mul_(2)
@@ -206,7 +206,7 @@ def test_buckets_reduced_after_backward_keep_the_gradients_they_are_given(monkey
 def test_a_launched_bucket_frees_the_gradients_autograd_made_before_backward_ends(monkeypatch):
     """Its gradients become buffer views at launch: the rest of backward reuses their memory."""
     import weakref
-    from autopar.runtime import ddp_buckets
+    from autopar.runtime.state import ddp_buckets
     monkeypatch.setattr(ddp_buckets.comm, "all_reduce", lambda t, **_: (t.mul_(2), _DoneWork())[1])
     early, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     made = {}  # registered before the buckets' hooks: sees the gradient autograd made

@@ -2,8 +2,8 @@
 that cover them (cosmic-ray, the ``mutation`` extra of pyproject.toml).
 
     python tests/tools/mutation.py                          # every module below, one after another
-    python tests/tools/mutation.py runtime/item_count.py    # one module
-    python tests/tools/mutation.py passes/tp_rules.py --lines 374-470   # only mutants on those lines
+    python tests/tools/mutation.py runtime/execution/item_count.py    # one module
+    python tests/tools/mutation.py passes/tp/tp_rules.py --lines 374-470   # only mutants on those lines
 
 For each module: ``cosmic-ray init`` (every mutant of the module), the operator filter below, an optional
 line filter, then ``nice -n 19 cosmic-ray exec``: each mutant is written into the module in place, the
@@ -46,8 +46,8 @@ _RT = "tests/runtime/"
 _GEN = f"{_RT}test_schedule_generators.py {_RT}test_schedule_torch_orders.py"
 _FORMS = f"{_RT}test_schedule_closed_forms.py::test_the_closed_forms_equal_the_simulator_on_a_grid"
 MODULES = {
-    "runtime/item_count.py": f"{_RT}test_item_count.py",
-    "runtime/weight_versions.py": f"{_RT}test_weight_versions.py",
+    "runtime/execution/item_count.py": f"{_RT}test_item_count.py",
+    "runtime/execution/weight_versions.py": f"{_RT}test_weight_versions.py",
     "runtime/schedules/staleness.py": f"{_RT}test_async_pipeline.py -m 'not dist'",
     "runtime/schedules/interleaved.py": _GEN,
     "runtime/schedules/one_f_one_b.py": _GEN,
@@ -70,9 +70,9 @@ MODULES = {
     "runtime/schedules/closed_form.py": f"{_RT}test_schedule_closed_forms.py",
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
-    "passes/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
-    "runtime/zero.py": f"{_RT}test_zero_units.py",
-    "runtime/grad_sync.py": f"{_RT}test_zero_units.py",
+    "passes/tp/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
+    "runtime/state/zero.py": f"{_RT}test_zero_units.py",
+    "runtime/state/grad_sync.py": f"{_RT}test_zero_units.py",
 }
 
 _KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Div_FloorDiv", "Mod_FloorDiv",

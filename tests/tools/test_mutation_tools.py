@@ -25,9 +25,9 @@ mutation = _load("mutation")
 fork_pytest = _load("fork_pytest")
 
 #: the modules issue 30 names: a small bug in them gives a wrong number
-NAMED = ["runtime/item_count.py", "runtime/weight_versions.py", "passes/tp_rules.py", "runtime/zero.py",
-         "runtime/grad_sync.py"] + [f"runtime/schedules/{p.name}" for p in sorted((ROOT / "runtime/schedules").glob("*.py"))
-                                    if p.name != "__init__.py"]
+NAMED = ["runtime/execution/item_count.py", "runtime/execution/weight_versions.py", "passes/tp/tp_rules.py",
+         "runtime/state/zero.py", "runtime/state/grad_sync.py"] + [
+    f"runtime/schedules/{p.name}" for p in sorted((ROOT / "runtime/schedules").glob("*.py")) if p.name != "__init__.py"]
 
 
 def test_every_named_module_has_a_test_selection():
