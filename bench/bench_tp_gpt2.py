@@ -36,7 +36,7 @@ from _report import console_table, markdown_table, run_note, stamped, update_sec
 from _spawn import spawn
 from _timing import DEFAULTS, Contender, measure, row_cells
 
-__all__ = ["ColwiseConv1D", "RowwiseConv1D", "parallelize_gpt2", "run", "section", "main"]
+__all__ = ["parallelize_gpt2", "run", "section", "main"]
 
 SEED = 0
 VOCAB = 128
