@@ -1,0 +1,272 @@
+"""Transform: cut the sequence of a captured graph over the cp ranks (context parallelism).
+
+Reads what the two analyses of this package find, right before it (:func:`annotate_attention`,
+``autopar.attention``; :func:`annotate_sequence`, ``autopar.seq``) and rewrites the graph into the program of
+cp rank ``coords["cp"]``, whose sequence inputs hold that rank's shard (:class:`CpLayout`: load-balanced,
+chunks i and 2cp-1-i, unless the Plan says ``cp_load_balanced=False``):
+
+1. every refusal of the sequence analysis, and every rule not wired yet (reductions and scans over the
+   sequence, label shifts inside the graph, dense masks, packed documents), raises :class:`ShardingError`
+   naming the node, its module path and the fix: at plan time, never a wrong loss;
+2. each recognised attention becomes one :class:`RingAttention` or :class:`UlyssesAttention` node
+   (``cp_strategy``; ``auto``: the all-to-all where the heads per tp rank divide by cp, else the ring), its
+   q, k, v permuted to ``[B, H, L, D]``, the mask given as rules (causal, window, soft-cap, ALiBi) and the key
+   padding as the ``valid`` vector; the mask builders die with the attention;
+3. every ``positions`` producer (an ``arange`` over the sequence) yields the rank's global positions, so
+   the ``positional`` values after it (rotary tables, position embeddings) follow;
+4. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
+   on a value carrying the sequence becomes the local length.
+
+What crosses ranks besides attention is the runtime's (runtime/execution/cp_batch.py): the batch cut, the
+token count of the loss and the weights' gradients over dp x cp.
+
+Example::
+
+    >>> from autopar.models.examples import gpt_tiny
+    >>> from autopar.passes.frontend.capture import capture
+    >>> from autopar.passes.lowering_state import LoweringState
+    >>> from autopar.plan_model import MeshShape
+    >>> model, (x,), loss_fn, y = gpt_tiny()
+    >>> gm = capture(model, (x,), loss_fn=loss_fn, example_target=y).gm
+    >>> st = LoweringState.of_graph(gm, mesh=MeshShape(cp=2), example_inputs=(x, y), global_batch_size=8)
+    >>> st = shard_context_parallel(st)
+    >>> [n.target for n in st.gm.graph.nodes if n.op == "call_module"], st.cp_inputs, tuple(st.example_args[0].shape)
+    (['cp_attention_0', 'cp_attention_1'], (('idx', 1), ('target', 1)), (8, 16))
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import ShardingError
+from autopar.ir.meta_keys import ATTENTION, SEQ, AttentionInfo
+from autopar.ops.context_parallel.block_math import AttentionSpec
+from autopar.ops.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.ring import RingAttention
+from autopar.ops.context_parallel.ulysses import UlyssesAttention
+from autopar.passes.context_parallel.attention import AttentionReport, annotate_attention
+from autopar.passes.context_parallel.graph_util import shape, value
+from autopar.passes.context_parallel.seq_dims import SeqReport, annotate_sequence, default_seq_inputs
+from autopar.passes.frontend.annotate import module_path_of
+from autopar.passes.lowering_state import LoweringState
+
+__all__ = ["shard_context_parallel", "sequence_inputs", "NOT_WIRED"]
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+#: rules of the sequence analysis this pass does not realise yet: each a refusal naming the node
+NOT_WIRED = {
+    "reduce": "a reduction over the sequence (pooling, a count) needs an all-reduce over cp, not wired yet",
+    "scan": "a running sum or product along the sequence needs an exclusive scan over cp, not wired yet",
+    "label_shift": "a shift along the sequence inside the graph needs the next shard's first positions, not "
+                   "wired yet",
+}
+# ops whose shape argument (its index) may hold the sequence length as a literal
+_SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
+              "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "broadcast_to": 1}
+_RANDOM = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand_like",
+           "randn_like", "randint_like")
+
+
+def _op(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return ""
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    packet = getattr(target, "_overloadpacket", None)
+    return getattr(packet, "__name__", name).split(".")[0]
+
+
+def _where(gm: fx.GraphModule, node: fx.Node) -> str:
+    return f"node {node.name} ({module_path_of(gm, node) or 'the model'})"
+
+
+def sequence_inputs(gm: fx.GraphModule) -> tuple[int, dict[str, int]]:
+    """(sequence length, ``{input: its sequence dim}``): the first input's dim 1, and every input holding it."""
+    first = next((n for n in gm.graph.nodes if n.op == "placeholder" and len(shape(n) or ()) >= 2), None)
+    if first is None:
+        raise ShardingError("context parallelism found no input with a sequence dim (batch, sequence, ...)",
+                            where="the graph's inputs", fix="pass token inputs shaped (batch, sequence), or drop cp")
+    seq_len = int(shape(first)[1])
+    return seq_len, default_seq_inputs(gm, seq_len=seq_len)
+
+
+def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport) -> None:
+    """Every refusal, and every rule not wired yet, as one ShardingError (the first named, the count given)."""
+    problems = [(r.node, r.path or "the model", r.reason, r.fix) for r in seq.refusals]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, info in seq.infos:
+        if info.rule in NOT_WIRED:
+            problems.append((name, module_path_of(gm, nodes[name]) or "the model", NOT_WIRED[info.rule],
+                             "drop cp for this model, or rewrite the op position by position"))
+        elif _op(nodes[name]) in _RANDOM:
+            problems.append((name, module_path_of(gm, nodes[name]) or "the model",
+                             "a random op on sequence shards: one device's mask cannot be reproduced",
+                             "set the model's dropout to 0 for cp > 1"))
+    if problems:
+        node, path, reason, fix = problems[0]
+        more = f" (and {len(problems) - 1} more: {', '.join(p[0] for p in problems[1:4])})" if len(problems) > 1 else ""
+        raise ShardingError(f"context parallelism cannot cut the sequence at node {node}: {reason}{more}",
+                            where=f"node {node} ({path})", fix=fix)
+    if not attention.found:
+        raise ShardingError("context parallelism found no attention in the graph"
+                            + (f"; not recognised: {attention.unrecognised[0].node} "
+                               f"({attention.unrecognised[0].reason})" if attention.unrecognised else ""),
+                            where="the captured graph", fix="drop cp: without attention, use dp")
+
+
+def _spec(gm: fx.GraphModule, info: AttentionInfo, output: fx.Node) -> tuple[AttentionSpec, str | None]:
+    """The attention's rules and the input whose zeros mask keys (None: no padding)."""
+    padding, slopes = None, None
+    for m in info.masks:
+        why = None
+        if m.pattern == "dense":
+            why = "a dense mask (neither causal, a window nor full) is not wired yet"
+        elif m.documents is not None:
+            why = f"packed documents ({m.documents} restarting) are not wired yet"
+        elif m.bias in ("learned", "other"):
+            why = f"an additive {m.bias} bias on the scores is not wired yet"
+        if why:
+            raise ShardingError(f"context parallelism cannot take the mask {m.node} of attention {info.output}: {why}",
+                                where=_where(gm, output), fix="drop cp for this model")
+        padding = m.padding or padding
+        slopes = m.alibi_slopes or slopes
+    spec = AttentionSpec(scale=info.scale, causal=info.causal, window=info.window, softcap=info.softcap,
+                         alibi_slopes=tuple(slopes) if slopes else None)
+    return spec, padding
+
+
+def _strategy(gm: fx.GraphModule, st: LoweringState, info: AttentionInfo, output: fx.Node) -> str:
+    """``ring`` or ``all_to_all`` for this attention: the Plan's, or (``auto``) by what divides."""
+    cp, tp = st.plan.mesh.cp, st.plan.mesh.tp if st.plan.mesh.tp > 1 else 1
+    heads = info.num_heads // tp if info.num_heads % tp == 0 else info.num_heads
+    splits = heads % cp == 0
+    if st.plan.cp_strategy == "all_to_all" and not splits:
+        raise ShardingError(f"all-to-all attention needs the query heads per tp rank ({heads}) to divide by cp={cp}",
+                            where=_where(gm, output),
+                            fix="use cp_strategy='ring' (or 'auto'), or a cp that divides the heads")
+    if st.plan.cp_strategy == "auto":
+        return "all_to_all" if splits else "ring"
+    return st.plan.cp_strategy
+
+
+def _permuted(graph: fx.Graph, node: fx.Node, layout, *, inverse: bool = False) -> fx.Node:
+    perm = (layout.batch, layout.heads, layout.seq, layout.feature)
+    if inverse:
+        perm = tuple(perm.index(i) for i in range(4))
+    return node if perm == (0, 1, 2, 3) else graph.call_function(aten.permute.default, (node, list(perm)))
+
+
+def _strided_like(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
+    """``node`` stored in the memory order of ``like``'s value (SDPA returns ``[B, H, L, D]`` stored as
+    ``[B, L, H, D]``, and the graph's later ``view`` relies on it)."""
+    val = value(like)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+        return node
+    order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))  # outermost first
+    back = [order.index(d) for d in range(val.dim())]
+    stored = graph.call_function(aten.clone.default, (graph.call_function(aten.permute.default, (node, order)),),
+                                 {"memory_format": torch.contiguous_format})
+    return graph.call_function(aten.permute.default, (stored, back))
+
+
+def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInfo, index: int,
+                       layout: CpLayout) -> str:
+    """One attention as a cp op node; returns the strategy taken."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    output = nodes[info.output]
+    if info.q_layout.heads == info.q_layout.batch:
+        raise ShardingError(f"attention {info.output} reads batch x heads in one dim (bmm): not wired for cp yet",
+                            where=_where(gm, output), fix="drop cp for this model")
+    spec, padding = _spec(gm, info, output)
+    strategy = _strategy(gm, st, info, output)
+    op = RingAttention if strategy == "ring" else UlyssesAttention
+    try:
+        module = op(axis="cp", size=layout.cp, layout=layout, spec=spec, dropout=info.dropout)
+    except ShardingError:
+        raise
+    except Exception as exc:  # the op's own PlanError (dropout), with the node named
+        raise ShardingError(f"{getattr(exc, 'what', exc)}", where=_where(gm, output),
+                            fix=getattr(exc, "fix", None) or "drop cp for this model") from None
+    name = f"cp_attention_{index}"
+    gm.add_submodule(name, module)
+    graph = gm.graph
+    with graph.inserting_before(output):
+        q = _permuted(graph, nodes[info.q], info.q_layout)
+        k = _permuted(graph, nodes[info.k], info.k_layout)
+        v = _permuted(graph, nodes[info.v], info.v_layout)
+        kwargs = {}
+        if padding is not None:
+            kwargs["valid"] = graph.call_function(aten.ne.Scalar, (nodes[padding], 0))
+        out = graph.call_module(name, (q, k, v), kwargs)
+        out = _strided_like(graph, _permuted(graph, out, info.q_layout, inverse=True), output)
+    output.replace_all_uses_with(out)
+    return strategy
+
+
+def _global_positions(gm: fx.GraphModule, names: list[str], layout: CpLayout, rank: int) -> None:
+    """Each ``arange`` over the sequence yields the rank's global positions instead."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in names:
+        node = nodes[name]
+        if _op(node) != "arange":
+            raise ShardingError(f"positions made by {node.target}, not an arange: not wired for cp yet",
+                                where=_where(gm, node), fix="drop cp for this model")
+        start = node.args[0] if len(node.args) >= 2 else 0
+        step = node.args[2] if len(node.args) >= 3 else 1
+        if step != 1 or not isinstance(start, int):
+            raise ShardingError(f"an arange with step {step} over the sequence is not wired for cp yet",
+                                where=_where(gm, node), fix="drop cp for this model")
+        kwargs = dict(node.kwargs)
+        with gm.graph.inserting_before(node):
+            runs = [gm.graph.call_function(aten.arange.start, (start + s, start + s + n), kwargs)
+                    for s, n in layout.runs(rank)]
+            new = runs[0] if len(runs) == 1 else gm.graph.call_function(aten.cat.default, (runs,))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+
+
+def _local_sizes(gm: fx.GraphModule, seq: SeqReport, cp: int) -> None:
+    """Literal sequence lengths in shape arguments become the local length (a merged dim: its 1/cp)."""
+    infos = dict(seq.infos)
+    for node in gm.graph.nodes:
+        info, at, out = infos.get(node.name), _SHAPE_ARG.get(_op(node)), shape(node)
+        if info is None or info.dim is None or at is None or out is None or len(node.args) <= at:
+            continue
+        sizes = node.args[at]
+        if not isinstance(sizes, (list, tuple)) or len(sizes) <= info.dim:
+            continue
+        full = int(out[info.dim])
+        if sizes[info.dim] == full:
+            sizes = list(sizes)
+            sizes[info.dim] = full // cp
+            node.args = node.args[:at] + (sizes,) + node.args[at + 1:]
+
+
+def shard_context_parallel(st: LoweringState) -> LoweringState:
+    """The graph of cp rank ``coords["cp"]``: attention by ring or all-to-all, positions global, sizes local."""
+    gm, cp, rank = st.gm, st.plan.mesh.cp, st.coords.get("cp", 0)
+    seq_len, seq_inputs = sequence_inputs(gm)
+    layout = CpLayout(seq_len=seq_len, cp=cp, load_balanced=st.plan.cp_load_balanced)  # PlanError: 2 x cp
+    attention = annotate_attention(gm)
+    seq = annotate_sequence(gm, seq_inputs=seq_inputs, attention=attention)
+    _refuse(gm, seq, attention)
+    strategies = [_replace_attention(gm, st, info, i, layout) for i, info in enumerate(attention.found)]
+    _global_positions(gm, seq.with_rule("positions"), layout, rank)
+    _local_sizes(gm, seq, cp)
+    gm.graph.eliminate_dead_code()
+    for node in gm.graph.nodes:  # stale now: the graph holds the rank's shard
+        node.meta.pop(SEQ, None)
+        node.meta.pop(ATTENTION, None)
+    gm.recompile()
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    args = tuple(layout.shard(a, dim=seq_inputs[name], rank=rank) if name in seq_inputs else a
+                 for name, a in zip(placeholders, st.example_args))
+    log.info("cp=%d rank %d: %d attentions (%s), sequence %d -> %d", cp, rank, len(strategies),
+             ", ".join(sorted(set(strategies))), seq_len, layout.local_len)
+    return dataclasses.replace(st, gm=gm, example_args=args, cp_inputs=tuple(seq_inputs.items()), cp_seq_len=seq_len)

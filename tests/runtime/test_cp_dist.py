@@ -1,0 +1,41 @@
+"""Context parallelism trains like one device (the shared harness judges every rank and every replica).
+
+The sequence is cut over a cp mesh dim (passes/context_parallel/cp_shard.py, runtime/execution/cp_batch.py);
+each case is judged on losses and every parameter after 3 steps, fp32 relative 1e-5. One spawned process group
+per world size runs all of that size's cases.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from case_marks import by_world  # noqa: E402
+from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run, run_cases
+
+pytestmark = pytest.mark.dist
+
+TRAIN = [
+    Case(model="gpt_tiny", cp=2),  # cp_strategy auto: all-to-all (4 heads)
+    Case(model="gpt_tiny", cp=2, options=(("cp_strategy", "ring"),)),
+    Case(model="gpt_tiny", cp=2, options=(("cp_strategy", "ring"), ("cp_load_balanced", False))),
+    Case(model="gpt_tiny", cp=2, extra=(("padded_targets", True),)),  # the token count over cp
+]
+INFER = [Case(model="gpt_tiny", cp=2, kind="infer")]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int) -> dict:
+    cases = [c for c in TRAIN + INFER if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))
+
+
+@pytest.mark.parametrize("case", by_world(TRAIN, ids=lambda c: c.name(), slow_worlds=(4, 8)))
+def test_cp_matches_single_device(case: Case):
+    result = _results(case.world_size)[case]
+    assert_equivalent(case, result, reference_run(Case(model=case.model, extra=case.extra)))
+
+
+@pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
+def test_cp_forward_returns_the_whole_sequence(case: Case):
+    assert_outputs_match(case, _results(case.world_size)[case])
