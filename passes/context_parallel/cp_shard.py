@@ -13,7 +13,8 @@ chunks i and 2cp-1-i, unless the Plan says ``cp_load_balanced=False``):
    q, k, v permuted to ``[B, H, L, D]``, the mask given as rules (causal, window, soft-cap, ALiBi) and the key
    padding as the ``valid`` vector; the mask builders die with the attention;
 3. every ``positions`` producer (an ``arange`` over the sequence) yields the rank's global positions, so
-   the ``positional`` values after it (rotary tables, position embeddings) follow;
+   the ``positional`` values after it (rotary tables, position embeddings) follow; a table read whole along
+   the sequence (a rotary cache's first S rows) is read at those positions (``index_select``);
 4. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
    on a value carrying the sequence becomes the local length.
 
@@ -231,6 +232,26 @@ def _global_positions(gm: fx.GraphModule, names: list[str], layout: CpLayout, ra
         gm.graph.erase_node(node)
 
 
+def _table_rows(gm: fx.GraphModule, seq: SeqReport, layout: CpLayout, rank: int) -> None:
+    """A table spanning the sequence read as it is (a rotary table's first S rows, BERT's position rows): its
+    rows at the rank's global positions instead (``index_select`` on the sequence dim)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, info in seq.infos:
+        if info.rule != "positional" or not info.note.startswith("a table spanning"):
+            continue
+        node, val = nodes[name], value(nodes[name])
+        device = val.device if isinstance(val, torch.Tensor) and val.device.type != "meta" else None
+        users = list(node.users)
+        first = next(n for n in gm.graph.nodes if n in node.users)
+        with gm.graph.inserting_before(first):
+            runs = [gm.graph.call_function(aten.arange.start, (s, s + n), {"device": device})
+                    for s, n in layout.runs(rank)]
+            index = runs[0] if len(runs) == 1 else gm.graph.call_function(aten.cat.default, (runs,))
+            rows = gm.graph.call_function(aten.index_select.default, (node, info.dim, index))
+        for user in users:
+            user.replace_input_with(node, rows)
+
+
 def _local_sizes(gm: fx.GraphModule, seq: SeqReport, cp: int) -> None:
     """Literal sequence lengths in shape arguments become the local length (a merged dim: its 1/cp)."""
     infos = dict(seq.infos)
@@ -258,6 +279,7 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     _refuse(gm, seq, attention)
     strategies = [_replace_attention(gm, st, info, i, layout) for i, info in enumerate(attention.found)]
     _global_positions(gm, seq.with_rule("positions"), layout, rank)
+    _table_rows(gm, seq, layout, rank)
     _local_sizes(gm, seq, cp)
     gm.graph.eliminate_dead_code()
     for node in gm.graph.nodes:  # stale now: the graph holds the rank's shard

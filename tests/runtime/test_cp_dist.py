@@ -7,6 +7,7 @@ per world size runs all of that size's cases.
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -20,6 +21,18 @@ TRAIN = [
     Case(model="gpt_tiny", cp=2, options=(("cp_strategy", "ring"),)),
     Case(model="gpt_tiny", cp=2, options=(("cp_strategy", "ring"), ("cp_load_balanced", False))),
     Case(model="gpt_tiny", cp=2, extra=(("padded_targets", True),)),  # the token count over cp
+    Case(model="gpt_tiny", cp=2, options=(("zero_stage", 3),)),  # parameters sharded over dp x cp
+    Case(model="gpt_tiny", cp=2, options=(("zero_stage", 2),)),
+    Case(model="gpt_tiny", cp=2, options=(("recompute", "full"),)),
+    Case(model="llama_tiny", cp=2),  # rotary positions, grouped-query attention (4 heads, 2 kv)
+    # 4 ranks (slow): cp=4, and cp with each other axis
+    Case(model="gpt_tiny", cp=4, options=(("cp_strategy", "ring"),)),
+    Case(model="gpt_tiny", cp=4),
+    Case(model="gpt_tiny", mesh=(2, 1, 1), cp=2, extra=(("padded_targets", True),)),
+    Case(model="gpt_tiny", mesh=(1, 1, 2), cp=2),
+    Case(model="gpt_tiny", mesh=(1, 1, 2), cp=2, options=(("sequence_parallel", True),)),
+    Case(model="gpt_tiny", mesh=(1, 2, 1), cp=2, options=(("schedule", "1f1b"),)),
+    Case(model="llama_tiny", mesh=(2, 1, 1), cp=2, options=(("zero_stage", 3),)),
 ]
 INFER = [Case(model="gpt_tiny", cp=2, kind="infer")]
 
@@ -34,6 +47,9 @@ def _results(world: int) -> dict:
 def test_cp_matches_single_device(case: Case):
     result = _results(case.world_size)[case]
     assert_equivalent(case, result, reference_run(Case(model=case.model, extra=case.extra)))
+    if case.mesh[2] > 1:  # the cp attention node shards over tp on its heads, as SDPA does
+        shards = json.loads(result["plan"])["param_shards"]
+        assert "blocks.0.attn.qkv.weight" in shards and "blocks.0.attn.proj.weight" in shards, sorted(shards)
 
 
 @pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
