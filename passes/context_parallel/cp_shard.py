@@ -42,7 +42,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from autopar.errors import ShardingError
+from autopar.errors import PlanError, ShardingError
 from autopar.ir.meta_keys import ATTENTION, SEQ, AttentionInfo
 from autopar.ops.context_parallel.block_math import AttentionSpec
 from autopar.ops.context_parallel.layout import CpLayout
@@ -84,7 +84,7 @@ def _op(node: fx.Node) -> str:
 
 
 def _where(gm: fx.GraphModule, node: fx.Node) -> str:
-    return f"node {node.name} ({module_path_of(gm, node) or 'the model'})"
+    return f"node {node.name} ({module_path_of(node) or 'the model'})"
 
 
 def sequence_inputs(gm: fx.GraphModule) -> tuple[int, dict[str, int]]:
@@ -103,10 +103,10 @@ def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport) -> N
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, info in seq.infos:
         if info.rule in NOT_WIRED:
-            problems.append((name, module_path_of(gm, nodes[name]) or "the model", NOT_WIRED[info.rule],
+            problems.append((name, module_path_of(nodes[name]) or "the model", NOT_WIRED[info.rule],
                              "drop cp for this model, or rewrite the op position by position"))
         elif _op(nodes[name]) in _RANDOM:
-            problems.append((name, module_path_of(gm, nodes[name]) or "the model",
+            problems.append((name, module_path_of(nodes[name]) or "the model",
                              "a random op on sequence shards: one device's mask cannot be reproduced",
                              "set the model's dropout to 0 for cp > 1"))
     if problems:
@@ -273,7 +273,11 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     """The graph of cp rank ``coords["cp"]``: attention by ring or all-to-all, positions global, sizes local."""
     gm, cp, rank = st.gm, st.plan.mesh.cp, st.coords.get("cp", 0)
     seq_len, seq_inputs = sequence_inputs(gm)
-    layout = CpLayout(seq_len=seq_len, cp=cp, load_balanced=st.plan.cp_load_balanced)  # PlanError: 2 x cp
+    try:
+        layout = CpLayout(seq_len=seq_len, cp=cp, load_balanced=st.plan.cp_load_balanced)
+    except PlanError as exc:  # a length not dividing by 2 x cp: name the inputs that carry it
+        where = ", ".join(f"input {name} (dim {dim})" for name, dim in seq_inputs.items())
+        raise PlanError(exc.what, where=f"{where}; {exc.where}", fix=exc.fix) from None
     attention = annotate_attention(gm)
     seq = annotate_sequence(gm, seq_inputs=seq_inputs, attention=attention)
     _refuse(gm, seq, attention)
@@ -281,6 +285,10 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     _global_positions(gm, seq.with_rule("positions"), layout, rank)
     _table_rows(gm, seq, layout, rank)
     _local_sizes(gm, seq, cp)
+    replaced = {name for info in attention.found for name in info.nodes + (info.output,)}
+    for node in reversed(list(gm.graph.nodes)):  # (SDPA counts as impure for dead-code elimination: a dropout)
+        if node.name in replaced and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     for node in gm.graph.nodes:  # stale now: the graph holds the rank's shard
         node.meta.pop(SEQ, None)
