@@ -325,4 +325,5 @@ def _lowered_plan(st: LoweringState) -> Plan:
         "expert_params": tuple(user_name(t) for t in st.experts),
         "cp_inputs": st.cp_inputs,
         "cp_seq_len": st.cp_seq_len,
+        "cp_label_shifts": st.cp_label_shifts,
     })

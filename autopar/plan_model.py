@@ -267,6 +267,7 @@ class Plan(PlanChoices):
     # with cp: the inputs the runtime cuts on the sequence, (name, dim), and the whole length (the lowering's)
     cp_inputs: tuple[tuple[str, int], ...] = ()
     cp_seq_len: int = Field(0, ge=0)
+    cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted left by k before the cut
     run: RunOptions = RunOptions()
 
     @property

@@ -78,6 +78,7 @@ class LoweringState:
     experts: tuple[str, ...] = ()  # the expert tensors split over ep (passes/moe/moe_expert_parallel.py)
     cp_inputs: tuple[tuple[str, int], ...] = ()  # inputs cut on the sequence over cp: (name, dim) (cp_shard.py)
     cp_seq_len: int = 0  # the whole sequence those inputs hold (0: no cp)
+    cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted by the runtime before the cut
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule, *, mesh: MeshShape | None = None, example_inputs: tuple = (),

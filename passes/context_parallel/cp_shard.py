@@ -15,7 +15,10 @@ chunks i and 2cp-1-i, unless the Plan says ``cp_load_balanced=False``):
 3. every ``positions`` producer (an ``arange`` over the sequence) yields the rank's global positions, so
    the ``positional`` values after it (rotary tables, position embeddings) follow; a table read whole along
    the sequence (a rotary cache's first S rows) is read at those positions (``index_select``);
-4. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
+4. a label shift inside the model's own loss (``pad(labels, (0, k))[..., k:]``) reads the labels as they come:
+   the runtime shifts the whole sequence before the cut (``plan.cp_label_shifts``), so the last token of a
+   shard predicts the first of the next;
+5. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
    on a value carrying the sequence becomes the local length.
 
 What crosses ranks besides attention is the runtime's (runtime/execution/cp_batch.py): the batch cut, the
@@ -97,15 +100,51 @@ def sequence_inputs(gm: fx.GraphModule) -> tuple[int, dict[str, int]]:
     return seq_len, default_seq_inputs(gm, seq_len=seq_len)
 
 
-def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport) -> None:
+def _input_shifts(gm: fx.GraphModule, seq: SeqReport, seq_inputs: dict[str, int]) -> dict[str, tuple]:
+    """{slice node: (input, k, fill)} of each ``pad(input, (0, k), value=fill)[..., k:]`` on the sequence: a causal
+    LM's labels shifted inside its own loss (transformers' ``ForCausalLMLoss``). The runtime shifts the whole
+    sequence before the cut (runtime/execution/cp_batch.py), so each rank's slice is its shifted labels as cut."""
+    infos, out = dict(seq.infos), {}
+    for node in gm.graph.nodes:
+        if infos[node.name].rule != "label_shift" or _op(node) != "slice" or not isinstance(node.args[0], fx.Node):
+            continue
+        pad, (dim, start) = node.args[0], node.args[1:3]
+        end = node.args[3] if len(node.args) > 3 else None
+        if _op(pad) != "pad" or len(pad.users) != 1 or not isinstance(pad.args[0], fx.Node):
+            continue
+        source, widths = pad.args[0], list(pad.args[1])
+        seq_dim = seq_inputs.get(source.name)
+        full = shape(source)
+        if (source.op != "placeholder" or seq_dim is None or len(full) != seq_dim + 1 or dim not in (seq_dim, -1)
+                or widths[:1] != [0] or len(widths) != 2 or widths[1] != start or start < 1
+                or (end is not None and end < full[seq_dim] + start)):
+            continue
+        fill = pad.args[3] if len(pad.args) > 3 else pad.kwargs.get("value", 0.0)
+        out[node.name] = (source.name, int(start), float(fill or 0.0))
+    return out
+
+
+def _draws(node: fx.Node) -> bool:
+    """Does this random op draw anything (a dropout with p = 0, or outside training, does not)?"""
+    if _op(node) in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout"):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(train) and p != 0
+    return True
+
+
+def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport, shifts: dict[str, tuple]) -> None:
     """Every refusal, and every rule not wired yet, as one ShardingError (the first named, the count given)."""
     problems = [(r.node, r.path or "the model", r.reason, r.fix) for r in seq.refusals]
     nodes = {n.name: n for n in gm.graph.nodes}
+    realised = set(shifts) | {nodes[s].args[0].name for s in shifts}  # the input shifts' pads and slices
     for name, info in seq.infos:
+        if name in realised:
+            continue
         if info.rule in NOT_WIRED:
             problems.append((name, module_path_of(nodes[name]) or "the model", NOT_WIRED[info.rule],
                              "drop cp for this model, or rewrite the op position by position"))
-        elif _op(nodes[name]) in _RANDOM:
+        elif _op(nodes[name]) in _RANDOM and info.rule != "attention" and _draws(nodes[name]):
             problems.append((name, module_path_of(nodes[name]) or "the model",
                              "a random op on sequence shards: one device's mask cannot be reproduced",
                              "set the model's dropout to 0 for cp > 1"))
@@ -201,10 +240,10 @@ def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInf
         q = _permuted(graph, nodes[info.q], info.q_layout)
         k = _permuted(graph, nodes[info.k], info.k_layout)
         v = _permuted(graph, nodes[info.v], info.v_layout)
-        kwargs = {}
-        if padding is not None:
-            kwargs["valid"] = graph.call_function(aten.ne.Scalar, (nodes[padding], 0))
-        out = graph.call_module(name, (q, k, v), kwargs)
+        args = (q, k, v)
+        if padding is not None:  # (q, k, v, bias, docs, valid): the key padding as a per-token vector
+            args += (None, None, graph.call_function(aten.ne.Scalar, (nodes[padding], 0)))
+        out = graph.call_module(name, args)
         out = _strided_like(graph, _permuted(graph, out, info.q_layout, inverse=True), output)
     output.replace_all_uses_with(out)
     return strategy
@@ -280,7 +319,11 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
         raise PlanError(exc.what, where=f"{where}; {exc.where}", fix=exc.fix) from None
     attention = annotate_attention(gm)
     seq = annotate_sequence(gm, seq_inputs=seq_inputs, attention=attention)
-    _refuse(gm, seq, attention)
+    shifts = _input_shifts(gm, seq, seq_inputs)
+    _refuse(gm, seq, attention, shifts)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, (source, _, _) in shifts.items():  # the runtime hands the rank its labels already shifted
+        nodes[name].replace_all_uses_with(nodes[source])
     strategies = [_replace_attention(gm, st, info, i, layout) for i, info in enumerate(attention.found)]
     _global_positions(gm, seq.with_rule("positions"), layout, rank)
     _table_rows(gm, seq, layout, rank)
@@ -299,4 +342,5 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
                  for name, a in zip(placeholders, st.example_args))
     log.info("cp=%d rank %d: %d attentions (%s), sequence %d -> %d", cp, rank, len(strategies),
              ", ".join(sorted(set(strategies))), seq_len, layout.local_len)
-    return dataclasses.replace(st, gm=gm, example_args=args, cp_inputs=tuple(seq_inputs.items()), cp_seq_len=seq_len)
+    return dataclasses.replace(st, gm=gm, example_args=args, cp_inputs=tuple(seq_inputs.items()), cp_seq_len=seq_len,
+                               cp_label_shifts=tuple(sorted(set(shifts.values()))))

@@ -16,6 +16,8 @@ weights' gradients, summed as over dp (runtime/execution/step_batches.py, runtim
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -23,7 +25,7 @@ import torch.utils._pytree as pytree
 from autopar.errors import PlanError
 from autopar.ops.context_parallel.layout import CpLayout
 
-__all__ = ["cut_sequence", "join_sequence", "layout_of"]
+__all__ = ["cut_sequence", "join_sequence", "layout_of", "shifted", "item_count_of"]
 
 
 def layout_of(plan) -> CpLayout:
@@ -37,10 +39,12 @@ def cut_sequence(tensors: tuple, names: tuple[str, ...], *, plan, rank: int, whe
     if plan.mesh.cp == 1 or not plan.cp_inputs:
         return tuple(tensors)
     layout, dims = layout_of(plan), dict(plan.cp_inputs)
+    shifts = {name: (k, fill) for name, k, fill in plan.cp_label_shifts}
     out = []
     for name, tensor in zip(names, tensors):
         dim = dims.get(name)
-        if dim is None or not isinstance(tensor, torch.Tensor) or tensor.shape[dim] == layout.local_len:
+        if dim is None or not isinstance(tensor, torch.Tensor) or (
+                tensor.shape[dim] == layout.local_len and name not in shifts):
             out.append(tensor)
             continue
         if tensor.shape[dim] != layout.seq_len:
@@ -48,8 +52,24 @@ def cut_sequence(tensors: tuple, names: tuple[str, ...], *, plan, rank: int, whe
                             f"sequences of {layout.seq_len} over cp={layout.cp}", where=where,
                             fix=f"pad every sequence to {layout.seq_len} tokens (labels -100, attention_mask 0), or "
                                 "compile on a batch of the length you train on")
+        if name in shifts:  # the model shifts these inside its loss: shifted whole, then cut
+            tensor = shifted(tensor, dim=dim, k=shifts[name][0], fill=shifts[name][1])
         out.append(layout.shard(tensor, dim=dim, rank=rank))
     return tuple(out) + tuple(tensors[len(names):])
+
+
+def shifted(tensor: torch.Tensor, *, dim: int, k: int, fill: float) -> torch.Tensor:
+    """``tensor`` moved ``k`` positions left along ``dim``, the last ``k`` set to ``fill`` (what
+    ``pad(t, (0, k), value=fill)[..., k:]`` makes)."""
+    tail = torch.full_like(tensor.narrow(dim, 0, k), fill)
+    return torch.cat([tensor.narrow(dim, k, tensor.shape[dim] - k), tail], dim=dim)
+
+
+def item_count_of(spec, plan):
+    """The step's label count as the graph reads it: labels the runtime shifted count from position 0."""
+    if spec is not None and any(name == spec.labels for name, _, _ in plan.cp_label_shifts):
+        return dataclasses.replace(spec, shift=0)
+    return spec
 
 
 def join_sequence(outputs, *, plan, group, guard=None):

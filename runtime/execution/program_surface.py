@@ -29,7 +29,7 @@ from autopar.errors import PlanError
 from autopar.ops.flight_record import STEP, FlightRecord
 from autopar.ops.zero3_ops import full_parameters
 from autopar.runtime.checkpoints.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
-from autopar.runtime.execution.cp_batch import cut_sequence, join_sequence
+from autopar.runtime.execution.cp_batch import cut_sequence, item_count_of, join_sequence
 from autopar.runtime.execution.executor import run_actions
 from autopar.runtime.diagnostics.flight_watch import start_watch
 from autopar.runtime.execution.graft import graft
@@ -168,7 +168,7 @@ class ProgramSurface:
     def _count_items(self, batches: list[dict], per_update: int | None = None) -> list[dict]:
         """The model's own loss divides by the step's label tokens: each microbatch gets its share
         (runtime/execution/item_count.py; one all-reduce over dp). ``per_update``: microbatches per update (all)."""
-        spec = self.captured.item_count
+        spec = item_count_of(self.captured.item_count, self.plan)  # (cp: labels shifted before the cut)
         if spec is not None:
             add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.dims.dcp,
                             dp_group=self.info.group("dcp"), guard=self.comm_guard)

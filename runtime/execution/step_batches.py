@@ -20,6 +20,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.ops.collectives import GraphCollective
 from autopar.runtime.execution.batch_agreement import StepRows, add_row_weights, agreement_riders, read_agreement
 from autopar.runtime.execution.batch_split import FIX_PARTIAL, batch_rows, cut_rows, microbatch_rows
+from autopar.runtime.execution.cp_batch import item_count_of
 from autopar.runtime.execution.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
@@ -100,7 +101,7 @@ class StepBatches:
         rows = sum(int(next(iter(b.values())).shape[0]) for b in batches) if batches else 0
         riders = agreement_riders(rows=rows, refused=problem is not None, dp_index=index, dp_size=dp,
                                   device=program.info.device)
-        spec, weight = program.captured.item_count, program.captured.loss_weight
+        spec, weight = item_count_of(program.captured.item_count, program.plan), program.captured.loss_weight
         common = dict(dp_size=dp, dp_group=program.info.group("dcp"), guard=program.comm_guard, riders=riders)
         counted = spec is not None or (weight is not None and train)
         if batches is not None and spec is not None:

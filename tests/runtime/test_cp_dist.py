@@ -10,6 +10,7 @@ import functools
 import json
 
 import pytest
+import torch
 
 from case_marks import by_world  # noqa: E402
 from equivalence import Case, assert_equivalent, assert_outputs_match, reference_run, run_cases
@@ -55,3 +56,36 @@ def test_cp_matches_single_device(case: Case):
 @pytest.mark.parametrize("case", by_world(INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_cp_forward_returns_the_whole_sequence(case: Case):
     assert_outputs_match(case, _results(case.world_size)[case])
+
+
+# transformers families (tests/cp_families.py) on dict batches with their own loss, and on tensors with a loss_fn
+_FAM = "cp_family_runners:cp_train"
+FAMILIES = [
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4),  # GQA (4 heads, 2 kv), own loss (labels shifted inside)
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("loss", "loss_fn"),)),
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("impl", "eager"),)),
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, options=(("cp_strategy", "ring"),)),
+]
+FAMILY_INFER = [Case(model="llama", cp=2, kind="cp_family_runners:cp_forward", seq=24, batch=4)]
+
+
+@functools.lru_cache(maxsize=None)
+def _family_results(world: int) -> dict:
+    cases = [c for c in FAMILIES + FAMILY_INFER if c.world_size == world]
+    return dict(zip(cases, run_cases(cases)))
+
+
+@pytest.mark.parametrize("case", by_world(FAMILIES, ids=lambda c: c.name(), slow_worlds=(4, 8)))
+def test_cp_family_matches_single_device(case: Case):
+    from cp_family_runners import cp_reference
+    assert_equivalent(case, _family_results(case.world_size)[case], cp_reference(case))
+
+
+@pytest.mark.parametrize("case", by_world(FAMILY_INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
+def test_cp_family_forward_returns_the_eager_logits(case: Case):
+    from cp_family_runners import cp_forward_reference
+    result = _family_results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    for rank, mine in enumerate(result["rank_results"]):
+        for got, want in zip(mine["outputs"], cp_forward_reference(case), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
