@@ -6,12 +6,13 @@ cp rank ``coords["cp"]``, whose sequence inputs hold that rank's shard (:class:`
 chunks i and 2cp-1-i, unless the Plan says ``cp_load_balanced=False``):
 
 1. every refusal of the sequence analysis, and every rule not wired yet (reductions and scans over the
-   sequence, label shifts inside the graph, dense masks, packed documents), raises :class:`ShardingError`
+   sequence, label shifts other than the labels' own, dense masks, learned biases), raises :class:`ShardingError`
    naming the node, its module path and the fix: at plan time, never a wrong loss;
 2. each recognised attention becomes one :class:`RingAttention` or :class:`UlyssesAttention` node
    (``cp_strategy``; ``auto``: the all-to-all where the heads per tp rank divide by cp, else the ring), its
-   q, k, v permuted to ``[B, H, L, D]``, the mask given as rules (causal, window, soft-cap, ALiBi) and the key
-   padding as the ``valid`` vector; the mask builders die with the attention;
+   q, k, v permuted to ``[B, H, L, D]``, the mask given as rules (causal, window, soft-cap, ALiBi), the key
+   padding as the ``valid`` vector and packed documents as ``docs`` (a token's global position minus its
+   position id: the same for every token of a document, across shards); the mask builders die with it;
 3. every ``positions`` producer (an ``arange`` over the sequence) yields the rank's global positions, so
    the ``positional`` values after it (rotary tables, position embeddings) follow; a table read whole along
    the sequence (a rotary cache's first S rows) is read at those positions (``index_select``);
@@ -160,15 +161,14 @@ def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport, shif
                             where="the captured graph", fix="drop cp: without attention, use dp")
 
 
-def _spec(gm: fx.GraphModule, info: AttentionInfo, output: fx.Node) -> tuple[AttentionSpec, str | None]:
-    """The attention's rules and the input whose zeros mask keys (None: no padding)."""
-    padding, slopes = None, None
+def _spec(gm: fx.GraphModule, info: AttentionInfo, output: fx.Node) -> tuple[AttentionSpec, str | None, str | None]:
+    """The attention's rules, the input whose zeros mask keys and the positions input whose restarts part
+    documents (None: none)."""
+    padding, slopes, documents = None, None, None
     for m in info.masks:
         why = None
-        if m.pattern == "dense":
+        if m.pattern == "dense" and m.documents is None:
             why = "a dense mask (neither causal, a window nor full) is not wired yet"
-        elif m.documents is not None:
-            why = f"packed documents ({m.documents} restarting) are not wired yet"
         elif m.bias in ("learned", "other"):
             why = f"an additive {m.bias} bias on the scores is not wired yet"
         if why:
@@ -176,9 +176,10 @@ def _spec(gm: fx.GraphModule, info: AttentionInfo, output: fx.Node) -> tuple[Att
                                 where=_where(gm, output), fix="drop cp for this model")
         padding = m.padding or padding
         slopes = m.alibi_slopes or slopes
+        documents = m.documents or documents
     spec = AttentionSpec(scale=info.scale, causal=info.causal, window=info.window, softcap=info.softcap,
                          alibi_slopes=tuple(slopes) if slopes else None)
-    return spec, padding
+    return spec, padding, documents
 
 
 def _strategy(gm: fx.GraphModule, st: LoweringState, info: AttentionInfo, output: fx.Node) -> str:
@@ -215,15 +216,26 @@ def _strided_like(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
     return graph.call_function(aten.permute.default, (stored, back))
 
 
+def _device(node: fx.Node):
+    val = value(node)
+    return val.device if isinstance(val, torch.Tensor) and val.device.type != "meta" else None
+
+
+def _positions_node(graph: fx.Graph, layout: CpLayout, rank: int, **kwargs) -> fx.Node:
+    """A node of the rank's global positions (int64, one run per chunk it holds)."""
+    runs = [graph.call_function(aten.arange.start, (s, s + n), kwargs) for s, n in layout.runs(rank)]
+    return runs[0] if len(runs) == 1 else graph.call_function(aten.cat.default, (runs,))
+
+
 def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInfo, index: int,
-                       layout: CpLayout) -> str:
+                       layout: CpLayout, rank: int) -> str:
     """One attention as a cp op node; returns the strategy taken."""
     nodes = {n.name: n for n in gm.graph.nodes}
     output = nodes[info.output]
     if info.q_layout.heads == info.q_layout.batch:
         raise ShardingError(f"attention {info.output} reads batch x heads in one dim (bmm): not wired for cp yet",
                             where=_where(gm, output), fix="drop cp for this model")
-    spec, padding = _spec(gm, info, output)
+    spec, padding, documents = _spec(gm, info, output)
     strategy = _strategy(gm, st, info, output)
     op = RingAttention if strategy == "ring" else UlyssesAttention
     try:
@@ -240,9 +252,12 @@ def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInf
         q = _permuted(graph, nodes[info.q], info.q_layout)
         k = _permuted(graph, nodes[info.k], info.k_layout)
         v = _permuted(graph, nodes[info.v], info.v_layout)
-        args = (q, k, v)
-        if padding is not None:  # (q, k, v, bias, docs, valid): the key padding as a per-token vector
-            args += (None, None, graph.call_function(aten.ne.Scalar, (nodes[padding], 0)))
+        docs = None
+        if documents is not None:  # packed rows: a document is the tokens sharing (global position - position id)
+            pos = _positions_node(graph, layout, rank, device=_device(nodes[documents]))
+            docs = graph.call_function(aten.sub.Tensor, (pos, nodes[documents]))
+        valid = graph.call_function(aten.ne.Scalar, (nodes[padding], 0)) if padding is not None else None
+        args = (q, k, v) if docs is None and valid is None else (q, k, v, None, docs, valid)
         out = graph.call_module(name, args)
         out = _strided_like(graph, _permuted(graph, out, info.q_layout, inverse=True), output)
     output.replace_all_uses_with(out)
@@ -278,14 +293,11 @@ def _table_rows(gm: fx.GraphModule, seq: SeqReport, layout: CpLayout, rank: int)
     for name, info in seq.infos:
         if info.rule != "positional" or not info.note.startswith("a table spanning"):
             continue
-        node, val = nodes[name], value(nodes[name])
-        device = val.device if isinstance(val, torch.Tensor) and val.device.type != "meta" else None
+        node = nodes[name]
         users = list(node.users)
         first = next(n for n in gm.graph.nodes if n in node.users)
         with gm.graph.inserting_before(first):
-            runs = [gm.graph.call_function(aten.arange.start, (s, s + n), {"device": device})
-                    for s, n in layout.runs(rank)]
-            index = runs[0] if len(runs) == 1 else gm.graph.call_function(aten.cat.default, (runs,))
+            index = _positions_node(gm.graph, layout, rank, device=_device(node))
             rows = gm.graph.call_function(aten.index_select.default, (node, info.dim, index))
         for user in users:
             user.replace_input_with(node, rows)
@@ -324,7 +336,7 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, (source, _, _) in shifts.items():  # the runtime hands the rank its labels already shifted
         nodes[name].replace_all_uses_with(nodes[source])
-    strategies = [_replace_attention(gm, st, info, i, layout) for i, info in enumerate(attention.found)]
+    strategies = [_replace_attention(gm, st, info, i, layout, rank) for i, info in enumerate(attention.found)]
     _global_positions(gm, seq.with_rule("positions"), layout, rank)
     _table_rows(gm, seq, layout, rank)
     _local_sizes(gm, seq, cp)

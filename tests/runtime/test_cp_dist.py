@@ -65,6 +65,9 @@ FAMILIES = [
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("loss", "loss_fn"),)),
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("impl", "eager"),)),
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, options=(("cp_strategy", "ring"),)),
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("packed", True),)),  # documents by position_ids
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("packed", True),),
+         options=(("cp_strategy", "ring"),)),
 ]
 FAMILY_INFER = [Case(model="llama", cp=2, kind="cp_family_runners:cp_forward", seq=24, batch=4)]
 
