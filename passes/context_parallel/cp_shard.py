@@ -134,11 +134,25 @@ def _draws(node: fx.Node) -> bool:
     return True
 
 
-def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport, shifts: dict[str, tuple]) -> None:
-    """Every refusal, and every rule not wired yet, as one ShardingError (the first named, the count given)."""
+def _label_counts(gm: fx.GraphModule, st: LoweringState) -> set[str]:
+    """The count of a call's own label tokens that capture puts in a reweighted loss (``mean · n / count``,
+    passes/frontend/capture.py): ``sum(labels != ignore)`` over the rank's labels makes ``mean · n`` the
+    rank's sum, exact under cp (the runtime's count is over dp x cp)."""
+    spec = st.captured.item_count if st.captured is not None else None
+    if spec is None or spec.shift:
+        return set()
+    return {n.name for n in gm.graph.nodes if _op(n) == "sum" and isinstance(n.args[0], fx.Node)
+            and _op(n.args[0]) == "ne" and getattr(n.args[0].args[0], "name", None) == spec.labels
+            and n.args[0].args[1] == spec.ignore_index}
+
+
+def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport, shifts: dict[str, tuple],
+            exact: set[str] = frozenset()) -> None:
+    """Every refusal, and every rule not wired yet, as one ShardingError (the first named, the count given);
+    ``exact``: reductions known exact on the rank's part."""
     problems = [(r.node, r.path or "the model", r.reason, r.fix) for r in seq.refusals]
     nodes = {n.name: n for n in gm.graph.nodes}
-    realised = set(shifts) | {nodes[s].args[0].name for s in shifts}  # the input shifts' pads and slices
+    realised = set(shifts) | {nodes[s].args[0].name for s in shifts} | set(exact)  # (the shifts' pads and slices)
     for name, info in seq.infos:
         if name in realised:
             continue
@@ -320,6 +334,25 @@ def _local_sizes(gm: fx.GraphModule, seq: SeqReport, cp: int) -> None:
             node.args = node.args[:at] + (sizes,) + node.args[at + 1:]
 
 
+def _rowwise_sizes(gm: fx.GraphModule, seq: SeqReport, tokens: int, cp: int) -> None:
+    """Inside a module proven to compute each position alone (MoE routing: rows gathered and sorted), sizes
+    counting the tokens (``view(x, [B * S, k, d])``, ``arange(B * S * k)``) become the rank's count."""
+    infos = dict(seq.infos)
+
+    def local(v):
+        return v // cp if isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % tokens == 0 else v
+
+    for node in gm.graph.nodes:
+        info = infos.get(node.name)
+        if info is None or info.rule != "rowwise" or info.dim is not None:
+            continue
+        at = _SHAPE_ARG.get(_op(node))
+        if at is not None and len(node.args) > at and isinstance(node.args[at], (list, tuple)):
+            node.args = node.args[:at] + ([local(v) for v in node.args[at]],) + node.args[at + 1:]
+        elif _op(node) == "arange":
+            node.args = tuple(local(v) for v in node.args)
+
+
 def shard_context_parallel(st: LoweringState) -> LoweringState:
     """The graph of cp rank ``coords["cp"]``: attention by ring or all-to-all, positions global, sizes local."""
     gm, cp, rank = st.gm, st.plan.mesh.cp, st.coords.get("cp", 0)
@@ -332,7 +365,7 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     attention = annotate_attention(gm)
     seq = annotate_sequence(gm, seq_inputs=seq_inputs, attention=attention)
     shifts = _input_shifts(gm, seq, seq_inputs)
-    _refuse(gm, seq, attention, shifts)
+    _refuse(gm, seq, attention, shifts, _label_counts(gm, st))
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, (source, _, _) in shifts.items():  # the runtime hands the rank its labels already shifted
         nodes[name].replace_all_uses_with(nodes[source])
@@ -340,6 +373,8 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     _global_positions(gm, seq.with_rule("positions"), layout, rank)
     _table_rows(gm, seq, layout, rank)
     _local_sizes(gm, seq, cp)
+    rows = next(shape(n)[0] for n in gm.graph.nodes if n.op == "placeholder" and n.name in seq_inputs)
+    _rowwise_sizes(gm, seq, rows * seq_len, cp)
     replaced = {name for info in attention.found for name in info.nodes + (info.output,)}
     for node in reversed(list(gm.graph.nodes)):  # (SDPA counts as impure for dead-code elimination: a dropout)
         if node.name in replaced and not node.users:

@@ -68,6 +68,21 @@ FAMILIES = [
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("packed", True),)),  # documents by position_ids
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("packed", True),),
          options=(("cp_strategy", "ring"),)),
+    Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, options=(("zero_stage", 3), ("recompute", "full"))),
+    # the other families at cp=2, each on its own quirk
+    Case(model="qwen3", cp=2, kind=_FAM, seq=24, batch=4),  # q/k norms
+    Case(model="mistral", cp=2, kind=_FAM, seq=24, batch=4, options=(("cp_strategy", "ring"),)),  # window 4 < 24
+    Case(model="gemma2", cp=2, kind=_FAM, seq=24, batch=4, extra=(("impl", "eager"),)),  # soft-cap, windows
+    Case(model="gpt2", cp=2, kind=_FAM, seq=24, batch=4),  # learned positions, Conv1D
+    Case(model="falcon_mq", cp=2, kind=_FAM, seq=24, batch=4, options=(("cp_strategy", "ring"),)),  # one kv head
+    Case(model="bert", cp=2, kind=_FAM, seq=24, batch=4),  # bidirectional, padding mask, masked-LM loss
+    Case(model="mixtral", cp=2, kind=_FAM, seq=24, batch=4),  # experts (rowwise on the shard)
+    # 4 ranks (slow): Llama at cp=4 and cp with every other axis
+    Case(model="llama", cp=4, kind=_FAM, seq=32, batch=4),
+    Case(model="llama", cp=4, kind=_FAM, seq=32, batch=4, options=(("cp_strategy", "ring"),)),
+    Case(model="llama", mesh=(2, 1, 1), cp=2, kind=_FAM, seq=24, batch=4),
+    Case(model="llama", mesh=(1, 1, 2), cp=2, kind=_FAM, seq=24, batch=4, extra=(("loss", "loss_fn"),)),
+    Case(model="llama", mesh=(1, 2, 1), cp=2, kind=_FAM, seq=24, batch=4, options=(("schedule", "1f1b"),)),
 ]
 FAMILY_INFER = [Case(model="llama", cp=2, kind="cp_family_runners:cp_forward", seq=24, batch=4)]
 
