@@ -37,7 +37,7 @@ from autopar.passes.pipeline.weight_grad_split import check_split_backward_recom
 from autopar.passes.data_parallel.zero3 import check_zero3
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.runtime.checkpoints.checkpoint_files import check_checkpoint_path, check_state_dict
-from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.registry import build_schedule, family
 from autopar.runtime.schedules.validator import validate
 
 __all__ = ["check_arguments", "checked_options", "check_plan", "check_captured", "check_mesh_degrees",
@@ -231,6 +231,13 @@ def _context_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[st
         return None
     if opts.data_parallel != "ddp":
         return f"cp={mesh.cp} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
+    if family(opts.schedule).asynchronous:
+        return (f"cp={mesh.cp} with the asynchronous schedule {opts.schedule!r} is not wired yet: its updates average "
+                "over dp alone", "use a synchronous schedule (1f1b, gpipe, zero-bubble, ...) with cp")
+    if opts.expert_parallel > 1:
+        return (f"cp={mesh.cp} with expert_parallel={opts.expert_parallel} is not wired yet: the experts' gradients "
+                "are summed over edp, not over edp x cp", "drop expert_parallel (experts are replicated over cp), "
+                                                          "or cp")
     if opts.dynamic_shapes == "seq":
         return (f"cp={mesh.cp} cuts a sequence of the compiled length over the cp ranks; dynamic_shapes='seq' keeps "
                 "it symbolic", "use dynamic_shapes='auto' or 'static' (pad batches to a multiple of 2 x cp)")

@@ -104,3 +104,15 @@ def test_an_op_cp_cannot_shard_on_the_sequence_is_refused_with_its_node(model, n
         _plan(model(), {"cp": 2}, 16)
     assert f"at node {node}" in info.value.what and words in info.value.what.lower(), info.value.what
     assert f"node {node}" in info.value.where and info.value.fix
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(schedule="pipedream"), "asynchronous schedule 'pipedream' is not wired yet"),
+    (dict(data_parallel="dataparallel"), "needs data_parallel='ddp'"),
+    (dict(dynamic_shapes="seq"), "dynamic_shapes='seq' keeps it symbolic"),
+])
+def test_options_cp_cannot_run_with_are_refused_before_capture(options, words):
+    with pytest.raises(PlanError) as info:
+        _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2, **({"pp": 2} if "schedule" in options else {})}, 16,
+              **options)
+    assert words in info.value.what and info.value.fix
