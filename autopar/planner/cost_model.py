@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
@@ -80,7 +80,7 @@ class Candidate:
     def num_stages(self) -> int:
         return self.pp * self.num_virtual
 
-    @property
+    @cached_property
     def dims(self) -> ParallelDims:
         """The candidate's degrees (``expert_parallel`` included), validated: autopar/parallel_dims.py."""
         return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.expert_parallel)
@@ -199,6 +199,15 @@ def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: C
     return forward, backward, weight
 
 
+@lru_cache(maxsize=1024)
+def _stages_of(owner: tuple[int, ...], pp: int) -> tuple[tuple[int, ...], ...]:
+    """For each pp rank, the stages it runs (in order), from ``owner`` (stage -> rank)."""
+    stages = [[] for _ in range(pp)]
+    for s, q in enumerate(owner):
+        stages[q].append(s)
+    return tuple(tuple(row) for row in stages)
+
+
 def _stage_ranges(cuts: tuple[int, ...], num_chunks: int) -> list[tuple[int, int]]:
     bounds = (0,) + tuple(cuts) + (num_chunks,)
     return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
@@ -260,6 +269,8 @@ class CostModel:
         self._tables: dict = {}
         self._params: dict = {}
         self._states: dict = {}
+        self._transients: dict = {}
+        self._chunk_costs: dict = {}
 
     # -- per-chunk sums -------------------------------------------------------------------
     def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
@@ -296,7 +307,9 @@ class CostModel:
     def chunk_costs(self, c: Candidate) -> list[float]:
         """Time of one microbatch's forward and backward on each chunk (for placing stage boundaries)."""
         t = self.candidate_table(c, self.cluster.device)
-        return [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
+        if id(t) not in self._chunk_costs:  # (tables live as long as the model: their ids stay theirs)
+            self._chunk_costs[id(t)] = [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
+        return list(self._chunk_costs[id(t)])
 
     def experts(self, tp: int) -> frozenset[str]:
         """The user names of the MoE expert tensors (split over ep when ep > 1)."""
@@ -337,6 +350,15 @@ class CostModel:
             self._states[key] = _states(params, buffers, zero, ParallelDims(dp=dp, ep=ep), self.profile.precision,
                                         self.optimizer, local)
         return self._states[key]
+
+    def _transient(self, tp: int, recompute: str, chunk_range: tuple[int, int]) -> float:
+        """The largest recomputation transient per sample of the chunks in ``chunk_range`` (cached)."""
+        key = (tp, recompute, chunk_range)
+        if key not in self._transients:
+            lo, hi = chunk_range
+            self._transients[key] = max((ch.transient[recompute] for ch in self.profile.chunks[tp][lo:hi]),
+                                        default=0.0)
+        return self._transients[key]
 
     def _b(self, c: Candidate) -> int:
         return self.profile.global_batch // (c.dp * c.num_microbatches)
@@ -413,14 +435,16 @@ class CostModel:
         boundary = max((chunks[lo].recv_bytes for lo, _ in ranges[1:]), default=0.0) * self._b(c)
         p2p = _pp_link(self.cluster, c).p2p(boundary) if c.pp > 1 else 0.0
         work = [fwd[s] + bwd[s] + wgt[s] for s in range(len(ranges))]
-        per_rank = [sum(work[s] for s in range(len(ranges)) if owner[s] == q) for q in range(c.pp)]
+        per_rank = [0.0] * c.pp
+        for s, w in enumerate(work):  # (stage order within each rank, as a sum over its stages adds them)
+            per_rank[owner[s]] += w
         simulated = simulate_pipeline or c.pp == 1
         busiest = max(range(c.pp), key=lambda q: per_rank[q])
         compute = per_rank[busiest] * c.num_microbatches
         pipeline = self._pipeline(c, owner, fwd, bwd, wgt, p2p, simulated)
         if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
-        tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
+        tp_comm = sum(comm[s] for s in _stages_of(owner, c.pp)[busiest]) * c.num_microbatches
         ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         overhead = self.cluster.step_overhead_s
@@ -456,7 +480,7 @@ class CostModel:
             full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
             costs = StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
             if cores is not None:
-                return simulate_shared_cores(full, costs=costs, cores=cores)
+                return simulate_shared_cores(full, costs=costs, cores=cores, validated=True)
             return simulate(full, costs=costs, validated=True).step_time
         if not family(c.schedule).bounded:  # no bound proven for it: the trivial one
             return 0.0
@@ -468,8 +492,7 @@ class CostModel:
         b, devices = self._b(c), self.stage_devices(c)
         dp_link = _dp_link(self.cluster, c)
         worst, dp_time, opt_time = None, 0.0, 0.0
-        for q in range(c.pp):
-            mine = [s for s in range(len(ranges)) if owner[s] == q]
+        for q, mine in enumerate(_stages_of(owner, c.pp)):
             mine_ranges = tuple(ranges[s] for s in mine)
             _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges, c.expert_parallel)
             states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel)
@@ -489,8 +512,7 @@ class CostModel:
             else:
                 acts = peak_bytes(schedule.actions[q], {**dict.fromkeys(range(len(ranges)), 0.0), **per_stage},
                                   split_backward=schedule.split_backward)
-            transient = max((ch.transient[c.recompute] for s in mine
-                             for ch in self.profile.chunks[c.tp][ranges[s][0]:ranges[s][1]]), default=0.0) * b
+            transient = max((self._transient(c.tp, c.recompute, ranges[s]) for s in mine), default=0.0) * b
             total = (states.params + states.master_params + states.grads + states.optimizer + states.buffers
                      + acts + transient)
             capacity = self.cluster.usable_bytes(q * c.tp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
 from collections.abc import Collection, Iterable, Sequence
 
@@ -49,6 +50,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
+        if type(self.kind) is ActionKind and type(self.stage) is int and type(self.microbatch) is int \
+                and self.stage >= 0 and self.microbatch >= 0:
+            return  # the common case, checked at once (schedules are built of many thousand actions)
         if not isinstance(self.kind, ActionKind):
             try:
                 object.__setattr__(self, "kind", ActionKind(self.kind))
@@ -193,6 +197,27 @@ class Schedule:
         if self.num_replicas > 1 and not routes:
             raise ScheduleError(f"a schedule with {self.num_replicas} replicas needs microbatch_replica",
                                 where=f"schedule {self.name!r}", fix="give the replica each microbatch goes through")
+
+    @functools.cached_property
+    def needs(self) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+        """Per rank and step, the actions that step waits for (:func:`~autopar.runtime.schedules.deps.dependencies`),
+        computed once per schedule: the validator and the simulator read them for every action, and the planner
+        simulates one cached schedule under many costs."""
+        from autopar.runtime.schedules.deps import dependencies  # deps builds on Action (defined here)
+
+        return tuple(tuple(dependencies(a, num_stages=self.num_stages, num_replicas=self.num_replicas) for a in row)
+                     for row in self.actions)
+
+    @functools.cached_property
+    def step_needs(self) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """:attr:`needs` by step number: (the first step number of each rank, per step the step numbers it waits
+        for), where rank ``r``'s step ``i`` is number ``first[r] + i``. A simulator indexes lists by them."""
+        first, total = [], 0
+        for row in self.actions:
+            first.append(total)
+            total += len(row)
+        number = {a: first[r] + i for r, row in enumerate(self.actions) for i, a in enumerate(row)}
+        return tuple(first), tuple(tuple(number[d] for d in deps) for row in self.needs for deps in row)
 
     @property
     def parts(self) -> int:
