@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
@@ -51,12 +51,12 @@ from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
-from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
+from autopar.planner.schedule_shapes import full_schedule, schedule_of, stages_of
+from autopar.runtime.schedules.registry import family, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
-from autopar.runtime.schedules.validator import validate
 
-__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate", "schedule_of"]
+__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate"]
 
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
@@ -110,51 +110,6 @@ class Estimate:
         return self.memory <= self.capacity
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """What the cost model needs of a schedule too long to build: stage placement and backward split."""
-
-    stage_to_rank: tuple[int, ...]
-    split_backward: bool
-    actions: None = None
-
-
-def _closed_form(name: str, pp: int, m: int, v: int):
-    """Stage placement and in-flight peaks from the family's closed form, without building the schedule."""
-    form = family(name).closed_form
-    counts = form.peaks(pp, m, v)
-    return _Shape(form.placement(pp, v), splits_backward(name)), tuple(counts)
-
-
-@lru_cache(maxsize=16)
-def _full_schedule(name: str, pp: int, m: int, v: int):
-    """The whole schedule of a step, built and validated once for every candidate simulated on it."""
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
-    validate(schedule)
-    return schedule
-
-
-@lru_cache(maxsize=512)
-def schedule_of(name: str, pp: int, m: int, v: int):
-    """A (cached) schedule for ``name`` and the microbatches each rank keeps in flight at its peak.
-
-    Every family but GPipe reaches its steady state by ``2·pp`` microbatches, so a longer schedule is
-    represented by that one (same stage placement, same peaks); GPipe holds all ``m``. Deep
-    pipelines of the common families use their closed forms instead (no action list).
-    """
-    row = family(name)
-    if pp > 8 and row.closed_form is not None and row.replicas == 1 and not row.asynchronous:
-        return _closed_form(name, pp, m, v)
-    short = m if m <= 2 * pp else 2 * pp  # (fewer microbatches than ranks: the generator refuses or runs them)
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
-    split = schedule.split_backward
-    counts = tuple(peak_bytes(row, {s: 1 for s in range(schedule.num_stages)}, split_backward=split)
-                   for row in schedule.actions)
-    if row.peak_grows:
-        counts = tuple(c * m // short for c in counts)
-    return schedule, counts
-
-
 def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recompute: bool) -> float:
     return sum(link.collective(c.op, c.nbytes * b, tp) for c in comms
                if c.direction == direction and (include_recompute or not c.recompute))
@@ -197,15 +152,6 @@ def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: C
     elif recompute == "selective":
         backward += memory + ops
     return forward, backward, weight
-
-
-@lru_cache(maxsize=1024)
-def _stages_of(owner: tuple[int, ...], pp: int) -> tuple[tuple[int, ...], ...]:
-    """For each pp rank, the stages it runs (in order), from ``owner`` (stage -> rank)."""
-    stages = [[] for _ in range(pp)]
-    for s, q in enumerate(owner):
-        stages[q].append(s)
-    return tuple(tuple(row) for row in stages)
 
 
 def _stage_ranges(cuts: tuple[int, ...], num_chunks: int) -> list[tuple[int, int]]:
@@ -417,7 +363,7 @@ class CostModel:
     def critical_path(self, c: Candidate):
         """The critical path of ``c``'s pipeline (its full schedule, lone-rank stage times: with ranks sharing
         cores the planner's figure comes from processor sharing, which has no single path)."""
-        full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+        full = full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
         return simulate(full, costs=self.pipeline_costs(c)).critical_path
 
     def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:
@@ -444,7 +390,7 @@ class CostModel:
         pipeline = self._pipeline(c, owner, fwd, bwd, wgt, p2p, simulated)
         if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
-        tp_comm = sum(comm[s] for s in _stages_of(owner, c.pp)[busiest]) * c.num_microbatches
+        tp_comm = sum(comm[s] for s in stages_of(owner, c.pp)[busiest]) * c.num_microbatches
         ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         overhead = self.cluster.step_overhead_s
@@ -477,7 +423,7 @@ class CostModel:
             fwd, bwd = [x / k + switch for x in fwd], [x / k + switch for x in bwd]
             wgt, cores = [x / k + (switch if split else 0.0) for x in wgt], c.pp / k
         if simulated:
-            full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+            full = full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
             costs = StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
             if cores is not None:
                 return simulate_shared_cores(full, costs=costs, cores=cores, validated=True)
@@ -492,7 +438,7 @@ class CostModel:
         b, devices = self._b(c), self.stage_devices(c)
         dp_link = _dp_link(self.cluster, c)
         worst, dp_time, opt_time = None, 0.0, 0.0
-        for q, mine in enumerate(_stages_of(owner, c.pp)):
+        for q, mine in enumerate(stages_of(owner, c.pp)):
             mine_ranges = tuple(ranges[s] for s in mine)
             _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges, c.expert_parallel)
             states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel)

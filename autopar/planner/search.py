@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
+from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link
+from autopar.planner.schedule_shapes import schedule_of
 from autopar.planner.candidates import SearchSpace, stage_speeds, structures
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile

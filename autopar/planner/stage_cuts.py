@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autopar.errors import PlanError
-from autopar.planner.cost_model import schedule_of
+from autopar.planner.schedule_shapes import schedule_of
 
 __all__ = ["weighted_cuts", "stage_time", "memory_fits"]
 

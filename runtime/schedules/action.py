@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import re
 from collections.abc import Collection, Iterable, Sequence
 
@@ -125,6 +124,9 @@ class Schedule:
     staleness: object = None
     overlapped: tuple[tuple[int, ...], ...] = ()
     full_backward: bool = False
+    #: facts derived from the schedule by the modules that read it, computed once per schedule (not a field of
+    #: its identity: not compared, not copied by ``dataclasses.replace``); e.g. deps.needs
+    memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
@@ -198,27 +200,6 @@ class Schedule:
             raise ScheduleError(f"a schedule with {self.num_replicas} replicas needs microbatch_replica",
                                 where=f"schedule {self.name!r}", fix="give the replica each microbatch goes through")
 
-    @functools.cached_property
-    def needs(self) -> tuple[tuple[tuple[Action, ...], ...], ...]:
-        """Per rank and step, the actions that step waits for (:func:`~autopar.runtime.schedules.deps.dependencies`),
-        computed once per schedule: the validator and the simulator read them for every action, and the planner
-        simulates one cached schedule under many costs."""
-        from autopar.runtime.schedules.deps import dependencies  # deps builds on Action (defined here)
-
-        return tuple(tuple(dependencies(a, num_stages=self.num_stages, num_replicas=self.num_replicas) for a in row)
-                     for row in self.actions)
-
-    @functools.cached_property
-    def step_needs(self) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-        """:attr:`needs` by step number: (the first step number of each rank, per step the step numbers it waits
-        for), where rank ``r``'s step ``i`` is number ``first[r] + i``. A simulator indexes lists by them."""
-        first, total = [], 0
-        for row in self.actions:
-            first.append(total)
-            total += len(row)
-        number = {a: first[r] + i for r, row in enumerate(self.actions) for i, a in enumerate(row)}
-        return tuple(first), tuple(tuple(number[d] for d in deps) for row in self.needs for deps in row)
-
     @property
     def parts(self) -> int:
         """Stages per replica: the number of pieces the model is cut into."""
@@ -282,7 +263,7 @@ class Schedule:
         ``microbatch_replica``, ``forward_only``, ``staleness`` and ``full_backward`` keep their
         defaults unless given.
         """
-        known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
+        known = {f.name for f in dataclasses.fields(cls) if f.init} - {"actions"}
         unknown = sorted(set(meta) - known)
         if unknown:
             raise ScheduleError(

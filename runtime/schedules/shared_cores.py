@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, Schedule
+from autopar.runtime.schedules.deps import needs
 from autopar.runtime.schedules.simulator import StageCosts
 from autopar.runtime.schedules.validator import validate
 
@@ -54,7 +55,7 @@ def simulate_shared_cores(schedule: Schedule, *, costs: StageCosts, cores: float
         """Set when rank's next action may start, once all its dependencies have ended."""
         if pos[rank] >= len(rows[rank]) or running[rank] or ready[rank] is not None:
             return
-        deps = schedule.needs[rank][pos[rank]]
+        deps = needs(schedule)[rank][pos[rank]]
         if not all(d in end for d in deps):
             return
         arrival = max((end[d] + (costs.p2p if owner[d.stage] != rank else 0.0) for d in deps), default=0.0)

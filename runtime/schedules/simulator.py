@@ -18,6 +18,7 @@ from typing import NamedTuple, Union
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
+from autopar.runtime.schedules.deps import step_needs
 from autopar.runtime.schedules.step_graph import CriticalPath, critical_path
 from autopar.runtime.schedules.validator import validate
 
@@ -169,8 +170,8 @@ def _bubbles(busy: Sequence[float], step_time: float) -> tuple[float, ...]:
 
 
 def _run(schedule: Schedule, costs: StageCosts, durations: Mapping[Action, float]) -> tuple[tuple[Event, ...], ...]:
-    """Event-driven timing of a validated schedule (steps by number: :attr:`Schedule.step_needs`)."""
-    first, needs = schedule.step_needs
+    """Event-driven timing of a validated schedule (its steps by number: deps.step_needs)."""
+    first, needs = step_needs(schedule)
     p2p = costs.p2p
     cost_of = {kind: [costs.cost(Action(s, kind, 0), num_stages=schedule.num_stages,
                                  split_backward=schedule.split_backward) for s in range(schedule.num_stages)]

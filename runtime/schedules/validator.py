@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
+from autopar.runtime.schedules.deps import needs
 from autopar.runtime.schedules.step_graph import wait_cycle
 
 __all__ = ["validate"]
@@ -121,7 +122,7 @@ def _check_local_order(schedule: Schedule) -> None:
     index_of = {a: pos for pos, a in _positions(schedule)}
     bad, details = [], []
     for pos, a in _positions(schedule):
-        for dep in schedule.needs[pos[0]][pos[1]]:
+        for dep in needs(schedule)[pos[0]][pos[1]]:
             dep_pos = index_of[dep]
             if dep_pos[0] == pos[0] and dep_pos[1] > pos[1]:
                 bad.append(pos)
@@ -139,7 +140,7 @@ def _check_deadlock(schedule: Schedule) -> None:
     while progress:
         progress = False
         for rank, row in enumerate(schedule.actions):
-            while next_index[rank] < len(row) and all(d in done for d in schedule.needs[rank][next_index[rank]]):
+            while next_index[rank] < len(row) and all(d in done for d in needs(schedule)[rank][next_index[rank]]):
                 done.add(row[next_index[rank]])
                 next_index[rank] += 1
                 progress = True
@@ -150,7 +151,7 @@ def _check_deadlock(schedule: Schedule) -> None:
     details = []
     for rank in blocked:
         action = schedule.actions[rank][next_index[rank]]
-        for dep in schedule.needs[rank][next_index[rank]]:
+        for dep in needs(schedule)[rank][next_index[rank]]:
             if dep not in done:
                 dep_rank, dep_index = index_of[dep]
                 waiting_on = schedule.actions[dep_rank][next_index[dep_rank]]
