@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import Candidate, schedule_of
+from autopar.planner.cost_model import Candidate
+from autopar.planner.schedule_shapes import schedule_of
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.runtime.schedules.registry import family, planner_schedules
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property
 
 from autopar.errors import PlanError
 from autopar.memory.activations import peak_bytes
@@ -51,12 +51,12 @@ from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
 from autopar.planner.profile import ChunkCost, ModelProfile
-from autopar.runtime.schedules.registry import build_schedule, family, splits_backward
+from autopar.planner.schedule_shapes import full_schedule, schedule_of, stages_of
+from autopar.runtime.schedules.registry import family, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
-from autopar.runtime.schedules.validator import validate
 
-__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate", "schedule_of"]
+__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate"]
 
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
@@ -80,7 +80,7 @@ class Candidate:
     def num_stages(self) -> int:
         return self.pp * self.num_virtual
 
-    @property
+    @cached_property
     def dims(self) -> ParallelDims:
         """The candidate's degrees (``expert_parallel`` included), validated: autopar/parallel_dims.py."""
         return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.expert_parallel)
@@ -108,51 +108,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.memory <= self.capacity
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What the cost model needs of a schedule too long to build: stage placement and backward split."""
-
-    stage_to_rank: tuple[int, ...]
-    split_backward: bool
-    actions: None = None
-
-
-def _closed_form(name: str, pp: int, m: int, v: int):
-    """Stage placement and in-flight peaks from the family's closed form, without building the schedule."""
-    form = family(name).closed_form
-    counts = form.peaks(pp, m, v)
-    return _Shape(form.placement(pp, v), splits_backward(name)), tuple(counts)
-
-
-@lru_cache(maxsize=16)
-def _full_schedule(name: str, pp: int, m: int, v: int):
-    """The whole schedule of a step, built and validated once for every candidate simulated on it."""
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)
-    validate(schedule)
-    return schedule
-
-
-@lru_cache(maxsize=512)
-def schedule_of(name: str, pp: int, m: int, v: int):
-    """A (cached) schedule for ``name`` and the microbatches each rank keeps in flight at its peak.
-
-    Every family but GPipe reaches its steady state by ``2·pp`` microbatches, so a longer schedule is
-    represented by that one (same stage placement, same peaks); GPipe holds all ``m``. Deep
-    pipelines of the common families use their closed forms instead (no action list).
-    """
-    row = family(name)
-    if pp > 8 and row.closed_form is not None and row.replicas == 1 and not row.asynchronous:
-        return _closed_form(name, pp, m, v)
-    short = m if m <= 2 * pp else 2 * pp  # (fewer microbatches than ranks: the generator refuses or runs them)
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=short, num_virtual=v)
-    split = schedule.split_backward
-    counts = tuple(peak_bytes(row, {s: 1 for s in range(schedule.num_stages)}, split_backward=split)
-                   for row in schedule.actions)
-    if row.peak_grows:
-        counts = tuple(c * m // short for c in counts)
-    return schedule, counts
 
 
 def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recompute: bool) -> float:
@@ -260,6 +215,8 @@ class CostModel:
         self._tables: dict = {}
         self._params: dict = {}
         self._states: dict = {}
+        self._transients: dict = {}
+        self._chunk_costs: dict = {}
 
     # -- per-chunk sums -------------------------------------------------------------------
     def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
@@ -296,7 +253,9 @@ class CostModel:
     def chunk_costs(self, c: Candidate) -> list[float]:
         """Time of one microbatch's forward and backward on each chunk (for placing stage boundaries)."""
         t = self.candidate_table(c, self.cluster.device)
-        return [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
+        if id(t) not in self._chunk_costs:  # (tables live as long as the model: their ids stay theirs)
+            self._chunk_costs[id(t)] = [sum(t[i + 1][k] - t[i][k] for k in range(3)) for i in range(len(t) - 1)]
+        return list(self._chunk_costs[id(t)])
 
     def experts(self, tp: int) -> frozenset[str]:
         """The user names of the MoE expert tensors (split over ep when ep > 1)."""
@@ -337,6 +296,15 @@ class CostModel:
             self._states[key] = _states(params, buffers, zero, ParallelDims(dp=dp, ep=ep), self.profile.precision,
                                         self.optimizer, local)
         return self._states[key]
+
+    def _transient(self, tp: int, recompute: str, chunk_range: tuple[int, int]) -> float:
+        """The largest recomputation transient per sample of the chunks in ``chunk_range`` (cached)."""
+        key = (tp, recompute, chunk_range)
+        if key not in self._transients:
+            lo, hi = chunk_range
+            self._transients[key] = max((ch.transient[recompute] for ch in self.profile.chunks[tp][lo:hi]),
+                                        default=0.0)
+        return self._transients[key]
 
     def _b(self, c: Candidate) -> int:
         return self.profile.global_batch // (c.dp * c.num_microbatches)
@@ -395,7 +363,7 @@ class CostModel:
     def critical_path(self, c: Candidate):
         """The critical path of ``c``'s pipeline (its full schedule, lone-rank stage times: with ranks sharing
         cores the planner's figure comes from processor sharing, which has no single path)."""
-        full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+        full = full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
         return simulate(full, costs=self.pipeline_costs(c)).critical_path
 
     def estimate(self, c: Candidate, *, simulate_pipeline: bool = False) -> Estimate:
@@ -413,14 +381,16 @@ class CostModel:
         boundary = max((chunks[lo].recv_bytes for lo, _ in ranges[1:]), default=0.0) * self._b(c)
         p2p = _pp_link(self.cluster, c).p2p(boundary) if c.pp > 1 else 0.0
         work = [fwd[s] + bwd[s] + wgt[s] for s in range(len(ranges))]
-        per_rank = [sum(work[s] for s in range(len(ranges)) if owner[s] == q) for q in range(c.pp)]
+        per_rank = [0.0] * c.pp
+        for s, w in enumerate(work):  # (stage order within each rank, as a sum over its stages adds them)
+            per_rank[owner[s]] += w
         simulated = simulate_pipeline or c.pp == 1
         busiest = max(range(c.pp), key=lambda q: per_rank[q])
         compute = per_rank[busiest] * c.num_microbatches
         pipeline = self._pipeline(c, owner, fwd, bwd, wgt, p2p, simulated)
         if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
-        tp_comm = sum(comm[s] for s in range(len(ranges)) if owner[s] == busiest) * c.num_microbatches
+        tp_comm = sum(comm[s] for s in stages_of(owner, c.pp)[busiest]) * c.num_microbatches
         ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         overhead = self.cluster.step_overhead_s
@@ -453,10 +423,10 @@ class CostModel:
             fwd, bwd = [x / k + switch for x in fwd], [x / k + switch for x in bwd]
             wgt, cores = [x / k + (switch if split else 0.0) for x in wgt], c.pp / k
         if simulated:
-            full = _full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
+            full = full_schedule(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
             costs = StageCosts(forward=fwd, backward=bwd, weight=wgt, p2p=p2p)
             if cores is not None:
-                return simulate_shared_cores(full, costs=costs, cores=cores)
+                return simulate_shared_cores(full, costs=costs, cores=cores, validated=True)
             return simulate(full, costs=costs, validated=True).step_time
         if not family(c.schedule).bounded:  # no bound proven for it: the trivial one
             return 0.0
@@ -468,8 +438,7 @@ class CostModel:
         b, devices = self._b(c), self.stage_devices(c)
         dp_link = _dp_link(self.cluster, c)
         worst, dp_time, opt_time = None, 0.0, 0.0
-        for q in range(c.pp):
-            mine = [s for s in range(len(ranges)) if owner[s] == q]
+        for q, mine in enumerate(stages_of(owner, c.pp)):
             mine_ranges = tuple(ranges[s] for s in mine)
             _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges, c.expert_parallel)
             states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel)
@@ -489,8 +458,7 @@ class CostModel:
             else:
                 acts = peak_bytes(schedule.actions[q], {**dict.fromkeys(range(len(ranges)), 0.0), **per_stage},
                                   split_backward=schedule.split_backward)
-            transient = max((ch.transient[c.recompute] for s in mine
-                             for ch in self.profile.chunks[c.tp][ranges[s][0]:ranges[s][1]]), default=0.0) * b
+            transient = max((self._transient(c.tp, c.recompute, ranges[s]) for s in mine), default=0.0) * b
             total = (states.params + states.master_params + states.grads + states.optimizer + states.buffers
                      + acts + transient)
             capacity = self.cluster.usable_bytes(q * c.tp)

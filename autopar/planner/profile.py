@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,11 @@ class ChunkCost:
     recv_bytes: float  # bytes a stage starting at this chunk receives per sample
     moe: tuple[MoeCost, ...] = ()  # the MoE layers whose experts this chunk holds
     gemms: int = 0  # matrix products (nodes with FLOPs: linears, batched products, attention) per microbatch
+
+    @functools.cached_property
+    def param_numel(self) -> int:
+        """Elements of the chunk's parameters (the planner's memory-aware stage cuts read it for every candidate)."""
+        return sum(p.numel for p in self.params)
 
     def renamed(self, old: str, new: str) -> "ChunkCost":
         """The same chunk for another block (``old`` -> ``new`` in unit and parameter names)."""

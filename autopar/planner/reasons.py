@@ -101,7 +101,7 @@ def _ep_refusals(result: SearchResult, c) -> list[str]:
         return []
     why = sorted({f"ep={x.expert_parallel}: {r}" for x, r in result.rejected
                   if x.expert_parallel > 1 and _MESH(x) == _MESH(c)})
-    return [f"expert parallel: ep=1, the only degree for this mesh"
+    return ["expert parallel: ep=1, the only degree for this mesh"
             + (f" ({'; '.join(why)})" if why else f" (dp={c.dp})")]
 
 

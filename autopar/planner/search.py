@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link, schedule_of
+from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link
+from autopar.planner.schedule_shapes import schedule_of
 from autopar.planner.candidates import SearchSpace, stage_speeds, structures
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
@@ -145,6 +146,7 @@ class _Frontier:
         self.rejected: list = []
         self.structures: list[Candidate] = []  # every structure enumerated
         self.simulate_seconds = 0.0
+        self.work_cache: dict = {}  # _structure_bound's per-chunk sums, shared by structures
 
     def floor(self) -> float:
         return self.heap[0].bound if self.heap else float("inf")
@@ -200,7 +202,7 @@ class _Frontier:
 
     def add_structure(self, c: Candidate) -> None:
         self.structures.append(c)
-        self.push(_structure_bound(self.model, c, self.space.zero_stages), True, c)
+        self.push(_structure_bound(self.model, c, self.space.zero_stages, self.work_cache), True, c)
 
     def expand(self, c: Candidate) -> None:
         """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
@@ -253,24 +255,34 @@ def constraint(c: Candidate) -> str | None:
     return None
 
 
-def _structure_bound(model: CostModel, c: Candidate, zero_stages) -> float:
+def _structure_bound(model: CostModel, c: Candidate, zero_stages, work_cache: dict | None = None) -> float:
     """A lower bound on the step time of every plan of structure ``c``: any ZeRO stage (the least data-parallel
     communication of them, the optimizer step counted as 0), any recomputation (none is the cheapest), any
     stage cuts (relaxed), every chunk at its fastest device."""
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
-    devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
-    tables = [model.table(c.tp, b, "none", d, k, c.expert_parallel, model.ep_link(c)) for d in devices.values()]
-    split = splits_backward(c.schedule)
-    work = path = 0.0
-    for i in range(model.profile.num_chunks):
-        f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
-        work += f + bw + w
-        path += f + bw + (0.0 if split else w)
+    key = (c.tp, b, k, c.expert_parallel, id(model.ep_link(c)), splits_backward(c.schedule))
+    cache = {} if work_cache is None else work_cache  # (structures share them: the search keeps one)
+    if key not in cache:
+        cache[key] = _fastest_work(model, c.tp, b, k, c.expert_parallel, model.ep_link(c), key[-1])
+    work, path = cache[key]
     m = c.num_microbatches
     lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
     pipeline = max(m * work / c.pp, relaxed_bound(path=path / lone, work=work / lone, num_ranks=c.pp,
                                                   num_microbatches=m, num_virtual=c.num_virtual))
     return pipeline + _dp_bound(model, c, zero_stages) + model.cluster.step_overhead_s
+
+
+def _fastest_work(model: CostModel, tp: int, b: int, k: float, ep: int, ep_link, split: bool) -> tuple[float, float]:
+    """(all the work, the critical path's share of it) of one microbatch through every chunk at its fastest
+    device (:func:`_structure_bound`)."""
+    devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
+    tables = [model.table(tp, b, "none", d, k, ep, ep_link) for d in devices.values()]
+    work = path = 0.0
+    for i in range(model.profile.num_chunks):
+        f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
+        work += f + bw + w
+        path += f + bw + (0.0 if split else w)
+    return work, path
 
 
 def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autopar.errors import PlanError
-from autopar.planner.cost_model import schedule_of
+from autopar.planner.schedule_shapes import schedule_of
 
 __all__ = ["weighted_cuts", "stage_time", "memory_fits"]
 
@@ -57,11 +57,11 @@ def weighted_cuts(costs: Sequence[float], num_stages: int, *, speeds: Sequence[f
     def pack(limit: float) -> list[int] | None:
         cuts, lo, pos = [], 0, 0  # pos: index into starts of the first start after lo
         for s in range(num_stages - 1):
-            later = num_stages - s - 2  # cuts still needed after this stage's end
-            best = None
-            while pos < len(starts) - later:
+            stop = len(starts) - (num_stages - s - 2)  # leave a start for each cut still needed after this one
+            best, base, speed = None, prefix[lo], speeds[s]
+            while pos < stop:
                 end = starts[pos]
-                if (prefix[end] - prefix[lo]) / speeds[s] > limit or (fits is not None and not fits(s, lo, end)):
+                if (prefix[end] - base) / speed > limit or (fits is not None and not fits(s, lo, end)):
                     break
                 best, pos = end, pos + 1
             if best is None:
@@ -97,16 +97,18 @@ def memory_fits(c, profile, cluster):
     per_elem = _state_bytes_per_element(c.zero_stage, c.dp, profile.precision)
     prefix_state, prefix_act, acc_s, acc_a = [0.0], [0.0], 0.0, 0.0
     for ch in chunks:
-        acc_s += sum(p.numel for p in ch.params) * per_elem + ch.buffer_bytes
+        acc_s += ch.param_numel * per_elem + ch.buffer_bytes
         acc_a += ch.saved[c.recompute] * b
         prefix_state.append(acc_s)
         prefix_act.append(acc_a)
 
+    owners = schedule.stage_to_rank  # per stage: the microbatches in flight on its rank, its share of the rank
+    in_flight = [-(-counts[q] // c.num_virtual) for q in owners]
+    capacity = [cluster.usable_bytes(q * c.tp) / c.num_virtual for q in owners]
+
     def fits(stage: int, lo: int, hi: int) -> bool:
-        q = schedule.stage_to_rank[stage]
-        in_flight = -(-counts[q] // c.num_virtual)
-        need = prefix_state[hi] - prefix_state[lo] + in_flight * (prefix_act[hi] - prefix_act[lo])
-        return need <= cluster.usable_bytes(q * c.tp) / c.num_virtual
+        need = prefix_state[hi] - prefix_state[lo] + in_flight[stage] * (prefix_act[hi] - prefix_act[lo])
+        return need <= capacity[stage]
     return fits
 
 

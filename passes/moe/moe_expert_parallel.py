@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError

@@ -43,7 +43,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError

@@ -46,7 +46,6 @@ import logging
 import operator
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from autopar.errors import ShardingError

@@ -363,7 +363,7 @@ def _wait_line(w: Wait, now: float) -> str:
         how = f"was waiting in {e.describe()} when its record stops ({now - e.start:.1f} s before this report)"
     else:
         how = f"waits in {e.describe()} since {now - e.start:.1f} s"
-    on = f", on rank{'s' if len(w.on) > 1 else ''} {', '.join(map(str, w.on))}" if w.on else \
+    on = f", waiting on rank{'s' if len(w.on) > 1 else ''} {', '.join(map(str, w.on))}" if w.on else \
         ", every other rank of it has issued it too"
     return f"rank {w.rank} {how}, during {w.during}{on}"
 
@@ -415,7 +415,7 @@ def _report_lines(d: Diagnosis) -> list[str]:
                   + (f"  <- {dv.culprits[r]}" if r in dv.culprits else "") for r, e in sorted(dv.issued.items())]
     lines.append("ranks:")
     lines += [f"  {_rank_line(v, d.now)}" for _, v in sorted(d.views.items())]
-    lines.append(f"last entries of each rank (newest last; times before this report):")
+    lines.append("last entries of each rank (newest last; times before this report):")
     for rank, view in sorted(d.views.items()):
         for e in view.entries[-_SHOWN:]:
             t = f"-{d.now - e.start:.2f} s" + ("" if e.is_open else f" .. -{d.now - (e.end or e.start):.2f} s")

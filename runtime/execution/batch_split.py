@@ -36,7 +36,7 @@ def batch_rows(tensors: tuple, names: tuple[str, ...], *, local: int, where: str
     rows = {}
     for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            got = f"a 0-dim tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            got = "a 0-dim tensor" if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"batch input {name!r} is {got}: every input carries the batch on dim 0", where=where,
                              fix="pass this rank's dp slice of each input, rows on dim 0 "
                                  "(program.shard_batch(global_batch) cuts every input of a global batch)")

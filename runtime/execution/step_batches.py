@@ -132,8 +132,8 @@ class StepBatches:
         if self.equal_counts and len(set(counts)) > 1:
             raise PlanError(f"the dp ranks' batches of {list(step.rows)} rows make {counts} microbatches, but this "
                             f"program's stage graphs communicate over dp in every microbatch (ZeRO-3's gathers, "
-                            f"mixture-of-experts exchanges), so every dp rank must run as many",
+                            "mixture-of-experts exchanges), so every dp rank must run as many",
                             where=self._where(),
                             fix="pass every dp rank the same number of rows (program.shard_batch(global_batch) "
-                                f"cuts them evenly when the batch divides by dp), or " + FIX_PARTIAL.format(
+                                "cuts them evenly when the batch divides by dp), or " + FIX_PARTIAL.format(
                                     rows=self.local))

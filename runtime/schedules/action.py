@@ -49,6 +49,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
+        if type(self.kind) is ActionKind and type(self.stage) is int and type(self.microbatch) is int \
+                and self.stage >= 0 and self.microbatch >= 0:
+            return  # the common case, checked at once (schedules are built of many thousand actions)
         if not isinstance(self.kind, ActionKind):
             try:
                 object.__setattr__(self, "kind", ActionKind(self.kind))
@@ -121,6 +124,9 @@ class Schedule:
     staleness: object = None
     overlapped: tuple[tuple[int, ...], ...] = ()
     full_backward: bool = False
+    #: facts derived from the schedule by the modules that read it, computed once per schedule (not a field of
+    #: its identity: not compared, not copied by ``dataclasses.replace``); e.g. deps.needs
+    memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", _as_tuple_of_ints("stage_to_rank", self.stage_to_rank))
@@ -257,7 +263,7 @@ class Schedule:
         ``microbatch_replica``, ``forward_only``, ``staleness`` and ``full_backward`` keep their
         defaults unless given.
         """
-        known = {f.name for f in dataclasses.fields(cls)} - {"actions"}
+        known = {f.name for f in dataclasses.fields(cls) if f.init} - {"actions"}
         unknown = sorted(set(meta) - known)
         if unknown:
             raise ScheduleError(

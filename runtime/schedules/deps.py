@@ -18,9 +18,9 @@ A dependency on another rank costs one p2p transfer; one on the same rank costs 
 """
 from __future__ import annotations
 
-from autopar.runtime.schedules.action import Action, ActionKind
+from autopar.runtime.schedules.action import Action, ActionKind, Schedule
 
-__all__ = ["dependencies"]
+__all__ = ["dependencies", "needs", "step_needs"]
 
 
 def dependencies(action: Action, *, num_stages: int, num_replicas: int = 1) -> tuple[Action, ...]:
@@ -34,3 +34,28 @@ def dependencies(action: Action, *, num_stages: int, num_replicas: int = 1) -> t
         own = Action(stage, ActionKind.F, mb)
         return (own,) if last else (own, Action(stage + 1, ActionKind.B, mb))
     return (Action(stage, ActionKind.B, mb),)
+
+
+def needs(schedule: Schedule) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+    """Per rank and step of ``schedule``, the actions that step waits for, computed once per schedule (kept in
+    its ``memo``): the validator and the simulators read them for every action, and the planner simulates one
+    schedule under many costs."""
+    if "needs" not in schedule.memo:
+        schedule.memo["needs"] = tuple(
+            tuple(dependencies(a, num_stages=schedule.num_stages, num_replicas=schedule.num_replicas) for a in row)
+            for row in schedule.actions)
+    return schedule.memo["needs"]
+
+
+def step_needs(schedule: Schedule) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`needs` by step number: (the first step number of each rank, per step the step numbers it waits
+    for), where rank ``r``'s step ``i`` is number ``first[r] + i`` (a simulator indexes lists by them)."""
+    if "step_needs" not in schedule.memo:
+        first, total = [], 0
+        for row in schedule.actions:
+            first.append(total)
+            total += len(row)
+        number = {a: first[r] + i for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
+        schedule.memo["step_needs"] = (tuple(first),
+                                       tuple(tuple(number[d] for d in deps) for row in needs(schedule) for deps in row))
+    return schedule.memo["step_needs"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, Schedule
-from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.deps import needs
 from autopar.runtime.schedules.simulator import StageCosts
 from autopar.runtime.schedules.validator import validate
 
@@ -33,11 +33,14 @@ __all__ = ["simulate_shared_cores"]
 _EPS = 1e-12
 
 
-def simulate_shared_cores(schedule: Schedule, *, costs: StageCosts, cores: float) -> float:
-    """Step time of ``schedule`` with its ranks on ``cores`` shared cores (costs: lone-rank seconds)."""
+def simulate_shared_cores(schedule: Schedule, *, costs: StageCosts, cores: float, validated: bool = False) -> float:
+    """Step time of ``schedule`` with its ranks on ``cores`` shared cores (costs: lone-rank seconds).
+
+    ``validated``: the caller has validated this very schedule already (as :func:`simulate` takes it)."""
     if not cores > 0:
         raise ScheduleError(f"cores must be > 0, got {cores}")
-    validate(schedule)
+    if not validated:
+        validate(schedule)
     rows, owner = schedule.actions, schedule.stage_to_rank
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
     end: dict[Action, float] = {}
@@ -52,8 +55,7 @@ def simulate_shared_cores(schedule: Schedule, *, costs: StageCosts, cores: float
         """Set when rank's next action may start, once all its dependencies have ended."""
         if pos[rank] >= len(rows[rank]) or running[rank] or ready[rank] is not None:
             return
-        action = rows[rank][pos[rank]]
-        deps = dependencies(action, num_stages=num_stages, num_replicas=schedule.num_replicas)
+        deps = needs(schedule)[rank][pos[rank]]
         if not all(d in end for d in deps):
             return
         arrival = max((end[d] + (costs.p2p if owner[d.stage] != rank else 0.0) for d in deps), default=0.0)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Union
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
-from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.deps import step_needs
 from autopar.runtime.schedules.step_graph import CriticalPath, critical_path
 from autopar.runtime.schedules.validator import validate
 
@@ -170,28 +170,42 @@ def _bubbles(busy: Sequence[float], step_time: float) -> tuple[float, ...]:
 
 
 def _run(schedule: Schedule, costs: StageCosts, durations: Mapping[Action, float]) -> tuple[tuple[Event, ...], ...]:
-    """Event-driven timing of a validated schedule."""
-    num_stages, owner = schedule.num_stages, schedule.stage_to_rank
-    end: dict[Action, float] = {}
+    """Event-driven timing of a validated schedule (its steps by number: deps.step_needs)."""
+    first, needs = step_needs(schedule)
+    p2p = costs.p2p
+    cost_of = {kind: [costs.cost(Action(s, kind, 0), num_stages=schedule.num_stages,
+                                 split_backward=schedule.split_backward) for s in range(schedule.num_stages)]
+               for kind in ActionKind}
+    rank_of = [r for r, row in enumerate(schedule.actions) for _ in row]
+    end: list[float | None] = [None] * len(rank_of)
     free = [0.0] * schedule.num_ranks
     timeline: list[list[Event]] = [[] for _ in range(schedule.num_ranks)]
     progress = True
     while progress:
         progress = False
         for rank, row in enumerate(schedule.actions):
-            while len(timeline[rank]) < len(row):
-                action = row[len(timeline[rank])]
-                deps = dependencies(action, num_stages=num_stages, num_replicas=schedule.num_replicas)
-                if not all(d in end for d in deps):
-                    break
-                ready = [end[d] + (costs.p2p if owner[d.stage] != rank else 0.0) for d in deps]
-                start = max([free[rank], *ready])
-                cost = durations.get(action)
-                if cost is None:
-                    cost = costs.cost(action, num_stages=num_stages, split_backward=schedule.split_backward)
-                free[rank] = end[action] = start + cost
-                timeline[rank].append(Event(action, start, free[rank]))
-                progress = True
+            events, base = timeline[rank], first[rank]
+            done = len(events)
+            while done < len(row):
+                deps = needs[base + done]
+                start = free[rank]
+                for d in deps:
+                    if end[d] is None:
+                        break
+                    ready = end[d] + (p2p if rank_of[d] != rank else 0.0)
+                    if ready > start:
+                        start = ready
+                else:
+                    action = row[done]
+                    cost = durations.get(action) if durations else None
+                    if cost is None:
+                        cost = cost_of[action.kind][action.stage]
+                    free[rank] = end[base + done] = start + cost
+                    events.append(Event(action, start, free[rank]))
+                    done += 1
+                    progress = True
+                    continue
+                break
     return tuple(tuple(row) for row in timeline)
 
 

@@ -20,12 +20,11 @@ the cycle of actions (the cycle's actions are the ones marked).
 """
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules.action import Action, ActionKind, Schedule
-from autopar.runtime.schedules.deps import dependencies
+from autopar.runtime.schedules.deps import needs
 from autopar.runtime.schedules.step_graph import wait_cycle
 
 __all__ = ["validate"]
@@ -123,7 +122,7 @@ def _check_local_order(schedule: Schedule) -> None:
     index_of = {a: pos for pos, a in _positions(schedule)}
     bad, details = [], []
     for pos, a in _positions(schedule):
-        for dep in dependencies(a, num_stages=schedule.num_stages, num_replicas=schedule.num_replicas):
+        for dep in needs(schedule)[pos[0]][pos[1]]:
             dep_pos = index_of[dep]
             if dep_pos[0] == pos[0] and dep_pos[1] > pos[1]:
                 bad.append(pos)
@@ -135,17 +134,13 @@ def _check_local_order(schedule: Schedule) -> None:
 
 
 def _check_deadlock(schedule: Schedule) -> None:
-    num_stages = schedule.num_stages
     next_index = [0] * schedule.num_ranks
     done: set[Action] = set()
     progress = True
     while progress:
         progress = False
         for rank, row in enumerate(schedule.actions):
-            while next_index[rank] < len(row) and all(
-                d in done for d in dependencies(row[next_index[rank]], num_stages=num_stages,
-                                                num_replicas=schedule.num_replicas)
-            ):
+            while next_index[rank] < len(row) and all(d in done for d in needs(schedule)[rank][next_index[rank]]):
                 done.add(row[next_index[rank]])
                 next_index[rank] += 1
                 progress = True
@@ -156,7 +151,7 @@ def _check_deadlock(schedule: Schedule) -> None:
     details = []
     for rank in blocked:
         action = schedule.actions[rank][next_index[rank]]
-        for dep in dependencies(action, num_stages=num_stages, num_replicas=schedule.num_replicas):
+        for dep in needs(schedule)[rank][next_index[rank]]:
             if dep not in done:
                 dep_rank, dep_index = index_of[dep]
                 waiting_on = schedule.actions[dep_rank][next_index[dep_rank]]

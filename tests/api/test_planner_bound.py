@@ -113,7 +113,7 @@ def _in_flight_cases():
 def test_the_planner_counts_the_microbatches_the_simulator_holds(name, pp, m, v):
     """What the cost model keeps in flight per rank (a short schedule scaled, or the registry's closed form
     beyond 8 ranks) is the simulator's peak on the whole schedule."""
-    from autopar.planner.cost_model import schedule_of
+    from autopar.planner.schedule_shapes import schedule_of
 
     _schedule, counts = schedule_of(name, pp, m, v)
     full = build_schedule(name, num_ranks=pp, num_microbatches=m, num_virtual=v)

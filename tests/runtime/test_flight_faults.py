@@ -54,7 +54,7 @@ def test_a_rank_that_stops_sending_mid_1f1b_is_named_with_the_microbatch_it_did_
            "rank 1 waits for" in text
     assert re.search(r"its last action: 0B2 \(stage 0, microbatch 2\), step 2", text)
     assert re.search(r"rank 1 gave up waiting in receive of the activation of edge 0, microbatch 2 from rank 0 "
-                     r"\(stage 0\) after \d+\.\d s, during 1F2, on rank 0", text), text
+                     r"\(stage 0\) after \d+\.\d s, during 1F2, waiting on rank 0", text), text
     verdicts, makers = set(), set()
     for rank in (0, 1):  # each rank's own error carries the verdict: the same one report, made by one rank
         out = fr.result(root, "stop_sending", rank)
@@ -89,7 +89,7 @@ def test_a_rank_asleep_past_the_deadline_is_named_by_the_rank_that_waits_for_it(
     assert re.search(r"culprit rank 1: it waits on no peer: it has been running 0F0 \(stage 0, microbatch 0\) "
                      r"for \d\.\d s; its last action: 0F0", first), first
     assert re.search(rf"rank 0 gave up waiting in all_reduce #\d+ over ranks \[0, 1\] \(TpReduce node {node} "
-                     rf"\(mesh axis tp\)\) after \d+\.\d s, during 0F0, on rank 1", first), first
+                     rf"\(mesh axis tp\)\) after \d+\.\d s, during 0F0, waiting on rank 1", first), first
     # rank 1 wakes, finds rank 0 gone from the group and fails in turn: its error carries the same one report,
     # which its heartbeat thread took from the store while it slept
     assert "the job-wide diagnosis says: culprit rank 1: it waits on no peer" in late, late
@@ -107,8 +107,8 @@ def test_a_rank_that_skips_a_tensor_parallel_all_reduce_is_named_at_the_first_di
     assert re.search(rf"culprit: rank 1: it skipped all_reduce \(TpReduce node {node} \(mesh axis tp\)\), which "
                      rf"rank 0 issued as #(\d+) over ranks \[0, 1\] during 0F0", text), text
     assert re.search(r"its last action: 0F\d \(stage 0, microbatch \d\), step 2", text)
-    assert re.search(r"rank 0 (waits|gave up waiting) in all_reduce #\d+ over ranks \[0, 1\] \(.*\).*, on rank 1",
-                     text), text
+    assert re.search(r"rank 0 (waits|gave up waiting) in all_reduce #\d+ over ranks \[0, 1\] \(.*\).*, "
+                     r"waiting on rank 1", text), text
     assert "rank 1 (dp 0, pp 0, tp 1; stage 0): gone" in text and "record read from its flight file" in text
 
 
@@ -121,7 +121,7 @@ def test_a_rank_killed_with_sigkill_is_named_gone_with_the_action_it_died_in():
     assert "its last action: 1F2 (stage 1, microbatch 2), step 2, begun" in text
     assert "not ended when its record stops" in text
     assert re.search(r"rank 0 (waits|gave up waiting) in receive of the (activation|gradient) of edge 0, "
-                     r"microbatch \d from rank 1 \(stage 1\).*, on rank 1", text), text
+                     r"microbatch \d from rank 1 \(stage 1\).*, waiting on rank 1", text), text
 
 
 @pytest.mark.parametrize("case", ["stop_sending", "skip_all_reduce", "killed"])
