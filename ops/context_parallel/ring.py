@@ -157,8 +157,8 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, bias, docs, out, lse = ctx.saved_tensors
         c, hkv = ctx.c, k.shape[1]
-        qg, dg = grouped(q, hkv), grouped(dout, hkv)
-        delta = (dg.float() * grouped(out, hkv).float()).sum(-1)
+        qg, dg, og = grouped(q, hkv), grouped(dout, hkv), grouped(out, hkv)
+        delta = (dg.float() * og.float()).sum(-1)
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=q.device) if ctx.bias_grad else None
         cur_k, cur_v = k, v
@@ -170,7 +170,8 @@ class _Ring(torch.autograd.Function):
             for qs, q_pos, ks, keys in _pairs(c, src, q.device, ctx.docs, ctx.valid):
                 res = block_backward(c.spec, qg[..., qs, :], cur_k[:, :, ks], cur_v[:, :, ks], q_pos, keys,
                                      dg[..., qs, :], lse[..., qs], delta[..., qs],
-                                     None if docs is None else docs[:, qs], bias_block(bias, qs, keys.pos, hkv))
+                                     None if docs is None else docs[:, qs], bias_block(bias, qs, keys.pos, hkv),
+                                     out=og[..., qs, :])
                 if res is None:
                     continue
                 dq[..., qs, :] += res[0]
