@@ -95,7 +95,7 @@ class PlanResult:
     def describe_rank(self, rank: int) -> str:
         """A readable listing of one rank's program: coordinates, then each stage's code."""
         r = self.rank_program(rank)
-        lines = [f"# rank {rank}: dp={r.coords['dp']} pp={r.coords['pp']} tp={r.coords['tp']}"]
+        lines = [f"# rank {rank}: " + " ".join(f"{axis}={value}" for axis, value in r.coords.items())]
         for s in r.stages:
             lines.append(f"## stage {s.stage}: inputs {list(s.input_names)}, "
                          f"{len(s.param_names)} parameters, {len(s.recvs)} recv, {len(s.sends)} send")
