@@ -116,3 +116,16 @@ def test_options_cp_cannot_run_with_are_refused_before_capture(options, words):
         _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2, **({"pp": 2} if "schedule" in options else {})}, 16,
               **options)
     assert words in info.value.what and info.value.fix
+
+
+def test_the_planner_does_not_search_cp_yet():
+    with pytest.raises(PlanError) as info:
+        _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2}, 16, plan="auto")
+    assert "does not search context parallelism yet" in info.value.what and "plan='auto'" in info.value.fix
+
+
+def test_a_plan_without_cp_writes_its_mesh_as_before():
+    from autopar.plan_model import MeshShape
+    assert MeshShape(dp=2).model_dump() == {"dp": 2, "pp": 1, "tp": 1}
+    assert MeshShape(dp=2, cp=2).model_dump() == {"dp": 2, "pp": 1, "tp": 1, "cp": 2}
+    assert MeshShape.model_validate_json(MeshShape(cp=2).model_dump_json()).cp == 2
