@@ -335,7 +335,8 @@ class Plan(PlanChoices):
             f"  tensor parallel: {len(self.tp_regions)} regions, {len(self.param_shards)} sharded parameters"
             + (f"; vocabulary-parallel {', '.join(self.vocab_parallel)}" if self.vocab_parallel else "")
             + ("; sequence parallel" if self.sequence_parallel else ""),
-            f"  ZeRO stage {self.zero_stage} over {'dp x cp' if self.mesh.cp > 1 else 'dp'} ({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
+            f"  ZeRO stage {self.zero_stage} over {'dp x cp' if self.mesh.cp > 1 else 'dp'} "
+            f"({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
             f"capture with {self.capture}",
         ]
         if self.recompute or self.precision != "fp32":
