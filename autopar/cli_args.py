@@ -7,7 +7,7 @@ this module and never each other.
 Example::
 
     >>> parse_mesh("dp=2,tp=2")
-    MeshShape(dp=2, pp=1, tp=2)
+    MeshShape(dp=2, pp=1, tp=2, cp=1)
 """
 from __future__ import annotations
 

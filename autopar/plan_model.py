@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from autopar.errors import PlanError
 from autopar.ir.shard_layout import ShardLayout
@@ -126,6 +126,14 @@ class MeshShape(_Frozen):
 
     def __str__(self) -> str:
         return self.dims.mesh_text()
+
+    @model_serializer(mode="wrap")
+    def _without_unit_cp(self, handler):
+        """``cp`` is written only when it is used: a Plan or shape without cp reads as it always did."""
+        data = handler(self)
+        if data.get("cp") == 1:
+            data.pop("cp")
+        return data
 
 
 class PipelinePlan(_Frozen):
@@ -327,7 +335,8 @@ class Plan(PlanChoices):
             f"  tensor parallel: {len(self.tp_regions)} regions, {len(self.param_shards)} sharded parameters"
             + (f"; vocabulary-parallel {', '.join(self.vocab_parallel)}" if self.vocab_parallel else "")
             + ("; sequence parallel" if self.sequence_parallel else ""),
-            f"  ZeRO stage {self.zero_stage} over {'dp x cp' if self.mesh.cp > 1 else 'dp'} ({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
+            f"  ZeRO stage {self.zero_stage} over {'dp x cp' if self.mesh.cp > 1 else 'dp'} "
+            f"({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
             f"capture with {self.capture}",
         ]
         if self.recompute or self.precision != "fp32":

@@ -17,7 +17,7 @@ from autopar.errors import PlanError
 from autopar.ir.stage_graph import StageGraph
 from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.mesh import parse_mesh_shape
-from autopar.plan_model import Plan
+from autopar.plan_model import MeshShape, Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.validation import check_arguments, checked_options
 
@@ -95,7 +95,7 @@ class PlanResult:
     def describe_rank(self, rank: int) -> str:
         """A readable listing of one rank's program: coordinates, then each stage's code."""
         r = self.rank_program(rank)
-        lines = [f"# rank {rank}: dp={r.coords['dp']} pp={r.coords['pp']} tp={r.coords['tp']}"]
+        lines = [f"# rank {rank}: " + " ".join(f"{axis}={value}" for axis, value in r.coords.items())]
         for s in r.stages:
             lines.append(f"## stage {s.stage}: inputs {list(s.input_names)}, "
                          f"{len(s.param_names)} parameters, {len(s.recvs)} recv, {len(s.sends)} send")
@@ -138,6 +138,12 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
                     mesh_shape=mesh_shape, where="plan")  # autopar/validation.py: every argument, before capture
     report = None
+    cp = mesh_shape.cp if isinstance(mesh_shape, MeshShape) else mesh_shape.get("cp", 1) \
+        if isinstance(mesh_shape, dict) else 1
+    if isinstance(plan, str) and cp > 1:
+        raise PlanError(f"plan={plan!r} with cp={cp}: the planner does not search context parallelism yet",
+                        where="plan(plan=..., mesh_shape=...)",
+                        fix="pass the options yourself (cp_strategy=..., zero_stage=...) without plan='auto'")
     if isinstance(plan, str):
         from autopar.planner.auto import choose_plan
         report = choose_plan(model, mesh_shape, example_inputs=example_inputs, loss_fn=loss_fn,

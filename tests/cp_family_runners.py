@@ -109,3 +109,56 @@ def cp_forward_reference(case) -> list:
     model = _model(case)
     with torch.no_grad():
         return [model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in cp_batches(case)]
+
+
+class MeanPooled(torch.nn.Module):
+    """Token embedding, a causal attention, the mean over the sequence added back to every position (a pooled
+    summary, all-reduced over cp), an LM head."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.qkv = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, 3 * dim)
+        self.mix, self.head = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        b, s, d = h.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        h = h + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        return self.head(h + self.mix(h.mean(dim=1, keepdim=True)))
+
+
+def _pooled_data(case):
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randint(0, VOCAB, (case.batch, case.seq), generator=g),
+             torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+
+
+def _pooled_loss(output, target):
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def pooled_reference(case) -> dict:
+    torch.manual_seed(5)
+    model = MeanPooled()
+    opt = _sgd(case)(list(model.parameters()))
+    losses = []
+    for x, y in _pooled_data(case):
+        opt.zero_grad()
+        loss = _pooled_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def pooled_train(case, mesh) -> dict:
+    import autopar
+    torch.manual_seed(5)
+    model, data = MeanPooled(), _pooled_data(case)
+    program = autopar.compile(model, mesh, example_inputs=(data[0][0],), loss_fn=_pooled_loss,
+                              example_target=data[0][1], optimizer=_sgd(case), p2p_timeout_s=120,
+                              **dict(case.options))
+    losses = [program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item() for x, y in data]
+    return {"losses": losses, "state": program.full_state_dict(), **replica_record(program)}

@@ -19,7 +19,9 @@ chunks i and 2cp-1-i, unless the Plan says ``cp_load_balanced=False``):
 4. a label shift inside the model's own loss (``pad(labels, (0, k))[..., k:]``) reads the labels as they come:
    the runtime shifts the whole sequence before the cut (``plan.cp_label_shifts``), so the last token of a
    shard predicts the first of the next;
-5. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
+5. a sum or a mean over the sequence (pooling) is all-reduced over cp (``TpReduce`` then ``TpCopy`` on the
+   axis ``cp``: forward and backward), a mean divided by cp;
+6. every literal sequence length in a shape argument (``view``, ``reshape``, ``expand``, ``new_zeros``, ...)
    on a value carrying the sequence becomes the local length.
 
 What crosses ranks besides attention is the runtime's (runtime/execution/cp_batch.py): the batch cut, the
@@ -48,6 +50,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError, ShardingError
 from autopar.ir.meta_keys import ATTENTION, SEQ, AttentionInfo
+from autopar.ops.collectives import TpCopy, TpReduce
 from autopar.ops.context_parallel.block_math import AttentionSpec
 from autopar.ops.context_parallel.layout import CpLayout
 from autopar.ops.context_parallel.ring import RingAttention
@@ -66,7 +69,8 @@ aten = torch.ops.aten
 
 #: rules of the sequence analysis this pass does not realise yet: each a refusal naming the node
 NOT_WIRED = {
-    "reduce": "a reduction over the sequence (pooling, a count) needs an all-reduce over cp, not wired yet",
+    "reduce": "a reduction over the sequence other than a sum or a mean (max, var, logsumexp, ...) needs its own "
+              "all-reduce over cp, not wired yet",
     "scan": "a running sum or product along the sequence needs an exclusive scan over cp, not wired yet",
     "label_shift": "a shift along the sequence inside the graph needs the next shard's first positions, not "
                    "wired yet",
@@ -74,6 +78,7 @@ NOT_WIRED = {
 # ops whose shape argument (its index) may hold the sequence length as a literal
 _SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
               "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "broadcast_to": 1}
+_ALL_REDUCED = ("sum", "mean")  # reductions over the sequence made whole by an all-reduce over cp
 _RANDOM = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand_like",
            "randn_like", "randint_like")
 
@@ -154,7 +159,7 @@ def _refuse(gm: fx.GraphModule, seq: SeqReport, attention: AttentionReport, shif
     nodes = {n.name: n for n in gm.graph.nodes}
     realised = set(shifts) | {nodes[s].args[0].name for s in shifts} | set(exact)  # (the shifts' pads and slices)
     for name, info in seq.infos:
-        if name in realised:
+        if name in realised or (info.rule == "reduce" and _op(nodes[name]) in _ALL_REDUCED):
             continue
         if info.rule in NOT_WIRED:
             problems.append((name, module_path_of(nodes[name]) or "the model", NOT_WIRED[info.rule],
@@ -334,6 +339,31 @@ def _local_sizes(gm: fx.GraphModule, seq: SeqReport, cp: int) -> None:
             node.args = node.args[:at] + (sizes,) + node.args[at + 1:]
 
 
+def _reduce_over_cp(gm: fx.GraphModule, seq: SeqReport, cp: int, exact: set[str]) -> int:
+    """Each sum or mean over the sequence (pooling) made whole: all-reduced over cp forward and backward (every
+    rank's loss reads the whole value, so its gradient sums theirs), a mean divided by cp (equal parts)."""
+    infos, count = dict(seq.infos), 0
+    for node in list(gm.graph.nodes):
+        info = infos.get(node.name)
+        if info is None or info.rule != "reduce" or node.name in exact or _op(node) not in _ALL_REDUCED:
+            continue
+        names = (f"cp_reduce_{count}", f"cp_reduce_grad_{count}")
+        gm.add_submodule(names[0], TpReduce(axis="cp", size=cp))
+        gm.add_submodule(names[1], TpCopy(axis="cp", size=cp))
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            summed = gm.graph.call_module(names[0], (node,))
+        with gm.graph.inserting_after(summed):
+            whole = gm.graph.call_module(names[1], (summed,))
+        if _op(node) == "mean":
+            with gm.graph.inserting_after(whole):
+                whole = gm.graph.call_function(aten.div.Tensor, (whole, cp))
+        for user in users:
+            user.replace_input_with(node, whole)
+        count += 1
+    return count
+
+
 def _rowwise_sizes(gm: fx.GraphModule, seq: SeqReport, tokens: int, cp: int) -> None:
     """Inside a module proven to compute each position alone (MoE routing: rows gathered and sorted), sizes
     counting the tokens (``view(x, [B * S, k, d])``, ``arange(B * S * k)``) become the rank's count."""
@@ -365,7 +395,8 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     attention = annotate_attention(gm)
     seq = annotate_sequence(gm, seq_inputs=seq_inputs, attention=attention)
     shifts = _input_shifts(gm, seq, seq_inputs)
-    _refuse(gm, seq, attention, shifts, _label_counts(gm, st))
+    exact = _label_counts(gm, st)
+    _refuse(gm, seq, attention, shifts, exact)
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, (source, _, _) in shifts.items():  # the runtime hands the rank its labels already shifted
         nodes[name].replace_all_uses_with(nodes[source])
@@ -375,6 +406,7 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     _local_sizes(gm, seq, cp)
     rows = next(shape(n)[0] for n in gm.graph.nodes if n.op == "placeholder" and n.name in seq_inputs)
     _rowwise_sizes(gm, seq, rows * seq_len, cp)
+    _reduce_over_cp(gm, seq, cp, exact)
     replaced = {name for info in attention.found for name in info.nodes + (info.output,)}
     for node in reversed(list(gm.graph.nodes)):  # (SDPA counts as impure for dead-code elimination: a dropout)
         if node.name in replaced and not node.users:

@@ -114,7 +114,8 @@ class RankContext:
         return self.info.rank
 
     def axis(self, name: str) -> AxisGroup:
-        """Axis ``name`` (``dp``, ``cp``, ``pp``, ``tp``, ``ep`` / ``edp`` carved out of dp, ``dcp`` = dp x cp) from this rank."""
+        """Axis ``name`` (``dp``, ``cp``, ``pp``, ``tp``; ``ep`` / ``edp`` carved out of dp; ``dcp`` = dp x cp)
+        from this rank."""
         return AxisGroup(group=self.info.group(name), ranks=tuple(self.info.ranks(name)), index=self.info.index(name))
 
 

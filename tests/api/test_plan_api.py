@@ -58,7 +58,7 @@ def test_plan_round_trips_through_json_and_dict(planned):
     assert Plan.model_validate_json(text) == plan
     assert Plan.model_validate(plan.model_dump()) == plan
     data = json.loads(text)
-    assert data["mesh"] == {"dp": 1, "pp": 2, "tp": 2, "cp": 1} and data["pipeline"]["stage_starts"] == ["blocks.2"]
+    assert data["mesh"] == {"dp": 1, "pp": 2, "tp": 2} and data["pipeline"]["stage_starts"] == ["blocks.2"]
     assert data["param_shards"]["blocks.0.attn.qkv.weight"] == {"dim": 0, "chunks": 3, "parts": 0, "blocks": []}
     assert data["shared_params"] == {"lm_head.weight": [0, 1]}
 

@@ -83,20 +83,20 @@ class _ConvOverTime(nn.Module):
         return self.head(h)
 
 
-class _MeanPooled(_ConvOverTime):
-    """The same with the convolution replaced by a mean over the sequence added back (pooling)."""
+class _RunningSum(_ConvOverTime):
+    """The same with the convolution replaced by a running sum along the sequence (a scan)."""
 
     def forward(self, x):
         h = self.emb(x)
         b, s, d = h.shape
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
         h = h + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        return self.head(h + h.mean(dim=1, keepdim=True))
+        return self.head(h + h.cumsum(dim=1))
 
 
 @pytest.mark.parametrize("model,node,words", [
     (_ConvOverTime, "conv1d", "convolves over the sequence"),
-    (_MeanPooled, "mean", "not wired yet"),
+    (_RunningSum, "cumsum", "not wired yet"),
 ])
 def test_an_op_cp_cannot_shard_on_the_sequence_is_refused_with_its_node(model, node, words):
     torch.manual_seed(0)
@@ -116,3 +116,16 @@ def test_options_cp_cannot_run_with_are_refused_before_capture(options, words):
         _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2, **({"pp": 2} if "schedule" in options else {})}, 16,
               **options)
     assert words in info.value.what and info.value.fix
+
+
+def test_the_planner_does_not_search_cp_yet():
+    with pytest.raises(PlanError) as info:
+        _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2}, 16, plan="auto")
+    assert "does not search context parallelism yet" in info.value.what and "plan='auto'" in info.value.fix
+
+
+def test_a_plan_without_cp_writes_its_mesh_as_before():
+    from autopar.plan_model import MeshShape
+    assert MeshShape(dp=2).model_dump() == {"dp": 2, "pp": 1, "tp": 1}
+    assert MeshShape(dp=2, cp=2).model_dump() == {"dp": 2, "pp": 1, "tp": 1, "cp": 2}
+    assert MeshShape.model_validate_json(MeshShape(cp=2).model_dump_json()).cp == 2

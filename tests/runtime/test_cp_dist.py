@@ -77,6 +77,7 @@ FAMILIES = [
     Case(model="falcon_mq", cp=2, kind=_FAM, seq=24, batch=4, options=(("cp_strategy", "ring"),)),  # one kv head
     Case(model="bert", cp=2, kind=_FAM, seq=24, batch=4),  # bidirectional, padding mask, masked-LM loss
     Case(model="mixtral", cp=2, kind=_FAM, seq=24, batch=4),  # experts (rowwise on the shard)
+    Case(model="mean_pooled", cp=2, kind="cp_family_runners:pooled_train", seq=16, batch=4),  # a mean over the sequence
     # 4 ranks (slow): Llama at cp=4 and cp with every other axis
     Case(model="llama", cp=4, kind=_FAM, seq=32, batch=4),
     Case(model="llama", cp=4, kind=_FAM, seq=32, batch=4, options=(("cp_strategy", "ring"),)),
@@ -95,8 +96,9 @@ def _family_results(world: int) -> dict:
 
 @pytest.mark.parametrize("case", by_world(FAMILIES, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_cp_family_matches_single_device(case: Case):
-    from cp_family_runners import cp_reference
-    assert_equivalent(case, _family_results(case.world_size)[case], cp_reference(case))
+    from cp_family_runners import cp_reference, pooled_reference
+    reference = pooled_reference(case) if case.model == "mean_pooled" else cp_reference(case)
+    assert_equivalent(case, _family_results(case.world_size)[case], reference)
 
 
 @pytest.mark.parametrize("case", by_world(FAMILY_INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
