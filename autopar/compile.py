@@ -91,10 +91,6 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
     check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
                     where="compile")  # autopar/validation.py: every argument, before anything runs
     report = None
-    if isinstance(plan, str) and isinstance(mesh, DeviceMesh) and "cp" in (mesh.mesh_dim_names or ()):
-        raise PlanError(f"plan={plan!r} on a mesh with a cp dim: the planner does not search context parallelism yet",
-                        where="compile(plan=..., mesh=...)",
-                        fix="pass the options yourself (cp_strategy=..., zero_stage=...) without plan='auto'")
     if isinstance(plan, str):  # the planner's Plan (and mesh, when none was given)
         from autopar.planner.auto import plan_for_compile
         report, mesh = plan_for_compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn,

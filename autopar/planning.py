@@ -17,7 +17,7 @@ from autopar.errors import PlanError
 from autopar.ir.stage_graph import StageGraph
 from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.mesh import parse_mesh_shape
-from autopar.plan_model import MeshShape, Plan
+from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.validation import check_arguments, checked_options
 
@@ -138,12 +138,6 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     check_arguments(model, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn, plan=plan,
                     mesh_shape=mesh_shape, where="plan")  # autopar/validation.py: every argument, before capture
     report = None
-    cp = mesh_shape.cp if isinstance(mesh_shape, MeshShape) else mesh_shape.get("cp", 1) \
-        if isinstance(mesh_shape, dict) else 1
-    if isinstance(plan, str) and cp > 1:
-        raise PlanError(f"plan={plan!r} with cp={cp}: the planner does not search context parallelism yet",
-                        where="plan(plan=..., mesh_shape=...)",
-                        fix="pass the options yourself (cp_strategy=..., zero_stage=...) without plan='auto'")
     if isinstance(plan, str):
         from autopar.planner.auto import choose_plan
         report = choose_plan(model, mesh_shape, example_inputs=example_inputs, loss_fn=loss_fn,

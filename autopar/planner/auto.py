@@ -80,11 +80,11 @@ def _pinned_degrees(mesh_shape, cluster: Cluster | None) -> tuple[int | None, di
         return None, {}
     if isinstance(mesh_shape, int):
         return mesh_shape, {}
-    if isinstance(mesh_shape, MeshShape):
-        return mesh_shape.world_size, mesh_shape.model_dump()
+    if isinstance(mesh_shape, MeshShape):  # (a whole mesh pins cp too, 1 where it has no cp dim)
+        return mesh_shape.world_size, {**mesh_shape.model_dump(), "cp": mesh_shape.cp}
     if isinstance(mesh_shape, (tuple, list)) and len(mesh_shape) == 3:
         shape = MeshShape(dp=mesh_shape[0], pp=mesh_shape[1], tp=mesh_shape[2])
-        return shape.world_size, shape.model_dump()
+        return shape.world_size, {**shape.model_dump(), "cp": 1}
     if isinstance(mesh_shape, dict):
         unknown = sorted(set(mesh_shape) - set(MESH_AXES) - {"world"})
         if unknown:

@@ -81,6 +81,8 @@ def test_the_planner_picks_cp_when_nothing_fits_without_it(llama):
 
 def test_a_given_mesh_pins_cp():
     from autopar.plan_model import MeshShape
-    assert search_space({}, MeshShape(dp=2).model_dump()).cp == (1,)
-    assert search_space({}, MeshShape(dp=1, cp=2).model_dump()).cp == (2,)
+    from autopar.planner.auto import _pinned_degrees
+    assert search_space({}, _pinned_degrees(MeshShape(dp=2), None)[1]).cp == (1,)  # (no cp dim: cp=1)
+    assert search_space({}, _pinned_degrees(MeshShape(dp=1, cp=2), None)[1]).cp == (2,)
+    assert search_space({}, _pinned_degrees(4, None)[1]).cp is None  # a world size: cp searched if need be
     assert dataclasses.replace(SearchSpace(), cp=None).cp is None

@@ -118,10 +118,9 @@ def test_options_cp_cannot_run_with_are_refused_before_capture(options, words):
     assert words in info.value.what and info.value.fix
 
 
-def test_the_planner_does_not_search_cp_yet():
-    with pytest.raises(PlanError) as info:
-        _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2}, 16, plan="auto")
-    assert "does not search context parallelism yet" in info.value.what and "plan='auto'" in info.value.fix
+def test_the_planner_takes_a_pinned_cp():
+    result = _plan(build_model("gpt_tiny", seq_len=16), {"cp": 2, "world": 2}, 16, plan="auto")
+    assert result.plan.mesh.cp == 2 and result.plan.mesh.world_size == 2 and len(result.ranks) == 2
 
 
 def test_a_plan_without_cp_writes_its_mesh_as_before():
