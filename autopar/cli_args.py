@@ -7,7 +7,7 @@ this module and never each other.
 Example::
 
     >>> parse_mesh("dp=2,tp=2")
-    MeshShape(dp=2, pp=1, tp=2)
+    MeshShape(dp=2, pp=1, tp=2, cp=1)
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def add_example_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_mesh(text: str) -> MeshShape:
     """``"dp=2,pp=2,tp=1"`` -> MeshShape; axes left out are 1; raises PlanError on anything else."""
-    fix = "write the mesh as comma-separated AXIS=DEGREE pairs, e.g. --mesh dp=2,pp=2,tp=1"
+    fix = "write the mesh as comma-separated AXIS=DEGREE pairs, e.g. --mesh dp=2,pp=2,tp=1 or dp=2,cp=2"
     degrees: dict[str, int] = {}
     for part in (p.strip() for p in text.split(",")):
         axis, sep, value = part.partition("=")

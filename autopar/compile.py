@@ -124,11 +124,11 @@ def compile(model: nn.Module, mesh: DeviceMesh | None, *, example_inputs, loss_f
                                      param_groups=groups)
     cap, lowered = lower_program(model, plan=resolved, pinned=plan is not None, tp_rank=info.coords["tp"],
                                  example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
-                                 options=opts, dp_rank=info.coords["dp"])
+                                 options=opts, dp_rank=info.coords["dp"], cp_rank=info.coords.get("cp", 0))
     schedule = lowered.schedule
     mine = [s for s, r in enumerate(schedule.stage_to_rank) if r == info.coords["pp"]]
     builder = make_builder(cap, lowered, model=model, tp_rank=info.coords["tp"], dp_rank=info.coords["dp"],
-                           stages=mine)
+                           stages=mine, cp_rank=info.coords.get("cp", 0))
     state_keys = tuple(model.state_dict().keys())
     masters = None  # fp32 masters of the bf16 graphs: the model's weights, or a meta-built model's pieces
     if lowered.plan.precision == "bf16":

@@ -90,7 +90,7 @@ def train(args: argparse.Namespace, shape: MeshShape) -> dict:
     from autopar.models import TextBatches, build_model, lm_loss
 
     rank = int(os.environ["RANK"])
-    mesh = autopar.init_mesh(dp=shape.dp, pp=shape.pp, tp=shape.tp, backend="gloo")
+    mesh = autopar.init_mesh(dp=shape.dp, pp=shape.pp, tp=shape.tp, cp=shape.cp, backend="gloo")
     log.info("process group of %d ranks ready", shape.world_size)
     torch.manual_seed(args.seed)
     model = build_model("gpt_tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,

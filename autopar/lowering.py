@@ -38,6 +38,7 @@ from autopar.passes.pass_manager import PassStep, run_passes
 from autopar.passes.pipeline.pipeline_split import split_pipeline
 from autopar.passes.pipeline.recompute import recompute
 from autopar.passes.frontend.seq_bounds import bound_dynamic_dims
+from autopar.passes.context_parallel.cp_shard import shard_context_parallel
 from autopar.passes.tp.sequence_parallel import shard_sequence_parallel
 from autopar.passes.frontend.static_shapes import check_static_shapes
 from autopar.passes.tp.tensor_parallel import shard_tensor_parallel
@@ -67,6 +68,11 @@ Captured = LoweringState  # the state after the model phase: what every rank's l
 def _dp(st: LoweringState) -> bool:
     """dp > 1"""
     return st.plan.mesh.dp > 1
+
+
+def _cp(st: LoweringState) -> bool:
+    """cp > 1"""
+    return st.plan.mesh.cp > 1
 
 
 def _ep(st: LoweringState) -> bool:
@@ -133,6 +139,9 @@ def passes() -> tuple[PassStep, ...]:
         ("model", "bound_dynamic_dims", "analysis", None,
          "the longest sequence a batch may hold (max_seq_len, export's range, the position tables the annotated "
          "graph indexes, the config) and the symbolic dims, into the Plan every rank's runtime checks batches by"),
+        ("shard", "shard_context_parallel", "transform", _cp,
+         "the sequence cut over cp (attention by ring or all-to-all, global positions); first, on the captured "
+         "graph the attention and sequence analyses read, so tp and pp shard the rank's shard"),
         ("shard", "sync_router_statistics", "transform", _dp,
          "MoE routers' load-balancing statistics over the global batch: the aux loss as one device computes it"),
         ("shard", "shard_experts", "transform", _ep,
@@ -260,32 +269,34 @@ def capture_source(source: ModelSource, *, plan: Plan, pinned: bool, options: Co
     return run_passes(LoweringState(plan=plan, pinned=pinned, options=options, source=source), _phase("model"))
 
 
-def _rank_start(cap: LoweringState, *, tp_rank: int, dp_rank: int, copy: bool, only=None) -> LoweringState:
+def _rank_start(cap: LoweringState, *, tp_rank: int, dp_rank: int, copy: bool, only=None,
+                cp_rank: int = 0) -> LoweringState:
     """The state a rank's lowering starts from: a copy of the captured graph (``copy``), this rank's place."""
     gm = deepcopy(cap.captured.gm) if copy else cap.captured.gm
-    return replace(cap, gm=gm, coords={"dp": dp_rank, "tp": tp_rank}, only=only)
+    return replace(cap, gm=gm, coords={"dp": dp_rank, "tp": tp_rank, "cp": cp_rank}, only=only)
 
 
 def shard_captured(cap: LoweringState, *, tp_rank: int, copy: bool = True,
-                   dp_rank: int = 0) -> tuple[LoweringState, VocabParallel]:
+                   dp_rank: int = 0, cp_rank: int = 0) -> tuple[LoweringState, VocabParallel]:
     """The shard phase of :func:`passes` alone (tensor, vocabulary and sequence parallelism), on a copy.
 
     Returns the state after it (its graph and what the passes found) and the vocabulary-parallel choice.
     """
-    st = run_passes(_rank_start(cap, tp_rank=tp_rank, dp_rank=dp_rank, copy=copy), _phase("shard"))
+    st = run_passes(_rank_start(cap, tp_rank=tp_rank, dp_rank=dp_rank, copy=copy, cp_rank=cp_rank), _phase("shard"))
     return st, st.vocab if st.vocab is not None else VocabParallel()
 
 
-def lower_captured(cap: LoweringState, *, tp_rank: int, stages=None, copy: bool = True, dp_rank: int = 0) -> Lowered:
+def lower_captured(cap: LoweringState, *, tp_rank: int, stages=None, copy: bool = True, dp_rank: int = 0,
+                   cp_rank: int = 0) -> Lowered:
     """The rank phases of :func:`passes`: the stage graphs of tensor-parallel rank ``tp_rank``.
 
     ``copy``: transform a copy of the graph, so ``cap`` can be lowered again for another tp rank.
     ``stages``: build only these stage graphs (all when None); the Plan is the same either way.
     """
     only = None if stages is None or family(cap.plan.pipeline.schedule).replicas > 1 else tuple(sorted(set(stages)))
-    st = run_passes(_rank_start(cap, tp_rank=tp_rank, dp_rank=dp_rank, copy=copy, only=only),
+    st = run_passes(_rank_start(cap, tp_rank=tp_rank, dp_rank=dp_rank, copy=copy, only=only, cp_rank=cp_rank),
                     _phase("shard", "pipeline"))
-    shapes = {n: tuple(a.shape) for n, a in zip(cap.captured.input_names, cap.example_args)
+    shapes = {n: tuple(a.shape) for n, a in zip(cap.captured.input_names, st.example_args)  # (cp: the rank's shard)
               if isinstance(a, torch.Tensor)}
     return Lowered(plan=_lowered_plan(st), captured=cap.captured, stages=list(st.stages), param_shards=dict(st.specs),
                    schedule=cap.schedule, tp_partial_grads=st.partial_grads, example_shapes=shapes)
@@ -312,4 +323,7 @@ def _lowered_plan(st: LoweringState) -> Plan:
         "shared_params": _shared_params(st),
         "recompute": plan.recompute if any(m != "none" for m in plan.recompute) else (),
         "expert_params": tuple(user_name(t) for t in st.experts),
+        "cp_inputs": st.cp_inputs,
+        "cp_seq_len": st.cp_seq_len,
+        "cp_label_shifts": st.cp_label_shifts,
     })

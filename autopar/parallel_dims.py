@@ -12,9 +12,16 @@ and read everywhere else.
   and the ``edp = dp / ep`` ranks holding the same experts share ``d % ep``. On a live job both are
   dims of the one DeviceMesh, its dp dim unflattened (:func:`mesh_groups`), never side groups.
 
-Adding an axis (context parallelism ``cp`` next) is a field here, its rule in :meth:`ParallelDims.problem`,
-its place in :data:`MESH_AXES` (a mesh dim) or :data:`SPLITS` (carved out of one), and nothing else in this
-module: coordinates, group layouts and the DeviceMesh's groups follow from those tables.
+- **Joined axes** (:data:`JOINS`) are groups over several adjacent mesh axes: ``dcp = dp x cp``, the ranks
+  whose gradients of one weight sum to the step's (each holds other rows or other positions of the batch),
+  over which DDP buckets and ZeRO shard. Its index is row-major (``dp * cp_size + cp``); with ``cp = 1`` it is
+  dp itself.
+
+Context parallelism (``cp``) is a mesh axis right inside dp (a rank's cp peers are adjacent ranks, and
+dp x cp is one contiguous block of the mesh). Adding an axis is a field here, its rule in
+:meth:`ParallelDims.problem`, its place in :data:`MESH_AXES` (a mesh dim), :data:`SPLITS` (carved out of one)
+or :data:`JOINS`, and nothing else in this module: coordinates, group layouts and the DeviceMesh's groups
+follow from those tables.
 
     >>> dims = ParallelDims(dp=4, pp=2, tp=1, ep=2)
     >>> dims.edp, dims.world_size
@@ -27,6 +34,9 @@ module: coordinates, group layouts and the DeviceMesh's groups follow from those
     ([5, 7], [1, 5])
     >>> ParallelDims(dp=4, ep=2).groups("ep"), ParallelDims(dp=4, ep=2).groups("edp")
     ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> cp = ParallelDims(dp=2, cp=2, tp=2)
+    >>> cp.coords(3), cp.groups("cp")[:2], cp.axis_ranks("dcp", 3), cp.index("dcp", cp.coords(6))
+    ({'dp': 0, 'cp': 1, 'pp': 0, 'tp': 1}, [[0, 2], [1, 3]], [1, 3, 5, 7], 3)
     >>> ParallelDims(dp=4, ep=3)
     Traceback (most recent call last):
     ...
@@ -39,23 +49,27 @@ from dataclasses import dataclass, fields
 
 from autopar.errors import PlanError
 
-__all__ = ["ParallelDims", "MESH_AXES", "SPLITS", "AXES", "mesh_groups"]
+__all__ = ["ParallelDims", "MESH_AXES", "SPLITS", "JOINS", "AXES", "mesh_groups"]
 
 #: the dims of the job's DeviceMesh, outermost first: a rank's coordinates are row-major over them
-MESH_AXES = ("dp", "pp", "tp")
+MESH_AXES = ("dp", "cp", "pp", "tp")
 #: a mesh axis -> the sub-axes it is carved into (outermost first); their sizes multiply to the axis's
 SPLITS = {"dp": ("edp", "ep")}
+#: a joined axis -> the adjacent mesh axes it spans (outermost first): one group over all of them
+JOINS = {"dcp": ("dp", "cp")}
 #: every axis a rank has a coordinate on and a group along
-AXES = MESH_AXES + tuple(sub for parts in SPLITS.values() for sub in parts)
+AXES = MESH_AXES + tuple(sub for parts in SPLITS.values() for sub in parts) + tuple(JOINS)
 #: how each degree is called where a user sets it (an error names the option to change)
-_OPTION = {"dp": "dp", "pp": "pp", "tp": "tp", "ep": "expert_parallel"}
+_OPTION = {"dp": "dp", "cp": "cp", "pp": "pp", "tp": "tp", "ep": "expert_parallel"}
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degree of every axis (``dp``, ``pp``, ``tp``, ``ep``; ``edp = dp / ep`` derived), validated."""
+    """The degree of every axis (``dp``, ``cp``, ``pp``, ``tp``, ``ep``; ``edp = dp / ep`` and ``dcp = dp x cp``
+    derived), validated."""
 
     dp: int = 1
+    cp: int = 1  # context parallelism: the sequence cut over cp ranks (ops/context_parallel)
     pp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallelism: carved out of dp (SPLITS)
@@ -81,14 +95,19 @@ class ParallelDims:
 
     @classmethod
     def of(cls, mesh, *, ep: int = 1) -> ParallelDims:
-        """The dims of a mesh shape (anything with ``dp``, ``pp``, ``tp``: a MeshShape) and ``ep``."""
-        return cls(**{axis: getattr(mesh, axis) for axis in MESH_AXES}, ep=ep)
+        """The dims of a mesh shape (anything with ``dp``, ``pp``, ``tp`` and maybe ``cp``: a MeshShape) and ``ep``."""
+        return cls(**{axis: getattr(mesh, axis, 1) for axis in MESH_AXES}, ep=ep)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def edp(self) -> int:
         """The ranks holding the same experts: dp / ep."""
         return self.dp // self.ep
+
+    @property
+    def dcp(self) -> int:
+        """The ranks one weight's gradient is summed over: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:
@@ -101,18 +120,19 @@ class ParallelDims:
         return getattr(self, axis)
 
     def mesh_text(self) -> str:
-        return " x ".join(f"{axis}={self.size(axis)}" for axis in MESH_AXES)
+        return " x ".join(f"{axis}={self.size(axis)}" for axis in MESH_AXES if axis != "cp" or self.cp > 1)
 
     # -- coordinates ------------------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
-        """The mesh coordinates of global ``rank`` (row-major over :data:`MESH_AXES`)."""
+        """The mesh coordinates of global ``rank`` (row-major over :data:`MESH_AXES`; ``cp`` only when cp > 1,
+        as a mesh without context parallelism has no cp dim)."""
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside the mesh {self.mesh_text()}", where="the rank asked for",
                             fix=f"pick a rank in 0..{self.world_size - 1}")
         out = {}
         for axis in reversed(MESH_AXES):
             rank, out[axis] = divmod(rank, self.size(axis))
-        return {axis: out[axis] for axis in MESH_AXES}
+        return {axis: out[axis] for axis in MESH_AXES if axis != "cp" or self.cp > 1}
 
     def rank(self, **coords: int) -> int:
         """The global rank at mesh coordinates ``coords`` (an axis left out is 0)."""
@@ -125,6 +145,13 @@ class ParallelDims:
         """The position along ``axis`` (mesh or derived) of the rank at mesh coordinates ``coords``."""
         if axis in coords:
             return coords[axis]
+        if axis in JOINS:
+            position = 0
+            for part in JOINS[axis]:
+                position = position * self.size(part) + coords.get(part, 0)
+            return position
+        if axis in MESH_AXES:  # (coordinates written before the axis existed: 0 on it)
+            return 0
         parent, parts = self._split_of(axis)
         return self._unravel(parent, coords[parent])[parts.index(axis)]
 
@@ -153,6 +180,12 @@ class ParallelDims:
         coords = self.coords(rank)
         if axis in MESH_AXES:
             return [self.rank(**{**coords, axis: i}) for i in range(self.size(axis))]
+        if axis in JOINS:
+            inner = JOINS[axis]
+            out = [coords]
+            for part in inner:
+                out = [{**c, part: i} for c in out for i in range(self.size(part))]
+            return [self.rank(**c) for c in out]
         parent, parts = self._split_of(axis)
         here = dict(zip(parts, self._unravel(parent, coords[parent])))
         return [self.rank(**{**coords, parent: self._ravel(parent, {**here, axis: i})}) for i in range(self.size(axis))]
@@ -186,4 +219,11 @@ def mesh_groups(dims: ParallelDims, mesh) -> dict[str, tuple[object, list[int], 
             group_mesh = sub[axis]
             out[axis] = (sub.get_group(axis), [int(r) for r in group_mesh.mesh.tolist()],
                          coordinate[sub.mesh_dim_names.index(axis)])
+    for joined, parts in JOINS.items():  # dcp: one group over dp x cp (the mesh's adjacent dims, flattened)
+        present = [p for p in parts if p in names]
+        if len(present) < 2 or all(dims.size(p) == 1 for p in present[1:]):
+            continue
+        flat = mesh[tuple(present)]._flatten(joined)
+        out[joined] = (flat.get_group(), [int(r) for r in flat.mesh.flatten().tolist()],
+                       dims.index(joined, {a: c for a, c in zip(names, mesh.get_coordinate())}))
     return out

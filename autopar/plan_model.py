@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from autopar.errors import PlanError
 from autopar.ir.shard_layout import ShardLayout
@@ -107,11 +107,13 @@ class _Frozen(UserModel):
 
 
 class MeshShape(_Frozen):
-    """Degrees of the three mesh axes; the world size is their product."""
+    """Degrees of the mesh axes (``cp``: context parallelism, the sequence cut over ranks); the world size is
+    their product."""
 
     dp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
 
     @property
     def world_size(self) -> int:
@@ -123,7 +125,15 @@ class MeshShape(_Frozen):
         return ParallelDims.of(self)
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
+        return self.dims.mesh_text()
+
+    @model_serializer(mode="wrap")
+    def _without_unit_cp(self, handler):
+        """``cp`` is written only when it is used: a Plan or shape without cp reads as it always did."""
+        data = handler(self)
+        if data.get("cp") == 1:
+            data.pop("cp")
+        return data
 
 
 class PipelinePlan(_Frozen):
@@ -171,6 +181,13 @@ class PlanChoices(_Frozen):
     max_seq_len: int | None = Field(None, ge=1, description=(
         "the longest sequence a batch may hold; `None`: the model's own maximum (its config's "
         "max_position_embeddings, its position table) ([batches.md](batches.md))"))
+    cp_strategy: Literal["auto", "ring", "all_to_all"] = Field("auto", description=(
+        "with a cp mesh dim: how each attention meets the keys of other ranks: `ring` passes K/V blocks "
+        "around the cp ranks, `all_to_all` (Ulysses) trades sequence shards for head shards, `auto` takes "
+        "the all-to-all where the heads divide by cp, else the ring ([context_parallel.md](context_parallel.md))"))
+    cp_load_balanced: bool = Field(True, description=(
+        "with a cp mesh dim: each rank holds chunks i and 2cp-1-i of the sequence (equal causal work; the "
+        "sequence divides by 2 x cp), else one contiguous chunk ([context_parallel.md](context_parallel.md))"))
 
 
 class DynamicDimPlan(_Frozen):
@@ -255,6 +272,10 @@ class Plan(PlanChoices):
     # the lowering fills these in (autopar/lowering.py): max_seq_len becomes the bound, from where it says
     max_seq_len_source: str = ""  # the bound's source: "max_seq_len" (the user's option), the model's config, ...
     dynamic_dims: tuple[DynamicDimPlan, ...] = ()  # the dims the graphs keep symbolic (filled by the capture)
+    # with cp: the inputs the runtime cuts on the sequence, (name, dim), and the whole length (the lowering's)
+    cp_inputs: tuple[tuple[str, int], ...] = ()
+    cp_seq_len: int = Field(0, ge=0)
+    cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted left by k before the cut
     run: RunOptions = RunOptions()
 
     @property
@@ -314,11 +335,16 @@ class Plan(PlanChoices):
             f"  tensor parallel: {len(self.tp_regions)} regions, {len(self.param_shards)} sharded parameters"
             + (f"; vocabulary-parallel {', '.join(self.vocab_parallel)}" if self.vocab_parallel else "")
             + ("; sequence parallel" if self.sequence_parallel else ""),
-            f"  ZeRO stage {self.zero_stage} over dp ({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
+            f"  ZeRO stage {self.zero_stage} over {'dp x cp' if self.mesh.cp > 1 else 'dp'} "
+            f"({self.data_parallel}, {self.bucket_mb:g} MB buckets); "
             f"capture with {self.capture}",
         ]
         if self.recompute or self.precision != "fp32":
             lines.append(f"  recompute per stage: {', '.join(self.recompute) or 'none'}; precision {self.precision}")
+        if self.mesh.cp > 1:
+            lines.append(f"  context parallel: the sequence cut over cp={self.mesh.cp} "
+                         f"({'load-balanced' if self.cp_load_balanced else 'contiguous'}), attention by "
+                         f"{self.cp_strategy}; gradients summed over dp x cp = {self.dims.dcp}")
         if self.expert_parallel > 1:
             lines.append(f"  expert parallel: {len(self.expert_params)} expert tensors split over ep="
                          f"{self.expert_parallel} (of dp {self.mesh.dp})")

@@ -95,7 +95,7 @@ class PlanResult:
     def describe_rank(self, rank: int) -> str:
         """A readable listing of one rank's program: coordinates, then each stage's code."""
         r = self.rank_program(rank)
-        lines = [f"# rank {rank}: dp={r.coords['dp']} pp={r.coords['pp']} tp={r.coords['tp']}"]
+        lines = [f"# rank {rank}: " + " ".join(f"{axis}={value}" for axis, value in r.coords.items())]
         for s in r.stages:
             lines.append(f"## stage {s.stage}: inputs {list(s.input_names)}, "
                          f"{len(s.param_names)} parameters, {len(s.recvs)} recv, {len(s.sends)} send")
@@ -162,11 +162,15 @@ def plan(model: nn.Module, mesh_shape=None, *, example_inputs, loss_fn=None, exa
     pps = {c["pp"] for c in coords.values()}
     only = None if ranks is None else _stages_of(schedule, pps)
     lowered = {t: lower_captured(cap, tp_rank=t, stages=only) for t in tps}
+    # with cp, each cp rank's graphs differ (the positions of its part of the sequence): lowered per (tp, cp)
+    per_cp = {(t, c): lower_captured(cap, tp_rank=t, stages=only, cp_rank=c)
+              for t, c in sorted({(c["tp"], c.get("cp", 0)) for c in coords.values()}) if c > 0}
     the_plan = lowered[tps[0]].plan
     result = PlanResult(plan=the_plan, schedule=schedule, ranks={}, lowered=lowered if ranks is None else {},
                         captured=cap, planner=report,
                         source=PlanSource(model, example_inputs, loss_fn, example_target))
     for rank, c in coords.items():
-        stages = [s for s in lowered[c["tp"]].stages if schedule.stage_to_rank[s.stage] == c["pp"]]
+        mine = per_cp.get((c["tp"], c.get("cp", 0))) or lowered[c["tp"]]
+        stages = [s for s in mine.stages if schedule.stage_to_rank[s.stage] == c["pp"]]
         result.ranks[rank] = RankGraphs(rank, c, stages)
     return result

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def lower_program(model: nn.Module, *, plan: Plan, pinned: bool, tp_rank: int, example_inputs, example_target=None,
-                  loss_fn=None, options: CompileOptions, dp_rank: int = 0, stages=None) -> tuple[Captured, Lowered]:
+                  loss_fn=None, options: CompileOptions, dp_rank: int = 0, stages=None,
+                  cp_rank: int = 0) -> tuple[Captured, Lowered]:
     """(the capture, its lowering for tp rank ``tp_rank``) under the resolved ``plan``: :func:`autopar.lowering.lower`,
     keeping the capture for :func:`recapture`. A graph whose symbolic dims a pass cannot carry is captured
     again with fixed shapes (logged): other shapes are then compiled on their own (runtime/execution/shape_cache.py)."""
@@ -33,15 +34,15 @@ def lower_program(model: nn.Module, *, plan: Plan, pinned: bool, tp_rank: int, e
                   loss_fn=loss_fn, options=options)
     cap = capture_planned(model, **common)
     if not cap.captured.dynamic:
-        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
+        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank, cp_rank=cp_rank)
     try:
-        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, dp_rank=dp_rank)
+        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, dp_rank=dp_rank, cp_rank=cp_rank)
     except (PassError, ShardingError) as exc:
         log.warning("the symbolic %s could not be carried through the passes (%s): compiled for the example's "
                     "shapes; each other shape is compiled on its own", ", ".join(d.label for d in cap.captured.dynamic),
                     exc.what)
         cap = capture_planned(model, dynamic={}, **common)
-        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
+        return cap, lower_captured(cap, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank, cp_rank=cp_rank)
 
 
 def recapture(cap: Captured, lowered_plan: Plan, *, model: nn.Module, batch: dict | None, dynamic: dict) -> Captured:
@@ -66,11 +67,11 @@ def recapture(cap: Captured, lowered_plan: Plan, *, model: nn.Module, batch: dic
 
 
 def make_builder(cap: Captured, lowered: Lowered, *, model: nn.Module, tp_rank: int, dp_rank: int,
-                 stages: list[int]):
+                 stages: list[int], cp_rank: int = 0):
     """``build(batch or None, marks) -> Lowered``: this rank's ``stages`` lowered again (:func:`recapture`)."""
 
     def build(batch, marks):
         new = recapture(cap, lowered.plan, model=model, batch=batch, dynamic=marks)
-        return lower_captured(new, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank)
+        return lower_captured(new, tp_rank=tp_rank, stages=stages, copy=False, dp_rank=dp_rank, cp_rank=cp_rank)
 
     return build

@@ -37,7 +37,7 @@ from autopar.passes.pipeline.weight_grad_split import check_split_backward_recom
 from autopar.passes.data_parallel.zero3 import check_zero3
 from autopar.plan_model import MESH_AXES, MeshShape, Plan
 from autopar.runtime.checkpoints.checkpoint_files import check_checkpoint_path, check_state_dict
-from autopar.runtime.schedules.registry import build_schedule
+from autopar.runtime.schedules.registry import build_schedule, family
 from autopar.runtime.schedules.validator import validate
 
 __all__ = ["check_arguments", "checked_options", "check_plan", "check_captured", "check_mesh_degrees",
@@ -225,6 +225,25 @@ def _expert_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str
     return None
 
 
+def _context_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[str, str] | None:
+    """(what is wrong, the fix) for a cp mesh dim these options cannot run (docs/context_parallel.md)."""
+    if mesh.cp == 1:
+        return None
+    if opts.data_parallel != "ddp":
+        return f"cp={mesh.cp} needs data_parallel='ddp'", "drop data_parallel='dataparallel'"
+    if family(opts.schedule).asynchronous:
+        return (f"cp={mesh.cp} with the asynchronous schedule {opts.schedule!r} is not wired yet: its updates average "
+                "over dp alone", "use a synchronous schedule (1f1b, gpipe, zero-bubble, ...) with cp")
+    if opts.expert_parallel > 1:
+        return (f"cp={mesh.cp} with expert_parallel={opts.expert_parallel} is not wired yet: the experts' gradients "
+                "are summed over edp, not over edp x cp", "drop expert_parallel (experts are replicated over cp), "
+                                                          "or cp")
+    if opts.dynamic_shapes == "seq":
+        return (f"cp={mesh.cp} cuts a sequence of the compiled length over the cp ranks; dynamic_shapes='seq' keeps "
+                "it symbolic", "use dynamic_shapes='auto' or 'static' (pad batches to a multiple of 2 x cp)")
+    return None
+
+
 def checked_options(options: dict, *, mesh: MeshShape, plan=None, where: str) -> CompileOptions:
     """The options as CompileOptions; a Plan made for another mesh, or an option without effect, is refused."""
     opts = CompileOptions(**options)
@@ -233,6 +252,9 @@ def checked_options(options: dict, *, mesh: MeshShape, plan=None, where: str) ->
     problem = _expert_parallel_problem(opts, mesh)
     if problem:
         raise PlanError(problem[0], where=f"{where}(expert_parallel={opts.expert_parallel}), mesh {mesh}", fix=problem[1])
+    problem = _context_parallel_problem(opts, mesh)
+    if problem:
+        raise PlanError(problem[0], where=f"{where}, mesh {mesh}", fix=problem[1])
     if plan is None:  # with a Plan, the Plan's decisions replace the options
         found = _without_effect(opts, set(options), mesh)
         if found:
@@ -317,9 +339,9 @@ def _check_captured(captured, *, inputs: tuple) -> None:
                              "the table (e.g. the model's seq_len / max_position_embeddings)")
 
 
-def check_mesh_degrees(*, dp, pp, tp, backend, timeout_s) -> None:
+def check_mesh_degrees(*, dp, pp, tp, backend, timeout_s, cp=1) -> None:
     """init_mesh's arguments: int degrees, a backend name, a positive timeout."""
-    for axis, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+    for axis, value in (("dp", dp), ("cp", cp), ("pp", pp), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise InputError(f"mesh degree {axis}={value!r} is a {_kind(value)}, not an int",
                              where=f"init_mesh({axis}=...)",
@@ -335,7 +357,7 @@ def check_mesh_degrees(*, dp, pp, tp, backend, timeout_s) -> None:
 
 
 def parse_mesh_shape(shape) -> MeshShape:
-    """A MeshShape from a MeshShape, a dict {'dp': 2, ...} or a (dp, pp, tp) tuple."""
+    """A MeshShape from a MeshShape, a dict {'dp': 2, 'cp': 2, ...} or a (dp, pp, tp) tuple."""
     if isinstance(shape, MeshShape):
         return shape
     if isinstance(shape, dict):

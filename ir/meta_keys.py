@@ -359,8 +359,9 @@ META_KEYS = MappingProxyType(
         MOE_EXCHANGE: MetaKey(MOE_EXCHANGE, MoeExchange, "passes.moe.moe_expert_parallel.shard_experts",
                               ("autopar.report",)),
         ATTENTION: MetaKey(ATTENTION, AttentionInfo, "passes.context_parallel.attention.annotate_attention",
-                           ("passes.context_parallel.seq_dims",)),
-        SEQ: MetaKey(SEQ, SeqInfo, "passes.context_parallel.seq_dims.annotate_sequence", ()),
+                           ("passes.context_parallel.seq_dims", "passes.context_parallel.cp_shard")),
+        SEQ: MetaKey(SEQ, SeqInfo, "passes.context_parallel.seq_dims.annotate_sequence",
+                     ("passes.context_parallel.cp_shard",)),
     }
 )
 

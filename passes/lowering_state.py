@@ -54,7 +54,7 @@ class LoweringState:
     plan: Plan
     pinned: bool = False  # the Plan was given: its stage starts, regions, vocabulary and expert shards as written
     options: AnalysisChoices = AnalysisChoices()  # what steers the analyses (CompileOptions is one)
-    coords: Mapping[str, int] = field(default_factory=dict)  # this rank's mesh coordinates (tp, dp: its experts)
+    coords: Mapping[str, int] = field(default_factory=dict)  # this rank's mesh coordinates (tp, dp: its experts, cp)
     only: tuple[int, ...] | None = None  # build only these stage graphs (None: all)
     source: ModelSource | None = None
     # -- made once per model (the capture phase)
@@ -76,6 +76,9 @@ class LoweringState:
     starts: tuple[str, ...] = ()  # the unit each stage after the first begins at
     shared: Mapping[str, tuple[int, ...]] | None = None  # {user name: stages reading it}, read before the split
     experts: tuple[str, ...] = ()  # the expert tensors split over ep (passes/moe/moe_expert_parallel.py)
+    cp_inputs: tuple[tuple[str, int], ...] = ()  # inputs cut on the sequence over cp: (name, dim) (cp_shard.py)
+    cp_seq_len: int = 0  # the whole sequence those inputs hold (0: no cp)
+    cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted by the runtime before the cut
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule, *, mesh: MeshShape | None = None, example_inputs: tuple = (),

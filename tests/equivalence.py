@@ -52,15 +52,25 @@ class Case:
     kind: str = "train"  # "train": losses and weights; "infer": forward outputs (no loss_fn)
     overrides: tuple = ()  # (field, value) pairs for the model config, e.g. (("num_layers", 4),)
     extra: tuple = ()  # (key, value) pairs a runner kind reads for itself (not passed to compile)
+    cp: int = 1  # context parallelism: a cp mesh dim inside dp (docs/context_parallel.md)
 
     @property
     def world_size(self) -> int:
-        return self.mesh[0] * self.mesh[1] * self.mesh[2]
+        return self.mesh[0] * self.mesh[1] * self.mesh[2] * self.cp
+
+    def device_mesh(self):
+        """This case's DeviceMesh over the world (the cp dim only when cp > 1, as autopar.init_mesh builds it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        if self.cp == 1:
+            return init_device_mesh("cpu", self.mesh, mesh_dim_names=("dp", "pp", "tp"))
+        return init_device_mesh("cpu", (self.mesh[0], self.cp, self.mesh[1], self.mesh[2]),
+                                mesh_dim_names=("dp", "cp", "pp", "tp"))
 
     def name(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         over = ",".join(f"{k}={v}" for k, v in self.overrides)
-        return (f"{self.kind}-{self.model}-dp{self.mesh[0]}pp{self.mesh[1]}tp{self.mesh[2]}"
+        return (f"{self.kind}-{self.model}-dp{self.mesh[0]}" + (f"cp{self.cp}" if self.cp > 1 else "")
+                + f"pp{self.mesh[1]}tp{self.mesh[2]}"
                 + (f"-{opts}" if opts else "") + (f"-{over}" if over else "")
                 + ("-" + ",".join(f"{k}={v}" for k, v in self.extra) if self.extra else ""))
 
@@ -212,7 +222,6 @@ def _context():
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, environ: dict) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     os.environ.clear()
     os.environ.update(environ)  # the parent's now, not the fork server's from when it started
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -221,7 +230,7 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str, environ
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for i, case in enumerate(cases):
-            mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("dp", "pp", "tp"))
+            mesh = case.device_mesh()
             try:
                 result = _runner(case.kind)(case, mesh)
             except Exception as exc:  # report per case, keep the group going

@@ -104,7 +104,7 @@ class _FakeRun(fx.Interpreter):
             self.ledger.exclude(out)
         if name not in _SAVES and name not in _SAVES_NOTHING:
             log.warning("memory calculator: what %s saves for backward is not modelled; counted as nothing", name)
-        saved = _SAVES[name](*args) if name in _SAVES else []
+        saved = _SAVES[name](module, *args) if name in _SAVES else []
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if not inputs:
             return out
@@ -162,10 +162,35 @@ def _vocab_cross_entropy_saves(logits, target):
             torch.empty(rows, dtype=torch.bool), torch.empty(rows, dtype=torch.bool), torch.empty((), dtype=torch.long)]
 
 
+def _ring_saves(q, k, v, bias=None, docs=None, valid=None):
+    """ops/context_parallel/ring.py: q, k, v (the rank's shards), the bias and document ids, the output and the
+    fp32 log-sum-exp of every query (blocks are recomputed in backward: nothing of size seq x seq is kept)."""
+    kept = [t for t in (q, k, v, bias, docs) if t is not None]
+    return kept + [torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype),
+                   torch.empty(tuple(q.shape[:-1]), dtype=torch.float32)]
+
+
+def _ulysses_saves(module, q, k, v, bias=None, docs=None, valid=None):
+    """ops/context_parallel/ulysses.py: the all-to-alls save nothing; the attention of the rank's heads over the
+    whole sequence is ring.py's blockwise kernel on fresh tensors (the all-to-alls' outputs): what it keeps."""
+    size, seq = module.size, module.layout.seq_len
+
+    def heads(t):  # [B, H, L, D] -> [B, H/cp, cp*L, D] (fewer kv heads than cp: repeated, one per rank)
+        return torch.empty((t.shape[0], max(t.shape[1] // size, 1), seq, t.shape[-1]), dtype=t.dtype)
+
+    if bias is not None and bias.shape[2] > 1:  # every query's rows arrive by an all-to-all or a gather
+        bias = torch.empty((bias.shape[0], bias.shape[1] // size if bias.shape[1] > 1 else 1, seq, bias.shape[3]),
+                           dtype=bias.dtype)
+    gathered = None if docs is None else torch.empty((docs.shape[0], seq), dtype=docs.dtype)
+    return _ring_saves(heads(q), heads(k), heads(v), bias, gathered)
+
+
 #: What each communicating module's autograd node saves (autopar's own ops; their code is the source).
 _SAVES = {
-    "VocabParallelCrossEntropy": _vocab_cross_entropy_saves,
-    "SpGatherLinear": lambda x, *weights_and_biases: [x],  # the sequence shard, gathered again in backward
+    "VocabParallelCrossEntropy": lambda module, logits, target: _vocab_cross_entropy_saves(logits, target),
+    "SpGatherLinear": lambda module, x, *weights_and_biases: [x],  # the sequence shard, gathered again in backward
+    "RingAttention": lambda module, *args: _ring_saves(*args),
+    "UlyssesAttention": _ulysses_saves,
 }
 _SAVES_NOTHING = ("SpAllGather", "SpReduceScatter", "TpGather", "TpScatter", "ZeroGather", "ZeroFree")
 

@@ -112,7 +112,6 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
     """
     plan = result.plan
     zero = plan.zero_stage if zero_stage is None else zero_stage
-    shape = plan.mesh
     stage_to_rank = result.schedule.stage_to_rank
     local = frozenset(plan.expert_params)  # MoE experts split over ep: ZeRO-1/2 partition them over edp
     activations, groups, memo = {}, {}, {}
@@ -124,7 +123,8 @@ def estimate_memory(result, *, optimizer: str = "adam", zero_stage: int | None =
             activations[c["pp"]] = _activations(result, c["pp"], stages, memo)
         if (c["pp"], c["tp"]) not in groups:
             params, buffers = rank_params(stages)
-            owned = owned_names(params, dp=shape.dp, local=local) if zero in (1, 2) and shape.dp > 1 else None
+            ways = plan.dims.dcp  # ZeRO-1/2 partition over dp x cp (dp without cp)
+            owned = owned_names(params, dp=ways, local=local) if zero in (1, 2) and ways > 1 else None
             groups[(c["pp"], c["tp"])] = (params, buffers, owned)
     ranks = {}
     for rank, graphs in result.ranks.items():

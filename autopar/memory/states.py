@@ -5,6 +5,8 @@ The figures follow what the runtime allocates (``docs/memory.md`` has the formul
 - element counts come from the rank's stage graphs (after tensor-parallel sharding, each
   parameter once even when a tied weight appears on two of its stages), never from allocations,
   so a meta-device model costs nothing;
+- ZeRO shards over the ranks a weight's gradient is summed over, dp x cp (``dcp``; dp without context
+  parallelism), called dp below;
 - ZeRO-1/2 partition whole parameters over dp exactly as the runtime does
   (:func:`autopar.runtime.state.zero.partition_params`); ZeRO-3 keeps ``ceil(n / dp)`` elements of each
   trainable parameter (flattened, zero-padded to a multiple of dp), and of an expert tensor split over
@@ -108,7 +110,7 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
         raise PlanError(f"unknown optimizer kind {optimizer!r}", where="estimate_memory(optimizer=...)",
                         fix=f"use one of {', '.join(OPTIMIZER_STATE)}")
     per_element, per_tensor = OPTIMIZER_STATE[optimizer]
-    dp = dims.dp
+    dp = dims.dcp  # ZeRO shards over dp x cp: the ranks one weight's gradient is summed over (dp itself without cp)
     sharded3 = zero_stage == 3 and dp > 1
 
     def held(p: ParamEntry) -> int:  # elements of p this rank keeps
@@ -117,7 +119,7 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
 
     trainable = [p for p in params if p.trainable]
     if zero_stage in (1, 2) and dp > 1:
-        mine = set((owned or owned_names(params, dp=dp, local=local))[dims.index("dp", coords)]) | \
+        mine = set((owned or owned_names(params, dp=dp, local=local))[dims.index("dcp", coords)]) | \
             owned_experts(params, dims=dims, coords=coords, local=local)
         stepped = [p for p in trainable if p.name in mine]
     else:

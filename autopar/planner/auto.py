@@ -80,19 +80,19 @@ def _pinned_degrees(mesh_shape, cluster: Cluster | None) -> tuple[int | None, di
         return None, {}
     if isinstance(mesh_shape, int):
         return mesh_shape, {}
-    if isinstance(mesh_shape, MeshShape):
-        return mesh_shape.world_size, mesh_shape.model_dump()
+    if isinstance(mesh_shape, MeshShape):  # (a whole mesh pins cp too, 1 where it has no cp dim)
+        return mesh_shape.world_size, {**mesh_shape.model_dump(), "cp": mesh_shape.cp}
     if isinstance(mesh_shape, (tuple, list)) and len(mesh_shape) == 3:
         shape = MeshShape(dp=mesh_shape[0], pp=mesh_shape[1], tp=mesh_shape[2])
-        return shape.world_size, shape.model_dump()
+        return shape.world_size, {**shape.model_dump(), "cp": 1}
     if isinstance(mesh_shape, dict):
         unknown = sorted(set(mesh_shape) - set(MESH_AXES) - {"world"})
         if unknown:
             raise PlanError(f"unknown mesh dim names {unknown}", where="mesh_shape",
                             fix=f"name mesh dims from {MESH_AXES} (and 'world')")
         world = mesh_shape.get("world")
-        if world is None and set(mesh_shape) >= set(MESH_AXES):
-            world = mesh_shape["dp"] * mesh_shape["pp"] * mesh_shape["tp"]
+        if world is None and set(mesh_shape) >= {"dp", "pp", "tp"}:
+            world = mesh_shape["dp"] * mesh_shape["pp"] * mesh_shape["tp"] * mesh_shape.get("cp", 1)
         return world, {k: v for k, v in mesh_shape.items() if k in MESH_AXES}
     raise PlanError(f"cannot read mesh shape {mesh_shape!r} for plan='auto'", where="mesh_shape",
                     fix="pass a world size, {'tp': 8, 'world': 64}, a (dp, pp, tp) tuple or None")
@@ -137,7 +137,7 @@ def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: Compil
                                         "num_virtual": c.num_virtual, "zero_stage": c.zero_stage,
                                         "recompute": c.recompute, "precision": profile.precision,
                                         "expert_parallel": c.expert_parallel})
-    plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp),
+    plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp),
                         batch=profile.global_batch, model_name=profile.model_name,
                         num_parameters=profile.num_parameters)
     starts = tuple(profile.chunks[c.tp][i].unit for i in c.cuts)
@@ -200,5 +200,5 @@ def plan_for_compile(model, mesh, *, example_inputs, loss_fn, example_target, mo
                          optimizer=optimizer_kind(optimizer, named=options.get("optimizer_params") == "named"))
     if mesh is None:
         m = report.plan.mesh
-        mesh = init_mesh(dp=m.dp, pp=m.pp, tp=m.tp)
+        mesh = init_mesh(dp=m.dp, pp=m.pp, tp=m.tp, cp=m.cp)
     return report, mesh

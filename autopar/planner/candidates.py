@@ -38,6 +38,7 @@ class SearchSpace:
     exact_top: int = 5
     virtual: tuple[int, ...] | None = None  # stages per rank of interleaved 1F1B; None: 2 and those that divide
     expert_parallel: tuple[int, ...] | None = None  # None: every ep dividing dp and each MoE layer's experts
+    cp: tuple[int, ...] | None = None  # context parallelism; None: 1, and every cp when no plan fits without it
     ep_refusal: str | None = None  # why the options given leave no ep > 1 (autopar.validation), if they do
 
 
@@ -84,19 +85,26 @@ def _meshes(world: int, profile: ModelProfile, cluster: Cluster, space: SearchSp
                              f"all-reduces would cross nodes"))
             continue
         for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if (space.pp and pp not in space.pp) or (space.dp and dp not in space.dp):
-                continue
-            if pp > profile.num_chunks:
-                continue
-            if profile.global_batch % dp:
-                rejected.append((Candidate(dp, pp, tp, 1), f"global batch {profile.global_batch} is not "
-                                                           f"divisible by dp={dp}"))
-                continue
-            if profile.batch_statistics and dp > 1:
-                rejected.append((Candidate(dp, pp, tp, 1), "batch statistics (BatchNorm) need dp=1"))
-                continue
-            yield dp, pp, tp
+            for cp in space.cp or (1,):
+                if (world // (tp * pp)) % cp:
+                    continue
+                dp = world // (tp * pp * cp)
+                if (space.pp and pp not in space.pp) or (space.dp and dp not in space.dp):
+                    continue
+                if pp > profile.num_chunks:
+                    continue
+                if profile.global_batch % dp:
+                    rejected.append((Candidate(dp, pp, tp, 1, cp=cp), f"global batch {profile.global_batch} is not "
+                                                                      f"divisible by dp={dp}"))
+                    continue
+                if profile.batch_statistics and dp > 1:
+                    rejected.append((Candidate(dp, pp, tp, 1, cp=cp), "batch statistics (BatchNorm) need dp=1"))
+                    continue
+                if cp > 1 and (not profile.seq_len or profile.seq_len % (2 * cp)):
+                    rejected.append((Candidate(dp, pp, tp, 1, cp=cp), f"a sequence of {profile.seq_len} tokens does "
+                                                                      f"not divide by 2 x cp = {2 * cp}"))
+                    continue
+                yield dp, pp, tp, cp
 
 
 def stage_speeds(cluster: Cluster, c: Candidate, owner) -> tuple[float, ...]:
@@ -105,13 +113,13 @@ def stage_speeds(cluster: Cluster, c: Candidate, owner) -> tuple[float, ...]:
     base = cluster.device.matmul_rate("fp32")
     per_rank = []
     for q in range(c.pp):
-        ranks = [(d * c.pp + q) * c.tp + t for d in range(c.dp) for t in range(c.tp)]
+        ranks = [(d * c.pp + q) * c.tp + t for d in range(c.dcp) for t in range(c.tp)]  # (cp inside dp)
         per_rank.append(min(cluster.device_of(r).matmul_rate("fp32") for r in ranks) / base)
     return tuple(per_rank[owner[s]] for s in range(c.num_stages))
 
 
 def structures(world, profile, cluster, space, rejected):
-    for dp, pp, tp in _meshes(world, profile, cluster, space, rejected):
+    for dp, pp, tp, cp in _meshes(world, profile, cluster, space, rejected):
         local = profile.global_batch // dp
         pinned = space.num_microbatches
         if profile.batch_statistics:
@@ -125,10 +133,11 @@ def structures(world, profile, cluster, space, rejected):
                 try:
                     schedule_of(name, pp, m, v)
                 except AutoparError as exc:
-                    rejected.append((Candidate(dp, pp, tp, m, name, v), exc.what))
+                    rejected.append((Candidate(dp, pp, tp, m, name, v, cp=cp), exc.what))
                     continue
-                for ep in _ep_options(dp, pp, tp, profile, space, rejected):
-                    yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep)
+                for ep in (_ep_options(dp, pp, tp, profile, space, rejected) if cp == 1 else (1,)):
+                    yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep,
+                                    cp=cp)
 
 
 def _ep_refusal(ep: int, profile: ModelProfile, space: SearchSpace) -> str | None:

@@ -75,6 +75,7 @@ class Candidate:
     recompute: str = "none"
     cuts: tuple[int, ...] = ()
     expert_parallel: int = 1  # MoE experts split over this many ranks of dp (docs/moe.md)
+    cp: int = 1  # context parallelism: every sequence cut over cp ranks (docs/context_parallel.md)
 
     @property
     def num_stages(self) -> int:
@@ -83,12 +84,18 @@ class Candidate:
     @cached_property
     def dims(self) -> ParallelDims:
         """The candidate's degrees (``expert_parallel`` included), validated: autopar/parallel_dims.py."""
-        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.expert_parallel)
+        return ParallelDims(dp=self.dp, cp=self.cp, pp=self.pp, tp=self.tp, ep=self.expert_parallel)
+
+    @property
+    def dcp(self) -> int:
+        """The ranks a weight's gradient is summed over (and ZeRO shards over): dp x cp."""
+        return self.dp * self.cp
 
     def label(self) -> str:
         sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
         ep = f" ep={self.expert_parallel}" if self.expert_parallel > 1 else ""
-        return (f"dp={self.dp} pp={self.pp} tp={self.tp}{ep} m={self.num_microbatches} {sched} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp={self.dp}{cp} pp={self.pp} tp={self.tp}{ep} m={self.num_microbatches} {sched} "
                 f"ZeRO-{self.zero_stage} rc={self.recompute}")
 
 
@@ -132,20 +139,34 @@ def moe_comm(chunk: ChunkCost, *, b: int, ep: int, link) -> tuple[float, float]:
     return forward, backward
 
 
+def cp_ring(chunk: ChunkCost, *, b: int, cp: int, link) -> tuple[float, float]:
+    """(forward, backward) seconds of the ring of ``chunk``'s attentions under context parallelism: each rank's
+    K/V shard passed ``cp - 1`` hops forward; backward the K/V again and the dK/dV back (counted whole, not hidden
+    behind the blocks' compute)."""
+    if cp <= 1 or not chunk.attention_kv:
+        return 0.0, 0.0
+    hop = link.p2p(chunk.attention_kv * b / cp)
+    return (cp - 1) * hop, (2 * cp - 1) * hop
+
+
 def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: Cluster, precision: str,
-                recompute: str, contention: float = 1.0, ep: int = 1, ep_link=None) -> tuple[float, float, float]:
+                recompute: str, contention: float = 1.0, ep: int = 1, ep_link=None, cp: int = 1,
+                cp_link=None) -> tuple[float, float, float]:
     """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``
-    (with ``ep`` > 1 its MoE layers' all-to-alls over ``ep_link``, :func:`moe_comm`)."""
+    (with ``ep`` > 1 its MoE layers' all-to-alls over ``ep_link``, :func:`moe_comm`; with ``cp`` > 1 a rank's
+    ``1/cp`` of every sequence, the attention's ring over ``cp_link``, :func:`cp_ring`)."""
     rate = device.matmul_rate(precision, samples=b) / contention
-    matmul = chunk.flops * b / rate + chunk.gemms * device.gemm_overhead_s * contention
-    memory = chunk.bytes_written * b / device.memory_bandwidth * contention
+    matmul = chunk.flops * b / cp / rate + chunk.gemms * device.gemm_overhead_s * contention
+    memory = chunk.bytes_written * b / cp / device.memory_bandwidth * contention
     ops = chunk.ops * device.op_overhead_s * contention
-    fwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="forward", include_recompute=False)
-    bwd_comm = _comm_time(chunk.comms, tp=tp, b=b, link=cluster.intra, direction="backward",
+    fwd_comm = _comm_time(chunk.comms, tp=tp, b=b / cp, link=cluster.intra, direction="forward",
+                          include_recompute=False)
+    bwd_comm = _comm_time(chunk.comms, tp=tp, b=b / cp, link=cluster.intra, direction="backward",
                           include_recompute=True)
     fwd_a2a, bwd_a2a = moe_comm(chunk, b=b, ep=ep, link=ep_link or cluster.intra)
-    forward = matmul + memory + ops + fwd_comm + fwd_a2a
-    backward = matmul + memory + ops + bwd_comm + bwd_a2a
+    fwd_ring, bwd_ring = cp_ring(chunk, b=b, cp=cp, link=cp_link or cluster.intra)
+    forward = matmul + memory + ops + fwd_comm + fwd_a2a + fwd_ring
+    backward = matmul + memory + ops + bwd_comm + bwd_a2a + bwd_ring
     weight = matmul + memory + ops
     if recompute == "full":
         backward += forward
@@ -173,7 +194,7 @@ def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dims: Paral
             optimizer: str, local: frozenset[str] = frozenset()):
     """(model-state bytes, elements stepped) of the fullest dp rank (the memory calculator's formulas;
     ``local``: MoE experts split over ep, under ZeRO-1/2 partitioned over edp)."""
-    owned, dp, first = None, dims.dp, {"dp": 0}
+    owned, dp, first = None, dims.dcp, {"dp": 0}
     trainable = [p for p in params if p.trainable]
     stepped = sum(p.numel for p in trainable)
     if zero in (1, 2) and dp > 1:
@@ -190,7 +211,12 @@ def _states(params: tuple[ParamEntry, ...], buffers: int, zero: int, dims: Paral
 
 
 def _dp_link(cluster: Cluster, c: Candidate):
-    return cluster.intra if c.dp * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
+    return cluster.intra if c.dcp * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
+
+
+def _cp_link(cluster: Cluster, c: Candidate):
+    """The link of a cp group: cp adjacent indices right inside dp, ``cp·pp·tp`` consecutive ranks."""
+    return cluster.intra if c.cp * c.pp * c.tp <= cluster.devices_per_node else cluster.inter
 
 
 def _ep_link(cluster: Cluster, c: Candidate):
@@ -220,23 +246,25 @@ class CostModel:
 
     # -- per-chunk sums -------------------------------------------------------------------
     def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
-              ep_link=None):
+              ep_link=None, cp: int = 1, cp_link=None):
         """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes, ep all-to-all)
         seconds/bytes (``ep`` > 1: the MoE layers' all-to-alls over ``ep_link``, in forward and backward)."""
-        key = (tp, b, recompute, id(device), contention, ep, ep_link)  # devices belong to self.cluster
+        key = (tp, b, recompute, id(device), contention, ep, ep_link, cp, cp_link)  # devices: self.cluster's
         if key not in self._tables:
             rows = [[0.0] * 6]
             for ch in self.profile.chunks[tp]:
                 f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
                                        precision=self.profile.precision, recompute=recompute, contention=contention,
-                                       ep=ep, ep_link=ep_link)
-                comm = sum(_comm_time(ch.comms, tp=tp, b=b, link=self.cluster.intra, direction=d,
+                                       ep=ep, ep_link=ep_link, cp=cp, cp_link=cp_link)
+                comm = sum(_comm_time(ch.comms, tp=tp, b=b / cp, link=self.cluster.intra, direction=d,
                                       include_recompute=True) for d in ("forward", "backward"))
+                comm += sum(cp_ring(ch, b=b, cp=cp, link=cp_link or self.cluster.intra))
                 a2a = sum(moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra))
                 if recompute == "full":
                     a2a += moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra)[0]
                 last = rows[-1]
-                rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm, last[4] + ch.saved[recompute] * b,
+                rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm,
+                             last[4] + ch.saved[recompute] * b / cp,
                              last[5] + a2a])
             self._tables[key] = rows
         return self._tables[key]
@@ -244,7 +272,11 @@ class CostModel:
     def candidate_table(self, c: Candidate, device: Device, recompute: str | None = None):
         """:meth:`table` for candidate ``c`` on ``device``."""
         return self.table(c.tp, self._b(c), c.recompute if recompute is None else recompute, device,
-                          self._contention(c), c.expert_parallel, self.ep_link(c))
+                          self._contention(c), c.expert_parallel, self.ep_link(c), c.cp, self.cp_link(c))
+
+    def cp_link(self, c: Candidate):
+        """The link of ``c``'s cp groups (None with cp=1: no ring)."""
+        return _cp_link(self.cluster, c) if c.cp > 1 else None
 
     def ep_link(self, c: Candidate):
         """The link of ``c``'s ep groups (None with ep=1: no all-to-all)."""
@@ -287,14 +319,14 @@ class CostModel:
         mine = [p for p in self.rank_params(tp, ranges, ep)[0] if p.name in experts]
         return sum(p.numel for p in mine if p.trainable) * 4, sum(p.numel * p.itemsize for p in mine)
 
-    def states(self, tp: int, ranges: tuple, zero: int, dp: int, ep: int = 1):
-        """(model-state bytes, elements stepped) of the fullest dp rank holding ``ranges``."""
-        key = (tp, ranges, zero, dp, ep)
+    def states(self, tp: int, ranges: tuple, zero: int, dp: int, ep: int = 1, cp: int = 1):
+        """(model-state bytes, elements stepped) of the fullest dp rank holding ``ranges`` (ZeRO over dp x cp)."""
+        key = (tp, ranges, zero, dp, ep, cp)
         if key not in self._states:
             params, buffers, _, _ = self.rank_params(tp, ranges, ep)
             local = self.experts(tp) if ep > 1 else frozenset()
-            self._states[key] = _states(params, buffers, zero, ParallelDims(dp=dp, ep=ep), self.profile.precision,
-                                        self.optimizer, local)
+            self._states[key] = _states(params, buffers, zero, ParallelDims(dp=dp, cp=cp, ep=ep),
+                                        self.profile.precision, self.optimizer, local)
         return self._states[key]
 
     def _transient(self, tp: int, recompute: str, chunk_range: tuple[int, int]) -> float:
@@ -310,7 +342,7 @@ class CostModel:
         return self.profile.global_batch // (c.dp * c.num_microbatches)
 
     def _contention(self, c: Candidate) -> float:
-        return self.cluster.contention(min(c.dp * c.pp * c.tp, self.cluster.devices_per_node))
+        return self.cluster.contention(min(c.dcp * c.pp * c.tp, self.cluster.devices_per_node))
 
     def stage_devices(self, c: Candidate) -> list[Device]:
         """For each pp rank, the slowest device among the ranks that run it (every dp and tp index)."""
@@ -318,7 +350,7 @@ class CostModel:
             return [self.cluster.device] * c.pp
         out = []
         for q in range(c.pp):
-            ranks = [(d * c.pp + q) * c.tp + t for d in range(c.dp) for t in range(c.tp)]
+            ranks = [(d * c.pp + q) * c.tp + t for d in range(c.dcp) for t in range(c.tp)]  # (cp inside dp)
             out.append(min((self.cluster.device_of(r) for r in ranks), key=lambda dev: dev.matmul_rate("fp32")))
         return out
 
@@ -331,8 +363,8 @@ class CostModel:
                 _, _, grads, params = self.rank_params(c.tp, ((i, i + 1),), c.expert_parallel)
                 if grads == 0:
                     continue
-                total += (2 * link.collective("all_gather", params, c.dp)
-                          + link.collective("reduce_scatter", grads, c.dp)
+                total += (2 * link.collective("all_gather", params, c.dcp)
+                          + link.collective("reduce_scatter", grads, c.dcp)
                           + (2 * params + grads) / device.memory_bandwidth)
         return total * c.num_microbatches
 
@@ -441,8 +473,8 @@ class CostModel:
         for q, mine in enumerate(stages_of(owner, c.pp)):
             mine_ranges = tuple(ranges[s] for s in mine)
             _, _, grad_bytes, param_bytes = self.rank_params(c.tp, mine_ranges, c.expert_parallel)
-            states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel)
-            if c.zero_stage == 3 and c.dp > 1:  # one gather / reduce-scatter per unit and microbatch
+            states, stepped = self.states(c.tp, mine_ranges, c.zero_stage, c.dp, c.expert_parallel, c.cp)
+            if c.zero_stage == 3 and c.dcp > 1:  # one gather / reduce-scatter per unit and microbatch
                 dp_time = max(dp_time, self._zero3_comm(c, [ranges[s] for s in mine], dp_link, devices[q]))
             else:
                 expert = self.expert_bytes(c.tp, mine_ranges, c.expert_parallel)
@@ -458,7 +490,7 @@ class CostModel:
             else:
                 acts = peak_bytes(schedule.actions[q], {**dict.fromkeys(range(len(ranges)), 0.0), **per_stage},
                                   split_backward=schedule.split_backward)
-            transient = max((self._transient(c.tp, c.recompute, ranges[s]) for s in mine), default=0.0) * b
+            transient = max((self._transient(c.tp, c.recompute, ranges[s]) for s in mine), default=0.0) * b / c.cp
             total = (states.params + states.master_params + states.grads + states.optimizer + states.buffers
                      + acts + transient)
             capacity = self.cluster.usable_bytes(q * c.tp)
@@ -481,12 +513,12 @@ def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster:
 
     ``expert``: (gradient, parameter) bytes of the MoE experts among them with ep > 1: outside ZeRO,
     their gradients are all-reduced over the ``dp / ep`` ranks that hold the same experts (edp)."""
-    if c.dp == 1:
+    if c.dcp == 1:
         return 0.0
     grads, params = grad_bytes - expert[0], param_bytes - expert[1]
     if c.zero_stage == 0:
-        t = link.collective("all_reduce", grads, c.dp)
+        t = link.collective("all_reduce", grads, c.dcp)
     else:
-        t = link.collective("reduce", grads, c.dp) + link.collective("broadcast", params, c.dp)
+        t = link.collective("reduce", grads, c.dcp) + link.collective("broadcast", params, c.dcp)
     t += link.collective("all_reduce", expert[0], c.dims.edp)
     return t * (1 - cluster.dp_overlap)

@@ -98,6 +98,7 @@ class ChunkCost:
     recv_bytes: float  # bytes a stage starting at this chunk receives per sample
     moe: tuple[MoeCost, ...] = ()  # the MoE layers whose experts this chunk holds
     gemms: int = 0  # matrix products (nodes with FLOPs: linears, batched products, attention) per microbatch
+    attention_kv: float = 0.0  # bytes of K and V of the chunk's SDPA calls per sample (cp's ring; after a GQA repeat)
 
     @functools.cached_property
     def param_numel(self) -> int:
@@ -130,6 +131,7 @@ class ModelProfile:
     regions: dict = field(default_factory=dict)  # tp degree -> TpRegionPlans the lowering found
     vocab: dict = field(default_factory=dict)  # tp degree -> vocabulary-parallel module paths
     expert_shards: dict = field(default_factory=dict)  # tp degree -> {expert tensor: ShardLayout} (tp_expert.py)
+    seq_len: int = 0  # the example's sequence length (dim 1 of its first input; 0: none): cp cuts it in 2 x cp
 
     @property
     def num_chunks(self) -> int:
@@ -176,7 +178,17 @@ def _chunk(stage, segments, start: int, end: int, b0: int, seen: dict) -> ChunkC
     gemms = sum(1 for n in calls if (c := get_meta(n, COST)) is not None and c.flops > 0)
     return ChunkCost(unit=unit, is_block=is_block, flops=flops / b0, ops=len(calls),
                      bytes_written=written / b0, params=tuple(params), buffer_bytes=buffers, saved=saved,
-                     transient=transient, comms=comms, recv_bytes=recv, gemms=gemms)
+                     transient=transient, comms=comms, recv_bytes=recv, gemms=gemms,
+                     attention_kv=_attention_kv(calls) / b0)
+
+
+def _attention_kv(calls) -> int:
+    """Bytes of the keys and values of the SDPA-family attentions among ``calls`` (what cp's ring passes on)."""
+    total = 0
+    for n in calls:
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and len(n.args) >= 3:
+            total += sum(info.nbytes for a in n.args[1:3] if (info := get_meta(a, TENSOR)) is not None)
+    return total
 
 
 def _edge_bytes(edge) -> int:
@@ -272,6 +284,13 @@ def _shard(cap: Captured, tp: int):
     return state.gm, state.region_plans, vocab, state.specs
 
 
+def _seq_len(example_inputs) -> int:
+    """Dim 1 of the first input with two or more dims (a token batch's sequence), 0 without one."""
+    values = example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs
+    first = next((t for t in values if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return int(first.shape[1]) if first is not None else 0
+
+
 def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_degrees=(1,),
                   options: CompileOptions | None = None) -> ModelProfile:
     """Chunk costs of ``model`` for each tp degree (those that cannot shard go to ``tp_errors``)."""
@@ -282,7 +301,8 @@ def profile_model(model, *, example_inputs: tuple, loss_fn, example_target, tp_d
                               example_target=example_target, options=options)
     profile = ModelProfile(model_name=cap.plan.model_name, num_parameters=cap.plan.num_parameters,
                            global_batch=cap.plan.global_batch_size, precision=cap.plan.precision, sample_batch=b0,
-                           batch_statistics=stats, template=cap.template.path if cap.template else None)
+                           batch_statistics=stats, template=cap.template.path if cap.template else None,
+                           seq_len=_seq_len(example_inputs))
     for tp in sorted(set(tp_degrees)):
         try:
             gm, regions, vocab, specs = _shard(cap, tp)

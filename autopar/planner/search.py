@@ -34,7 +34,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import Candidate, CostModel, Estimate, _dp_comm, _dp_link
 from autopar.planner.schedule_shapes import schedule_of
-from autopar.planner.candidates import SearchSpace, stage_speeds, structures
+from autopar.planner.candidates import SearchSpace, divisors, stage_speeds, structures
 from autopar.planner.pipeline_bound import relaxed_bound
 from autopar.planner.profile import RECOMPUTE, ModelProfile
 from autopar.planner.stage_cuts import memory_fits, weighted_cuts
@@ -207,7 +207,7 @@ class _Frontier:
     def expand(self, c: Candidate) -> None:
         """Every ZeRO stage and recompute mode of structure ``c``: the fitting ones join the queue."""
         space, profile, cluster = self.space, self.profile, self.cluster
-        zero = max(space.zero_stages) if c.dp > 1 else 0
+        zero = max(space.zero_stages) if c.dcp > 1 else 0
         if zero == 3 and (splits_backward(c.schedule) or c.expert_parallel > 1):  # (see constraint)
             zero = max([z for z in space.zero_stages if z < 3], default=3)
         frugal = replace(c, zero_stage=zero, recompute="full" if "full" in space.recompute else space.recompute[-1])
@@ -221,7 +221,7 @@ class _Frontier:
         if not e.fits:
             self.rejected.append((frugal, "does not fit even with ZeRO-3 and full recompute: " + _memory_reason(e)))
             return
-        for zero in (space.zero_stages if c.dp > 1 else (0,)):
+        for zero in (space.zero_stages if c.dcp > 1 else (0,)):
             for rc in space.recompute:
                 cand = replace(c, zero_stage=zero, recompute=rc)
                 reason = constraint(cand)
@@ -243,7 +243,7 @@ class _Frontier:
 
 def constraint(c: Candidate) -> str | None:
     """Why the runtime refuses (or the planner cannot cost yet) ``c``'s schedule, ZeRO, recompute and ep."""
-    if c.zero_stage == 3 and c.dp > 1 and splits_backward(c.schedule):
+    if c.zero_stage == 3 and c.dcp > 1 and splits_backward(c.schedule):
         return (f"ZeRO-3 does not combine with {c.schedule}: its W action computes weight gradients outside the "
                 f"graph's reduce-scatter")
     if c.zero_stage == 3 and c.expert_parallel > 1:
@@ -260,10 +260,11 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages, work_cache: di
     communication of them, the optimizer step counted as 0), any recomputation (none is the cheapest), any
     stage cuts (relaxed), every chunk at its fastest device."""
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
-    key = (c.tp, b, k, c.expert_parallel, id(model.ep_link(c)), splits_backward(c.schedule))
+    key = (c.tp, b, k, c.expert_parallel, id(model.ep_link(c)), c.cp, id(model.cp_link(c)), splits_backward(c.schedule))
     cache = {} if work_cache is None else work_cache  # (structures share them: the search keeps one)
     if key not in cache:
-        cache[key] = _fastest_work(model, c.tp, b, k, c.expert_parallel, model.ep_link(c), key[-1])
+        cache[key] = _fastest_work(model, c.tp, b, k, c.expert_parallel, model.ep_link(c), key[-1], c.cp,
+                                   model.cp_link(c))
     work, path = cache[key]
     m = c.num_microbatches
     lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
@@ -272,11 +273,12 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages, work_cache: di
     return pipeline + _dp_bound(model, c, zero_stages) + model.cluster.step_overhead_s
 
 
-def _fastest_work(model: CostModel, tp: int, b: int, k: float, ep: int, ep_link, split: bool) -> tuple[float, float]:
+def _fastest_work(model: CostModel, tp: int, b: int, k: float, ep: int, ep_link, split: bool, cp: int = 1,
+                  cp_link=None) -> tuple[float, float]:
     """(all the work, the critical path's share of it) of one microbatch through every chunk at its fastest
     device (:func:`_structure_bound`)."""
     devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
-    tables = [model.table(tp, b, "none", d, k, ep, ep_link) for d in devices.values()]
+    tables = [model.table(tp, b, "none", d, k, ep, ep_link, cp, cp_link) for d in devices.values()]
     work = path = 0.0
     for i in range(model.profile.num_chunks):
         f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
@@ -288,7 +290,7 @@ def _fastest_work(model: CostModel, tp: int, b: int, k: float, ep: int, ep_link,
 def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     """The least data-parallel communication of any ZeRO stage of ``c``: the busiest pp rank holds at least
     a ``1/pp`` share of the gradients and weights, and the alpha-beta times grow with the bytes."""
-    if c.dp == 1:
+    if c.dcp == 1:
         return 0.0
     whole = ((0, model.profile.num_chunks),)
     _, _, grads, params = model.rank_params(c.tp, whole, c.expert_parallel)
@@ -298,8 +300,8 @@ def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
     times = []
     for zero in zero_stages:
         if zero == 3:  # per unit and microbatch, at least as much as one transfer of all of them
-            times.append(c.num_microbatches * (2 * link.collective("all_gather", params, c.dp)
-                                               + link.collective("reduce_scatter", grads, c.dp)))
+            times.append(c.num_microbatches * (2 * link.collective("all_gather", params, c.dcp)
+                                               + link.collective("reduce_scatter", grads, c.dcp)))
         else:
             times.append(_dp_comm(replace(c, zero_stage=zero), grads, params, link, cluster, expert=expert))
     return min(times, default=0.0)
@@ -307,7 +309,23 @@ def _dp_bound(model: CostModel, c: Candidate, zero_stages) -> float:
 
 def search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace = SearchSpace(),
            optimizer: str = "adam") -> SearchResult:
-    """Rank the candidate plans for ``world`` ranks of ``cluster``: the first is the simulator's fastest."""
+    """Rank the candidate plans for ``world`` ranks of ``cluster``: the first is the simulator's fastest.
+
+    Context parallelism (``space.cp`` None) is searched only when no plan fits without it: every cp dividing the
+    world whose 2 x cp divides the example's sequence then joins cp=1 (the refusals of the first search kept).
+    """
+    if space.cp is not None:
+        return _search(profile, cluster, world=world, space=space, optimizer=optimizer)
+    result = _search(profile, cluster, world=world, space=replace(space, cp=(1,)), optimizer=optimizer)
+    wider = tuple(cp for cp in divisors(world) if cp > 1 and profile.seq_len and profile.seq_len % (2 * cp) == 0)
+    if result.ranked or not wider:
+        return result
+    log.info("planner search: no plan fits without context parallelism; searching cp in %s", wider)
+    return _search(profile, cluster, world=world, space=replace(space, cp=(1, *wider)), optimizer=optimizer)
+
+
+def _search(profile: ModelProfile, cluster: Cluster, *, world: int, space: SearchSpace,
+            optimizer: str) -> SearchResult:
     start = time.perf_counter()
     frontier = _Frontier(profile, cluster, space, optimizer)
     for c in structures(world, profile, cluster, space, frontier.rejected):
@@ -332,7 +350,7 @@ class _Cuts:
             return ()
         schedule, _ = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
         speeds = stage_speeds(self.model.cluster, c, schedule.stage_to_rank)
-        key = (c.tp, c.dp * c.num_microbatches, c.recompute, c.num_stages, speeds)
+        key = (c.tp, c.dp * c.num_microbatches, c.recompute, c.num_stages, speeds, c.cp)
         if fits is None and key in self.cache:
             return self.cache[key]
         cuts = tuple(weighted_cuts(self.model.chunk_costs(c), c.num_stages, speeds=speeds, fits=fits))

@@ -94,11 +94,11 @@ def memory_fits(c, profile, cluster):
     chunks = profile.chunks[c.tp]
     b = profile.global_batch // (c.dp * c.num_microbatches)
     schedule, counts = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
-    per_elem = _state_bytes_per_element(c.zero_stage, c.dp, profile.precision)
+    per_elem = _state_bytes_per_element(c.zero_stage, c.dp * c.cp, profile.precision)  # (ZeRO over dp x cp)
     prefix_state, prefix_act, acc_s, acc_a = [0.0], [0.0], 0.0, 0.0
     for ch in chunks:
         acc_s += ch.param_numel * per_elem + ch.buffer_bytes
-        acc_a += ch.saved[c.recompute] * b
+        acc_a += ch.saved[c.recompute] * b / c.cp  # (a rank's 1/cp of every sequence)
         prefix_state.append(acc_s)
         prefix_act.append(acc_a)
 

@@ -196,7 +196,7 @@ def graph_diff(result, rank: int, *, stage: int | None = None, context: int = 1)
     graphs = {s: g.gm for s, g in stage_graphs(result, tp=program.coords["tp"]).items()}
     where = stage_of_nodes(original, graphs)
     c = program.coords
-    out = [f"rank {rank} (dp={c['dp']} pp={c['pp']} tp={c['tp']}) against the captured graph "
+    out = [f"rank {rank} (" + " ".join(f"{axis}={value}" for axis, value in c.items()) + ") against the captured graph "
            f"({len(original)} nodes, one device)"]
     for s in mine:
         a = [v for v in original if s.stage in where[v.name]]

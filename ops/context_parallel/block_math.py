@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AttentionSpec", "KeyBlock", "visible", "block_scores", "merge", "block_forward", "block_backward",
-           "grouped", "bias_block"]
+           "grouped", "bias_block", "fused_case"]
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,59 @@ def block_scores(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, q_pos, k
     return s, t
 
 
+def fused_case(spec: AttentionSpec, q, q_pos: torch.Tensor, keys: KeyBlock, q_docs=None, bias=None,
+               v_dim: int | None = None) -> str | None:
+    """How a block runs on the CPU's fused attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``):
+    ``"full"`` (every pair meets), ``"causal"`` (the queries and keys are the same run of positions: the kernel's
+    own causal mask), ``"skip"`` (causal, every key after every query), or None: the plain fp32 path, for any
+    mask or score rule the kernel does not take (windows, documents, padding, bias, soft-capping, ALiBi), values
+    of another head size than the queries' (``v_dim``: MLA) and off the CPU."""
+    if (q.device.type != "cpu" or (v_dim is not None and v_dim != q.shape[-1]) or spec.window is not None or spec.softcap is not None or spec.alibi_slopes is not None
+            or bias is not None or q_docs is not None or keys.docs is not None or keys.valid is not None):
+        return None
+    if not spec.causal:
+        return "full"
+    q_lo, q_hi, k_lo, k_hi = int(q_pos[0]), int(q_pos[-1]), int(keys.pos[0]), int(keys.pos[-1])
+    if q_hi - q_lo != len(q_pos) - 1 or k_hi - k_lo != len(keys.pos) - 1:  # (runs: ascending, contiguous)
+        return None
+    if q_hi < k_lo:
+        return "skip"
+    if q_lo > k_hi:
+        return "full"
+    return "causal" if (q_lo, q_hi) == (k_lo, k_hi) else None
+
+
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """k or v ``[B, Hkv, L, D]`` repeated to the query heads ``[B, Hkv * G, L, D]`` (head ``kv * G + g``)."""
+    return x.float().repeat_interleave(groups, dim=1) if groups > 1 else x.float()
+
+
+def _fused_forward(spec, q, k, v, causal: bool):
+    b, hkv, g, lq, d = q.shape
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float().reshape(b, hkv * g, lq, d), _heads(k, g), _heads(v, g), 0.0, causal, scale=spec.scale)[:2]
+    return out.reshape(b, hkv, g, lq, v.shape[-1]), lse.reshape(b, hkv, g, lq)
+
+
+def _fused_backward(spec, q, k, v, dout, out, lse, causal: bool):
+    b, hkv, g, lq, d = q.shape
+    flat = (b, hkv * g, lq)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.float().reshape(*flat, -1), q.float().reshape(*flat, d), _heads(k, g), _heads(v, g),
+        out.float().reshape(*flat, -1), lse.reshape(flat), 0.0, causal, scale=spec.scale)
+    lk = k.shape[2]
+    return (dq.reshape(b, hkv, g, lq, d), dk.reshape(b, hkv, g, lk, d).sum(2),
+            dv.reshape(b, hkv, g, lk, v.shape[-1]).sum(2), None)
+
+
 def block_forward(spec, q, k, v, q_pos, keys: KeyBlock, q_docs=None, bias=None):
     """(normalised output fp32 ``[B, Hkv, G, lq, Dv]``, log-sum-exp ``[B, Hkv, G, lq]``) of one block, or
     None when no pair of it may meet (the block is skipped)."""
+    case = fused_case(spec, q, q_pos, keys, q_docs, bias, v_dim=v.shape[-1])
+    if case == "skip":
+        return None
+    if case is not None:
+        return _fused_forward(spec, q, k, v, case == "causal")
     mask = visible(spec, q_pos, keys, q_docs, bias)
     if mask is not None and not bool(mask.any()):
         return None
@@ -134,9 +184,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     return out * a + block_out * b, new
 
 
-def block_backward(spec, q, k, v, q_pos, keys: KeyBlock, dout, lse, delta, q_docs=None, bias=None):
+def block_backward(spec, q, k, v, q_pos, keys: KeyBlock, dout, lse, delta, q_docs=None, bias=None, out=None):
     """(dq, dk, dv, dbias) of one block in fp32 given the final ``lse`` and ``delta = rowsum(dout * out)``,
-    or None when the block is skipped. ``dbias`` is the scores' gradient ``[B, Hkv, G, lq, lk]``."""
+    or None when the block is skipped. ``dbias`` is the scores' gradient ``[B, Hkv, G, lq, lk]`` (None on the
+    fused kernel, which takes no bias). ``out``: the final output of these queries, which the fused kernel
+    reads (its rows' ``delta``); without it the block takes the plain path."""
+    case = fused_case(spec, q, q_pos, keys, q_docs, bias, v_dim=v.shape[-1])
+    if case == "skip":
+        return None
+    if case is not None and out is not None:
+        return _fused_backward(spec, q, k, v, dout, out, lse, case == "causal")
     mask = visible(spec, q_pos, keys, q_docs, bias)
     if mask is not None and not bool(mask.any()):
         return None

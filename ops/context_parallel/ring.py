@@ -47,7 +47,7 @@ from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bi
                                                           block_forward, grouped, merge)
 from autopar.ops.context_parallel.layout import CpLayout
 
-__all__ = ["RingAttention", "ring_attention", "RingPass"]
+__all__ = ["RingAttention", "ring_attention", "blockwise_attention", "RingPass"]
 
 
 class RingPass:
@@ -157,8 +157,8 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, bias, docs, out, lse = ctx.saved_tensors
         c, hkv = ctx.c, k.shape[1]
-        qg, dg = grouped(q, hkv), grouped(dout, hkv)
-        delta = (dg.float() * grouped(out, hkv).float()).sum(-1)
+        qg, dg, og = grouped(q, hkv), grouped(dout, hkv), grouped(out, hkv)
+        delta = (dg.float() * og.float()).sum(-1)
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=q.device) if ctx.bias_grad else None
         cur_k, cur_v = k, v
@@ -170,7 +170,8 @@ class _Ring(torch.autograd.Function):
             for qs, q_pos, ks, keys in _pairs(c, src, q.device, ctx.docs, ctx.valid):
                 res = block_backward(c.spec, qg[..., qs, :], cur_k[:, :, ks], cur_v[:, :, ks], q_pos, keys,
                                      dg[..., qs, :], lse[..., qs], delta[..., qs],
-                                     None if docs is None else docs[:, qs], bias_block(bias, qs, keys.pos, hkv))
+                                     None if docs is None else docs[:, qs], bias_block(bias, qs, keys.pos, hkv),
+                                     out=og[..., qs, :])
                 if res is None:
                     continue
                 dq[..., qs, :] += res[0]
@@ -208,6 +209,18 @@ def ring_attention(q, k, v, *, spec: AttentionSpec, layout: CpLayout, group, gua
     _check(q, k, v, bias, layout)
     return _Ring.apply(q, k, v, bias, docs, valid, _Ctx(spec=spec, layout=layout, group=group, guard=guard,
                                                         purpose=purpose, counts=counts))
+
+
+def blockwise_attention(q, k, v, *, spec: AttentionSpec, layout, bias=None, docs=None, valid=None,
+                        purpose: str = "blockwise attention") -> torch.Tensor:
+    """The ring's kernel on one rank: every (query run, key run) block of a one-rank ``layout`` (``cp == 1``;
+    positions in any order, e.g. Ulysses' gathered sequence) with the online softmax, keeping q, k, v, the
+    output and the log-sum-exp for backward (the blocks are recomputed there: nothing of size seq x seq)."""
+    if layout.cp != 1:
+        raise PlanError(f"blockwise attention runs a one-rank layout, got cp={layout.cp}", where=purpose,
+                        fix="use ring_attention for a layout cut over several ranks")
+    return _Ring.apply(q, k, v, bias, docs, valid, _Ctx(spec=spec, layout=layout, group=None, guard=None,
+                                                        purpose=purpose))
 
 
 def _check(q, k, v, bias, layout: CpLayout) -> None:

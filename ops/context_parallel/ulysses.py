@@ -25,6 +25,7 @@ Example (a world of one: both exchanges are the identity)::
 
     >>> from autopar.ops.context_parallel.block_math import AttentionSpec
     >>> from autopar.ops.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.ring import blockwise_attention
     >>> a2a = UlyssesAttention(axis="cp", size=1, layout=CpLayout(seq_len=8, cp=1),
     ...                        spec=AttentionSpec(scale=0.5, causal=True))
     >>> a2a.extra_repr()
@@ -42,6 +43,7 @@ from autopar.ops.collectives import Comm, GraphCollective, all_gather_dim, issue
 from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_scores, grouped,
                                                           visible)
 from autopar.ops.context_parallel.layout import CpLayout
+from autopar.ops.context_parallel.ring import blockwise_attention
 
 __all__ = ["UlyssesAttention", "ulysses_attention", "dense_attention", "seq_to_heads", "heads_to_seq"]
 
@@ -184,8 +186,29 @@ def ulysses_attention(q, k, v, *, spec: AttentionSpec, layout: CpLayout, group, 
     if spec.alibi_slopes is not None:  # this rank's heads' slopes
         heads = q.shape[1] // size
         spec = replace(spec, alibi_slopes=spec.alibi_slopes[rank * heads:(rank + 1) * heads])
-    out = dense_attention(spec, qh, kh, vh, k_pos, keys, all_docs, bias)
+    if size == 1:
+        out = dense_attention(spec, qh, kh, vh, k_pos, keys, all_docs, bias)
+    else:  # blockwise (ring.py's kernel on one rank): keeps q, k, v, out and the log-sum-exp, never seq x seq
+        out = blockwise_attention(qh, kh, vh, spec=spec, layout=WholeSequence(layout), bias=bias, docs=all_docs,
+                                  valid=keys.valid, purpose=purpose)
     return heads_to_seq(out, size=size, group=group, guard=guard, purpose=purpose)
+
+
+class WholeSequence:
+    """Every rank's shard of ``layout`` one after another, as a one-rank layout: the sequence Ulysses gathers
+    (rank by rank, each shard in its own order), for ring.py's blockwise attention over it."""
+
+    cp = 1
+
+    def __init__(self, layout: CpLayout):
+        self.layout, self.seq_len = layout, layout.seq_len
+        self.local_len = layout.seq_len
+
+    def runs(self, rank: int) -> tuple[tuple[int, int], ...]:
+        return tuple(run for r in range(self.layout.cp) for run in self.layout.runs(r))
+
+    def positions(self, rank: int, *, device=None) -> torch.Tensor:
+        return self.layout.order(device=device)
 
 
 class UlyssesAttention(GraphCollective):

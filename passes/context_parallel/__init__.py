@@ -1,7 +1,6 @@
-"""Context parallelism's analyses (installed as ``autopar.passes.context_parallel``): attention and the sequence.
-
-Phase 1 (issue 36): analyses only, writing node meta; no pass rewrites a graph for cp yet and the
-lowering runs none of them (docs/context_parallel.md lists what the integration adds).
+"""Context parallelism (installed as ``autopar.passes.context_parallel``): attention and the sequence found in the
+graph, and the pass that cuts the sequence over the cp mesh dim (the lowering runs it when cp > 1; what is not
+wired yet: docs/context_parallel.md).
 
     graph_util.py         small readers of a captured ATen graph (op keys, shapes, ancestors, parameters)
     mask_probe.py         an attention's mask and bias terms evaluated on probes: causal, window, padding, documents, ALiBi
@@ -10,4 +9,5 @@ lowering runs none of them (docs/context_parallel.md lists what the integration 
     seq_rules.py          the sequence rules per op family, as data, and the refusals
     rowwise.py            a module proven to compute each position from that position alone (MoE layers)
     seq_dims.py           the sequence analysis: every node's rule (autopar.seq) and the refusals with fixes
+    cp_shard.py           the transform: attention as ring or all-to-all nodes, global positions, local sizes
 """

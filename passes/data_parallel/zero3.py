@@ -165,9 +165,11 @@ def shard_parameters_zero3(st: LoweringState) -> LoweringState:
 
 
 def shard_stage_zero3(stage: StageGraph, *, dims: ParallelDims, experts: frozenset[str] = frozenset()) -> StageGraph:
-    """Rewrite ``stage.gm`` in place for ZeRO-3 over the ``dims.dp`` ranks (a no-op for dp=1); ``experts`` (user
-    names of the expert tensors split over ep) over the edp ranks holding the same experts."""
-    dp, edp = dims.dp, dims.edp
+    """Rewrite ``stage.gm`` in place for ZeRO-3 over the ``dims.dp`` ranks (a no-op for dp=1), over dp x cp
+    (``dcp``) with context parallelism; ``experts`` (user names of the expert tensors split over ep) over the edp
+    ranks holding the same experts."""
+    dp, edp = dims.dcp, dims.edp
+    data_axis = "dcp" if dims.cp > 1 else "dp"
     if dp == 1:
         return stage
     gm = stage.gm
@@ -175,7 +177,7 @@ def shard_stage_zero3(stage: StageGraph, *, dims: ParallelDims, experts: frozens
               if edp > 1 or user_name(g[0].target) not in experts]  # edp = 1: each rank holds its experts alone
     for k, nodes in enumerate(groups):
         on_edp = user_name(nodes[0].target) in experts
-        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups), axis="edp" if on_edp else "dp",
+        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups), axis="edp" if on_edp else data_axis,
                       size=edp if on_edp else dp)
     # backward meets the frees in reverse graph order: each prefetches the gather of the free before it
     frees = [gm.get_submodule(n.target) for n in gm.graph.nodes

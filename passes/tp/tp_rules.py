@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 
 from autopar.ir.meta_keys import TENSOR, Placement, get_meta
+from autopar.ops.context_parallel.ring import RingAttention
+from autopar.ops.context_parallel.ulysses import UlyssesAttention
 from autopar.passes.tp.tp_errors import NoRule
 from autopar.passes.moe.tp_expert_rules import EXPERT_RULES
 from autopar.passes.tp.tp_fused_blocks import blocks_between, split_blocks, split_piece, whole_broadcast
@@ -484,8 +486,18 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _head_wise(node: fx.Node) -> bool:
+    """A graph op computing attention head by head on ``[B, H, L, D]`` (context parallelism's ring and
+    all-to-all attention): it shards over tp on its heads as SDPA does."""
+    owner = node.graph.owning_module
+    module = owner.get_submodule(node.target) if owner is not None and node.op == "call_module" else None
+    return isinstance(module, (RingAttention, UlyssesAttention))
+
+
 def rule_for(node: fx.Node) -> Callable:
     """The placement rule of ``node``'s op, or raise NoRule naming the op."""
+    if node.op == "call_module" and _head_wise(node):
+        return sdpa
     if node.op != "call_function":
         raise NoRule(f"{node.name} is a {node.op} node")
     rule = RULES.get(op_name(node))

@@ -20,6 +20,7 @@ Running a step::
     step_batches.py       a step's microbatches, their stage graphs, the schedule, the dp agreement
     batch_split.py        a batch's rows checked and cut into microbatches (a partial batch: fewer or smaller)
     batch_agreement.py    every dp rank's rows and refusals on one all-reduce; row weights of a partial batch
+    cp_batch.py           context parallelism: this rank's part of each sequence, forward outputs joined over cp
     shape_cache.py        stage graphs per batch shape: compiled, their symbolic family, or built per shape
     program.py            RankProgram: the synchronous schedules' train_step
     executor.py           runs this rank's schedule actions on its stage graphs

@@ -117,7 +117,7 @@ class RankProgram(ProgramSurface):
         with self.optimizer.stepping():
             self.optimizer.step()  # then publishes the masters into the bf16 copies (mixed precision)
         self.step_count += 1
-        loss = loss_total / (self.plan.pipeline.num_microbatches * self.plan.mesh.dp)
+        loss = loss_total / (self.plan.pipeline.num_microbatches * self.plan.dims.dcp)  # (dp x cp shares)
         self._report(loss, lrs=lrs, grad_norm=float(norm), inputs=tensors, start=start)
         return loss
 

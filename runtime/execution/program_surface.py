@@ -29,6 +29,7 @@ from autopar.errors import PlanError
 from autopar.ops.flight_record import STEP, FlightRecord
 from autopar.ops.zero3_ops import full_parameters
 from autopar.runtime.checkpoints.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from autopar.runtime.execution.cp_batch import cut_sequence, item_count_of, join_sequence
 from autopar.runtime.execution.executor import run_actions
 from autopar.runtime.diagnostics.flight_watch import start_watch
 from autopar.runtime.execution.graft import graft
@@ -154,19 +155,27 @@ class ProgramSurface:
                 raise PlanError("this program was compiled with a loss_fn: the step needs its target", where=where,
                                 fix="pass target= (this rank's dp slice of the targets)")
             inputs = tuple(inputs) + (target,)
-        return tuple(inputs)
+        return self._cp_cut(tuple(inputs), where)
+
+    def _cp_cut(self, tensors: tuple, where: str) -> tuple:
+        """With cp: each sequence input cut to this rank's part (runtime/execution/cp_batch.py)."""
+        if self.plan.mesh.cp == 1:
+            return tensors
+        spec = self.captured.item_count
+        names = tuple(n for n in self.captured.input_names if spec is None or n != spec.input)
+        return cut_sequence(tensors, names, plan=self.plan, rank=self.info.coords["cp"], where=where)
 
     def _count_items(self, batches: list[dict], per_update: int | None = None) -> list[dict]:
         """The model's own loss divides by the step's label tokens: each microbatch gets its share
         (runtime/execution/item_count.py; one all-reduce over dp). ``per_update``: microbatches per update (all)."""
-        spec = self.captured.item_count
+        spec = item_count_of(self.captured.item_count, self.plan)  # (cp: labels shifted before the cut)
         if spec is not None:
-            add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.mesh.dp,
-                            dp_group=self.info.groups["dp"], guard=self.comm_guard)
+            add_item_counts(batches, spec, per_update=per_update or len(batches), dp_size=self.plan.dims.dcp,
+                            dp_group=self.info.group("dcp"), guard=self.comm_guard)
         weight = self.captured.loss_weight  # a token-mean loss_fn (passes/frontend/mean_loss.py): per update
         if weight is not None and weight.labels in batches[0]:  # (not forward-only)
-            add_loss_weights(batches, weight, per_update=per_update, dp_size=self.plan.mesh.dp,
-                             dp_group=self.info.groups["dp"], guard=self.comm_guard)
+            add_loss_weights(batches, weight, per_update=per_update, dp_size=self.plan.dims.dcp,
+                             dp_group=self.info.group("dcp"), guard=self.comm_guard)
         return batches
 
     def shard_batch(self, tensor):
@@ -207,7 +216,7 @@ class ProgramSurface:
     def _forward_only(self, inputs: tuple):
         """The model's output for this rank's batch, on every rank (call under ``torch.no_grad``)."""
         batches, stages = self.batching.cut(self._batch(inputs, None, "program(...)")
-                                            if self.captured.keywords else tuple(inputs))
+                                            if self.captured.keywords else self._cp_cut(tuple(inputs), "program(...)"))
         batches = self._count_items(batches)
         self.phase = "index range check"
         self.index_guard.agree(self.index_guard.inspect(batches), guard=self.comm_guard, rank=self.info.rank,
@@ -226,7 +235,7 @@ class ProgramSurface:
             self.comm_guard.call("broadcast_object_list", dist.broadcast_object_list, payload, src=self.output_rank,
                                  group=self.info.groups["pp"], purpose="the forward's outputs")
         outputs = pytree.tree_unflatten(payload[0], self.captured.out_spec)
-        return outputs
+        return join_sequence(outputs, plan=self.plan, group=self.info.group("cp"), guard=self.comm_guard)
 
     def flush(self) -> None:
         """Finish the work in flight before the process group goes: nothing for a synchronous program,

@@ -59,6 +59,18 @@ class MeshInfo:
         if self.dims is None:
             self.dims = self.shape.dims
 
+    def _same(self, axis: str) -> str:
+        """``dcp`` is dp itself without cp (a hand-made MeshInfo need not list it)."""
+        return "dp" if axis == "dcp" and axis not in self.groups and self.dims.cp == 1 else axis
+
+    def group(self, axis: str):
+        """The process group along ``axis`` (None: a world of one)."""
+        return self.groups.get(self._same(axis))
+
+    def ranks(self, axis: str) -> list[int]:
+        """The global ranks along ``axis``, in order of their position on it."""
+        return self.axis_ranks.get(self._same(axis), [self.rank])
+
     def peer(self, axis: str, index: int) -> int:
         """Global rank of the rank at ``index`` along ``axis`` sharing my other coordinates."""
         return self.axis_ranks[axis][index]
@@ -102,9 +114,9 @@ class RankContext:
         return self.info.rank
 
     def axis(self, name: str) -> AxisGroup:
-        """Axis ``name`` (``dp``, ``pp``, ``tp``, or ``ep`` / ``edp`` carved out of dp) from this rank."""
-        ranks = self.info.axis_ranks.get(name, [self.info.rank])
-        return AxisGroup(group=self.info.groups.get(name), ranks=tuple(ranks), index=self.info.index(name))
+        """Axis ``name`` (``dp``, ``cp``, ``pp``, ``tp``; ``ep`` / ``edp`` carved out of dp; ``dcp`` = dp x cp)
+        from this rank."""
+        return AxisGroup(group=self.info.group(name), ranks=tuple(self.info.ranks(name)), index=self.info.index(name))
 
 
 class ProgramState(Protocol):

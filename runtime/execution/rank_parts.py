@@ -150,7 +150,7 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
     aliases = {user_name(n.target): tuple(user_name(a) for a in get_meta(n, PARAM).aliases)
                for s in lowered.stages for n in s.gm.graph.nodes
                if n.op == "get_attr" and get_meta(n, PARAM) is not None}
-    optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dp"),
+    optimizer = ShardedOptimizer(named, optimizer_factory, zero_stage=plan.zero_stage, dp=ctx.axis("dcp"),
                                  comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
                                  synced=mixed.compute if mixed is not None else None,
                                  local=frozenset(plan.expert_params),

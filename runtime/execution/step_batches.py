@@ -20,6 +20,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.ops.collectives import GraphCollective
 from autopar.runtime.execution.batch_agreement import StepRows, add_row_weights, agreement_riders, read_agreement
 from autopar.runtime.execution.batch_split import FIX_PARTIAL, batch_rows, cut_rows, microbatch_rows
+from autopar.runtime.execution.cp_batch import item_count_of
 from autopar.runtime.execution.item_count import add_item_counts, add_loss_weights
 from autopar.runtime.schedules.registry import build_schedule
 from autopar.runtime.schedules.validator import validate
@@ -93,14 +94,15 @@ class StepBatches:
     def agree(self, batches: list[dict] | None, problem: AutoparError | None, *, train: bool,
               per_update: int | None = None) -> StepRows:
         """Every dp rank's rows and refusals (one all-reduce over dp, the token counts on it); raises the
-        step's error on every rank when any refused its batch. Sets the counts and weights in ``batches``."""
-        program, dp = self.program, self.program.plan.mesh.dp
-        index = program.info.coords["dp"]
+        step's error on every rank when any refused its batch. Sets the counts and weights in ``batches``.
+        With cp, over dp x cp: each cp rank holds an equal part of its rows' positions, and its own tokens."""
+        program, dp = self.program, self.program.plan.dims.dcp
+        index = program.info.index("dcp")
         rows = sum(int(next(iter(b.values())).shape[0]) for b in batches) if batches else 0
         riders = agreement_riders(rows=rows, refused=problem is not None, dp_index=index, dp_size=dp,
                                   device=program.info.device)
-        spec, weight = program.captured.item_count, program.captured.loss_weight
-        common = dict(dp_size=dp, dp_group=program.info.groups["dp"], guard=program.comm_guard, riders=riders)
+        spec, weight = item_count_of(program.captured.item_count, program.plan), program.captured.loss_weight
+        common = dict(dp_size=dp, dp_group=program.info.group("dcp"), guard=program.comm_guard, riders=riders)
         counted = spec is not None or (weight is not None and train)
         if batches is not None and spec is not None:
             riders = add_item_counts(batches, spec, per_update=per_update or len(batches), **common)
@@ -109,7 +111,7 @@ class StepBatches:
         elif dp > 1:
             updates = (self.count // per_update if per_update else 1) if counted else 0
             vector = torch.cat([torch.zeros(updates, dtype=torch.float64, device=riders.device), riders])
-            program.comm_guard.run("all_reduce", dist.all_reduce, vector, group=program.info.groups["dp"],
+            program.comm_guard.run("all_reduce", dist.all_reduce, vector, group=program.info.group("dcp"),
                                    purpose="the step's rows on every dp rank (and its token counts)")
             riders = vector[updates:]
         step = read_agreement(riders, dp_size=dp)

@@ -56,7 +56,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
         return name in owned_experts if owned_experts is not None else plan.dims.index("edp", coords) == 0
     if owned is not None:
         return name in owned
-    return coords["dp"] == 0
+    return plan.dims.index("dcp", coords) == 0  # (replicated over dp x cp: its first rank counts)
 
 
 def local_squares(named: list[tuple[str, torch.nn.Parameter]], *, plan, coords: dict[str, int],
@@ -118,7 +118,7 @@ def _counting(program: ProgramState) -> dict:
     sharded = frozenset(user_name(t) for s in program.stages.values() for t in zero3_targets(s.gm))
     owned = None  # replicated over dp: dp rank 0 counts
     if owners is not None:
-        owned = {n for n, k in owners.items() if k == program.info.coords["dp"]}
+        owned = {n for n, k in owners.items() if k == plan.dims.index("dcp", program.info.coords)}
     expert_owners = program.optimizer.expert_owner_of() if hasattr(program.optimizer, "expert_owner_of") else None
     owned_experts = None  # ZeRO-1/2 with experts owned over edp: each counted by its owner
     if expert_owners is not None:

@@ -111,7 +111,8 @@ class GradientSync:
         self.zero3_runtimes = zero3_runtimes
         self._t0 = time.perf_counter()
         mode = getattr(plan, "data_parallel", "ddp")
-        self.active = plan.mesh.dp > 1 and mode == "ddp" and plan.zero_stage != 3
+        # weights' gradients are summed over dp x cp (cp ranks hold other positions of the same rows)
+        self.active = plan.dims.dcp > 1 and mode == "ddp" and plan.zero_stage != 3
         self.buckets = self.post = None
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
         experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/state/moe_groups.py)
@@ -127,7 +128,7 @@ class GradientSync:
             return
         shared_ids = {id(p) for p, _ in shared}
         named_params = [(n, p) for n, p in named_params if n not in experts]
-        common = dict(dp=ctx.axis("dp"), bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
+        common = dict(dp=ctx.axis("dcp"), bucket_bytes=int(getattr(plan, "bucket_mb", 25.0) * 2**20), owners=owners,
                       keep_unowned=plan.zero_stage <= 1, comm_log=ctx.comm_log, current_action=current_action)
         self.buckets = GradBuckets([(n, p) for n, p in named_params if id(p) not in shared_ids],
                                    overlap=True, uses=uses, **common)

@@ -162,7 +162,7 @@ def masters_for_rank(model: nn.Module, lowered, *, schedule, info) -> dict[str, 
         experts = set(lowered.plan.expert_params)
         masters = {n: EXPERTS.cut(t, rank=dims.index("ep", info.coords), size=dims.ep) if n in experts else t
                    for n, t in masters.items()}
-    if lowered.plan.zero_stage == 3 and info.shape.dp > 1:  # the parameters ZeRO-3 shards: their 1/N block
+    if lowered.plan.zero_stage == 3 and info.dims.dcp > 1:  # the parameters ZeRO-3 shards: their 1/N block
         sharded = {user_name(t): z for t, z in zero3_shards([s.gm for s in mine]).items()}  # experts: over edp
         masters = {n: zero3_block(t, rank=sharded[n].index(dims, info.coords), size=sharded[n].size)
                    if n in sharded else t for n, t in masters.items()}

@@ -76,12 +76,12 @@ def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int
     """Names of the trainable parameters the rank at ``coords`` steps under ZeRO-1/2; None when it steps all.
 
     ``local`` parameters (MoE experts split over ep ranks of dp) follow :func:`owned_experts`."""
-    if zero_stage not in (1, 2) or dims.dp == 1:
+    if zero_stage not in (1, 2) or dims.dcp == 1:  # (over dp x cp: the ranks a gradient is summed over)
         return None
     trainable = [(n, p) for n, p in named if p.requires_grad]
     shared = [(n, p) for n, p in trainable if n not in local]
     experts = [(n, p) for n, p in trainable if n in local]
-    return set(partition_params(shared, dims.dp)[dims.index("dp", coords)]) | \
+    return set(partition_params(shared, dims.dcp)[dims.index("dcp", coords)]) | \
         owned_experts(experts, dims=dims, coords=coords)
 
 

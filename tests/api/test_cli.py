@@ -87,7 +87,7 @@ def test_inspect_bare_model_takes_input_shape(capsys):
 @pytest.mark.parametrize("mesh,words", [
     ("dp=2,pp=x", "not a positive integer"),
     ("dp=0", "not a positive integer"),
-    ("xx=2", "AXIS one of dp, pp, tp"),
+    ("xx=2", "AXIS one of dp, cp, pp, tp"),
     ("dp=2,dp=2", "given twice"),
     ("2,2,1", "AXIS=DEGREE"),
 ])

@@ -67,7 +67,7 @@ def test_zero_mesh_degree_is_a_plan_error(monkeypatch):
 def test_unknown_mesh_dim_name_in_plan_is_a_plan_error(gpt):
     with pytest.raises(autopar.PlanError) as info:
         _plan(gpt, {"xx": 2})
-    _check(info, autopar.PlanError, what="unknown mesh dim names ['xx']", where="mesh_shape", fix="'dp', 'pp', 'tp'")
+    _check(info, autopar.PlanError, what="unknown mesh dim names ['xx']", where="mesh_shape", fix="'dp', 'cp', 'pp', 'tp'")
 
 
 def test_unreadable_mesh_shape_is_a_plan_error(gpt):

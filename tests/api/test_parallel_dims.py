@@ -1,7 +1,8 @@
 """ParallelDims: every degree in one object, its coordinates and groups against a layout of its own.
 
-The oracle is torch's own reshape of ``arange(world)``: the mesh (dp, pp, tp) row-major, as
-``init_device_mesh`` lays it out, with dp unflattened into (edp, ep) as ``DeviceMesh._unflatten`` does.
+The oracle is torch's own reshape of ``arange(world)``: the mesh (dp, cp, pp, tp) row-major, as
+``init_device_mesh`` lays it out, with dp unflattened into (edp, ep) as ``DeviceMesh._unflatten`` does, and
+dp x cp flattened into dcp as ``DeviceMesh._flatten`` does.
 It shares no code with ParallelDims. The groups built from a live DeviceMesh are checked in the MoE
 process group (tests/runtime/test_moe_expert_parallel_dist.py).
 """
@@ -20,32 +21,34 @@ from autopar.plan_model import MeshShape, Plan
 def dims(draw):
     ep = draw(st.integers(1, 4))
     return ParallelDims(dp=ep * draw(st.integers(1, 3)), pp=draw(st.integers(1, 3)), tp=draw(st.integers(1, 3)),
-                        ep=ep)
+                        ep=ep, cp=draw(st.integers(1, 3)))
 
 
 def _grid(d: ParallelDims) -> torch.Tensor:
-    """Global ranks laid out as (edp, ep, pp, tp): the mesh's dp dim unflattened."""
-    return torch.arange(d.dp * d.pp * d.tp).reshape(d.dp // d.ep, d.ep, d.pp, d.tp)
+    """Global ranks laid out as (edp, ep, cp, pp, tp): the mesh's dp dim unflattened."""
+    return torch.arange(d.dp * d.cp * d.pp * d.tp).reshape(d.dp // d.ep, d.ep, d.cp, d.pp, d.tp)
 
 
 def _oracle(d: ParallelDims, rank: int) -> dict[str, tuple[int, list[int]]]:
     """{axis: (this rank's position, the ranks of its group)} read off the grid."""
     grid = _grid(d)
-    e, k, p, t = (int(i) for i in (grid == rank).nonzero()[0])
-    flat = grid.reshape(d.dp, d.pp, d.tp)
-    return {"dp": (e * d.ep + k, flat[:, p, t].tolist()), "pp": (p, flat[e * d.ep + k, :, t].tolist()),
-            "tp": (t, flat[e * d.ep + k, p, :].tolist()), "ep": (k, grid[e, :, p, t].tolist()),
-            "edp": (e, grid[:, k, p, t].tolist())}
+    e, k, c, p, t = (int(i) for i in (grid == rank).nonzero()[0])
+    flat = grid.reshape(d.dp, d.cp, d.pp, d.tp)
+    i = e * d.ep + k
+    return {"dp": (i, flat[:, c, p, t].tolist()), "cp": (c, flat[i, :, p, t].tolist()),
+            "pp": (p, flat[i, c, :, t].tolist()), "tp": (t, flat[i, c, p, :].tolist()),
+            "ep": (k, grid[e, :, c, p, t].tolist()), "edp": (e, grid[:, k, c, p, t].tolist()),
+            "dcp": (i * d.cp + c, flat[:, :, p, t].reshape(-1).tolist())}
 
 
 @settings(max_examples=60, deadline=None)
 @given(dims())
 def test_coordinates_positions_and_groups_match_the_unflattened_mesh(d):
-    assert d.world_size == d.dp * d.pp * d.tp and d.edp * d.ep == d.dp
+    assert d.world_size == d.dp * d.cp * d.pp * d.tp and d.edp * d.ep == d.dp and d.dcp == d.dp * d.cp
     for rank in range(d.world_size):
         coords, oracle = d.coords(rank), _oracle(d, rank)
         assert d.rank(**coords) == rank
-        assert coords == {axis: oracle[axis][0] for axis in MESH_AXES}
+        assert coords == {axis: oracle[axis][0] for axis in MESH_AXES if axis != "cp" or d.cp > 1}
         for axis in AXES:
             position, group = oracle[axis]
             assert d.index(axis, coords) == position, axis

@@ -37,6 +37,8 @@ RESOLVED = {
     "moe_capacity_factor": (1.5, {"expert_parallel": 2}, lambda p: p.moe_capacity_factor),
     "dynamic_shapes": ("seq", {}, lambda p: p.dynamic_shapes),
     "max_seq_len": (48, {}, lambda p: p.max_seq_len),
+    "cp_strategy": ("ring", {}, lambda p: p.cp_strategy),
+    "cp_load_balanced": (False, {}, lambda p: p.cp_load_balanced),
 }
 
 
