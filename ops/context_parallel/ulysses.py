@@ -1,7 +1,7 @@
 """All-to-all (Ulysses) attention over the cp ranks: sequence shards become head shards and back.
 
 DeepSpeed-Ulysses' exchange: each rank holds every head of its sequence shard; one all-to-all gives it
-``H / cp`` heads of the whole sequence, it computes ordinary attention on them, and a second
+``H / cp`` heads of the whole sequence, it computes attention on them (ring.py's blockwise kernel), and a second
 all-to-all gives every rank back all heads of its own shard::
 
     before (rank r: all heads of its positions)        after the first all-to-all (rank r: its heads, every position)
@@ -25,7 +25,6 @@ Example (a world of one: both exchanges are the identity)::
 
     >>> from autopar.ops.context_parallel.block_math import AttentionSpec
     >>> from autopar.ops.context_parallel.layout import CpLayout
-from autopar.ops.context_parallel.ring import blockwise_attention
     >>> a2a = UlyssesAttention(axis="cp", size=1, layout=CpLayout(seq_len=8, cp=1),
     ...                        spec=AttentionSpec(scale=0.5, causal=True))
     >>> a2a.extra_repr()
