@@ -71,8 +71,9 @@ MODULES = {
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
     "passes/tp/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
-    "runtime/state/zero.py": f"{_RT}test_zero_units.py",
-    "runtime/state/grad_sync.py": f"{_RT}test_zero_units.py",
+    "runtime/state/zero.py": f"{_RT}test_zero_units.py {_RT}test_zero_optimizer_units.py {_RT}test_program_optimizer.py "
+                             f"{_RT}test_precision_clip.py -m 'not dist'",
+    "runtime/state/grad_sync.py": f"{_RT}test_grad_sync_units.py",
 }
 
 _KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Div_FloorDiv", "Mod_FloorDiv",
