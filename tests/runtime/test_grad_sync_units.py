@@ -39,6 +39,21 @@ def test_flat_buckets_fill_up_to_the_cap_in_order_and_split_at_a_dtype_change():
     assert [len(bucket) for bucket in flat_buckets([big, big, a])] == [3]  # 25 MiB by default
 
 
+def test_a_new_bucket_starts_empty():
+    """One-byte tensors: after a split the next bucket holds exactly the cap, and not a byte more."""
+    def sizes(*numels):
+        return [torch.zeros(n, dtype=torch.int8) for n in numels]
+    assert [len(bucket) for bucket in flat_buckets(sizes(16, 8, 8, 9), bucket_bytes=16)] == [1, 2, 1]
+    assert [len(bucket) for bucket in flat_buckets(sizes(16, 8, 9), bucket_bytes=16)] == [1, 1, 1]
+
+
+def test_the_default_bucket_is_torch_ddps_25_mib():
+    """Meta tensors (no memory): two halves of 25 MiB share a bucket, one more byte does not."""
+    half = torch.empty(25 * 2**19, dtype=torch.int8, device="meta")
+    byte = torch.empty(1, dtype=torch.int8, device="meta")
+    assert [len(bucket) for bucket in flat_buckets([half, half, byte])] == [2, 1]
+
+
 # -- average_gradients ------------------------------------------------------------------------------
 def _fake_all_reduce(monkeypatch, peer: list[torch.Tensor], calls: list):
     """All-reduce over a dp of 2 whose other rank holds ``peer``'s tensors in order, one flat bucket at a time."""
@@ -160,13 +175,21 @@ def _bucket_names(buckets) -> list[set[str]]:
     return [set(b.names) for b in buckets.buckets]
 
 
-@pytest.mark.parametrize("plan", [_plan(dp=1), _plan(zero_stage=3), _plan(mode="dataparallel")],
-                         ids=["dp1", "zero3", "dataparallel"])
-def test_nothing_is_bucketed_where_dp_does_not_reduce_here(plan):
+@pytest.mark.parametrize("plan", [_plan(dp=1, experts=("e0", "e1")), _plan(mode="dataparallel", experts=("e0", "e1"))],
+                         ids=["dp1", "dataparallel"])
+def test_nothing_is_synced_where_dp_does_not_reduce_here(plan):
     named = _named()
     sync = GradientSync(named, ctx=_ctx(), shared=[], plan=plan, owners=None, uses={})
     assert sync.buckets is None and sync.post is None and sync.launch_log() == []
     assert sync.experts == []
+
+
+def test_zero3_buckets_nothing_and_syncs_the_experts_it_leaves_whole():
+    named = _named()
+    sync = GradientSync(named, ctx=_ctx(), shared=[], plan=_plan(zero_stage=3, experts=("e0", "e1")), owners=None,
+                        uses={})
+    assert sync.buckets is None and sync.post is None and sync.launch_log() == []
+    assert sync.experts == [dict(named)["e0"], dict(named)["e1"]]
 
 
 @pytest.mark.parametrize("zero_stage,keep_unowned", [(0, True), (1, True), (2, False)])

@@ -45,6 +45,15 @@ def test_zero0_over_dp_steps_every_parameter_and_owns_none_whole():
     assert one_rank.owner_of() is None and one_rank.stepped_names() == ["p0", "p1", "p2"]
 
 
+def test_without_a_template_the_factory_is_given_tensors():
+    """The default template calls the factory as compile's default does: with the parameters, not pairs."""
+    named = _named([3, 4]) + [("m", torch.nn.Parameter(torch.zeros(2, 2)))]
+    opt = ShardedOptimizer(named, lambda ps: torch.optim.SGD([p for p in ps if p.ndim == 1], lr=0.1), zero_stage=0,
+                           dp=_dp(0, ranks=(4,)))
+    assert opt.stepped_names() == ["p0", "p1"] and "param_names" not in opt.param_groups[0]
+    assert [p.shape for p in opt.optimizer.param_groups[0]["params"]] == [(3,), (4,)]
+
+
 def test_zero3_over_one_rank_takes_any_optimizer():
     """Flat 1/N shards of one rank are whole tensors: Adafactor is exact there."""
     opt = ShardedOptimizer(_named([4, 4]), lambda ps: torch.optim.Adafactor(ps), zero_stage=3, dp=_dp(0, ranks=(4,)))
@@ -181,7 +190,7 @@ def test_state_bytes_and_the_named_state_round_trip_of_the_owned_parameters(monk
     saved = opt.hyperparameters()
     saved[0]["betas"] = [0.5, 0.75]  # as JSON gives it back
     saved[0]["lr"] = 0.05
-    twin.load_named_state(state, saved)
+    twin.load_named_state({**state, "p0": state["p1"], "not a parameter": {}}, saved)  # a checkpoint's every name
     assert twin.param_groups[0]["betas"] == (0.5, 0.75) and twin.param_groups[0]["lr"] == 0.05
     assert twin.optimizer.param_groups[0]["betas"] == (0.5, 0.75) and twin.optimizer.param_groups[0]["lr"] == 0.05
     loaded = twin.named_state()
