@@ -69,7 +69,7 @@ def test_a_reduction_over_the_sharded_dim_or_every_dim_is_refused(args, words):
 @pytest.mark.parametrize("args,bounds", [
     ((), (0, 0, 4)), ((1,), (1, 0, 6)), ((1, 2), (1, 2, 6)), ((1, 2, 4), (1, 2, 4)), ((1, None, 4), (1, 0, 4)),
     ((1, 2, None), (1, 2, 6)), ((1, -4, -1), (1, 2, 5)), ((-1, 1, 100), (2, 1, 8)), ((1, -100, 3), (1, 0, 3)),
-    ((1, 7, 9), (1, 6, 6)), ((1, 0, -100), (1, 0, 0)),
+    ((1, 7, 9), (1, 6, 6)), ((1, 0, -100), (1, 0, 0)), ((1, 0, 0), (1, 0, 0)), ((1, -1, 0), (1, 5, 0)),
 ])
 def test_slice_bounds_resolve_pythons_slices(args, bounds):
     _, node = _node(aten.slice.Tensor, (4, 6, 8), (4, 6, 8), *args)
