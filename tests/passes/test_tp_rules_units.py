@@ -135,3 +135,14 @@ def test_cat_without_a_dim_joins_dim_0():
     with pytest.raises(NoRule, match="concatenates along the sharded dim"):
         _apply(node, {x: Placement.shard(0)})
     assert _apply(node, {x: Placement.shard(1)}) == (Placement.shard(1), {x: Placement.shard(1), y: Placement.shard(1)})
+
+
+def test_a_view_into_heads_counts_each_fused_block_in_heads_and_one_that_cuts_a_block_is_refused():
+    """[q | k | v] of 8, 4 and 4 features viewed as 4 heads of 4: blocks of 2, 1 and 1 heads; 6, 6 and 4
+    features would cut a head across q and k."""
+    (x,), node = _node(aten.view.default, (2, 5, 16), (2, 5, 4, 4), [2, 5, 4, 4])
+    fused = Placement.shard(2, blocks=((8, 2), (4, 2), (4, 2)))
+    out, need = _apply(node, {x: fused})
+    assert (out, need) == (Placement.shard(2, blocks=((2, 2), (1, 2), (1, 2))), {x: fused})
+    with pytest.raises(NoRule, match="cuts inside a block"):
+        _apply(node, {x: Placement.shard(2, blocks=((6, 2), (6, 2), (4, 2)))})
