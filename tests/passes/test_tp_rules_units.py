@@ -52,6 +52,12 @@ def test_a_reduction_of_other_dims_moves_the_shard_by_the_dims_dropped_before_it
     assert _apply(node, {x: S2}) == (Placement.shard(out_dim), {x: S2})
 
 
+def test_a_reduction_given_its_dims_alone_drops_them():
+    """``amax(x, [1])``, keepdim left to its default: a reduction of dim 1, not of every dim."""
+    (x,), node = _node(aten.amax.default, (2, 5, 8), (2, 8), [1])
+    assert _apply(node, {x: S2}) == (Placement.shard(1), {x: S2})
+
+
 def test_a_reduction_after_the_shard_leaves_its_dim():
     (x,), node = _node(aten.amax.default, (2, 8, 5), (2, 8), [2], False)
     assert _apply(node, {x: Placement.shard(1)}) == (Placement.shard(1), {x: Placement.shard(1)})
