@@ -62,7 +62,9 @@ MODULES = {
     "runtime/schedules/forward_only.py": f"{_RT}test_schedule_chimera.py {_RT}test_schedule_action.py",
     "runtime/schedules/asynchronous.py": f"{_RT}test_async_pipeline.py -m 'not dist' {_RT}test_schedule_generators.py",
     "runtime/schedules/action.py": f"{_RT}test_schedule_action.py {_RT}test_schedule_validator.py",
-    "runtime/schedules/deps.py": f"{_RT}test_schedule_validator.py {_RT}test_schedule_simulator.py",
+    "runtime/schedules/deps.py": f"{_RT}test_schedule_validator.py {_RT}test_schedule_simulator.py "
+                                 "tests/test_docstring_examples.py::test_docstring_examples_run"
+                                 "[autopar.runtime.schedules.deps]",
     "runtime/schedules/validator.py": f"{_RT}test_schedule_validator.py",
     "runtime/schedules/simulator.py": f"{_RT}test_schedule_simulator.py {_RT}test_step_graph.py -m 'not dist'",
     "runtime/schedules/step_graph.py": f"{_RT}test_step_graph.py {_RT}test_schedule_validator.py -m 'not dist'",
