@@ -62,7 +62,9 @@ MODULES = {
     "runtime/schedules/forward_only.py": f"{_RT}test_schedule_chimera.py {_RT}test_schedule_action.py",
     "runtime/schedules/asynchronous.py": f"{_RT}test_async_pipeline.py -m 'not dist' {_RT}test_schedule_generators.py",
     "runtime/schedules/action.py": f"{_RT}test_schedule_action.py {_RT}test_schedule_validator.py",
-    "runtime/schedules/deps.py": f"{_RT}test_schedule_validator.py {_RT}test_schedule_simulator.py",
+    "runtime/schedules/deps.py": f"{_RT}test_schedule_validator.py {_RT}test_schedule_simulator.py "
+                                 "tests/test_docstring_examples.py::test_docstring_examples_run"
+                                 "[autopar.runtime.schedules.deps]",
     "runtime/schedules/validator.py": f"{_RT}test_schedule_validator.py",
     "runtime/schedules/simulator.py": f"{_RT}test_schedule_simulator.py {_RT}test_step_graph.py -m 'not dist'",
     "runtime/schedules/step_graph.py": f"{_RT}test_step_graph.py {_RT}test_schedule_validator.py -m 'not dist'",
@@ -70,9 +72,11 @@ MODULES = {
     "runtime/schedules/closed_form.py": f"{_RT}test_schedule_closed_forms.py",
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
-    "passes/tp/tp_rules.py": "tests/passes/test_tp_refusals.py tests/passes/test_tp_train_numerics.py",
-    "runtime/state/zero.py": f"{_RT}test_zero_units.py",
-    "runtime/state/grad_sync.py": f"{_RT}test_zero_units.py",
+    "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_refusals.py "
+                             "tests/passes/test_tp_train_numerics.py",
+    "runtime/state/zero.py": f"{_RT}test_zero_units.py {_RT}test_zero_optimizer_units.py {_RT}test_program_optimizer.py "
+                             f"{_RT}test_precision_clip.py -m 'not dist'",
+    "runtime/state/grad_sync.py": f"{_RT}test_grad_sync_units.py",
 }
 
 _KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Div_FloorDiv", "Mod_FloorDiv",
