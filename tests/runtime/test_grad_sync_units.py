@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from autopar.parallel_dims import ParallelDims
 from autopar.plan_model import MeshShape
 from autopar.runtime.execution.rank_context import MeshInfo, RankContext
 from autopar.runtime.state import ddp_buckets, grad_sync
@@ -152,8 +153,8 @@ def test_a_weight_without_a_gradient_sends_zeros_and_one_held_nowhere_else_is_le
 
 # -- GradientSync ------------------------------------------------------------------------------------
 def _plan(*, dp=2, zero_stage=0, mode="ddp", bucket_mb=25.0, experts=()):
-    return SimpleNamespace(mesh=SimpleNamespace(dp=dp), zero_stage=zero_stage, data_parallel=mode,
-                           bucket_mb=bucket_mb, expert_params=tuple(experts))
+    return SimpleNamespace(mesh=SimpleNamespace(dp=dp), dims=ParallelDims(dp=dp), zero_stage=zero_stage,
+                           data_parallel=mode, bucket_mb=bucket_mb, expert_params=tuple(experts))
 
 
 def _ctx(dp=2, rank=0) -> RankContext:
