@@ -129,7 +129,9 @@ def test_a_measured_step_gives_its_own_critical_path(case):
         durations, latency = action_durations(events), transfer_latency(schedule, events)
         path = measured_critical_path(schedule, events)
         assert path.length == pytest.approx(replay(schedule, events).step_time, rel=1e-12)
-        assert path.length > 0 and {s.rank for s in path.steps} == {0, 1}  # the fill crosses the ranks
+        # (which ranks the path visits depends on the measured times: under load one rank's own chain can be
+        # the longest, so only the path's validity and length are asserted, never its ranks)
+        assert path.length > 0 and path.steps
         for step in path.steps:
             expected = latency if step.kind == "transfer" else durations[_action(schedule, step.label)]
             assert step.seconds == pytest.approx(expected, rel=1e-12), step
