@@ -151,6 +151,8 @@ class JobWatch:
     def beat(self) -> None:
         """One heartbeat: say we live, publish the record if a rank failed since, catch an overlong wait."""
         self.store.set(self._key("hb", self.rank), json.dumps({"t": time.time(), "doing": _doing(self.record)}))
+        if self._stop.is_set():  # (the process is exiting: no second store call; one that hangs on a store whose
+            return               # host has gone takes up to _STORE_TIMEOUT_S, and exit waits for it: _end_beats)
         failures = int(self.store.add(self._key("failures"), 0))
         if failures > self._seen_failures:
             self._seen_failures = failures
@@ -333,7 +335,7 @@ def _end_beats(stop: threading.Event, thread: threading.Thread) -> None:
     does not allow, and the process aborts ("terminate called without an active exception"), after a run
     that otherwise succeeded."""
     stop.set()
-    thread.join(timeout=_STORE_TIMEOUT_S + 1.0)
+    thread.join(timeout=2 * _STORE_TIMEOUT_S + 1.0)  # (a beat's two store calls, each bounded by the timeout)
 
 
 def _die() -> None:
