@@ -9,8 +9,8 @@ A sketch (a 70B-shaped model on the meta device; tests/api/test_planner.py runs 
     print(report.summary())     # why the first one won
 
 The parts, in the order they run: :mod:`~autopar.planner.profile` (per-chunk costs from the
-captured graph), :mod:`~autopar.planner.cost_model` (step time and memory of one candidate, on the
-schedule shapes :mod:`~autopar.planner.schedule_shapes` caches),
+captured graph), :mod:`~autopar.planner.cost_model` (step time and memory of one candidate, from the per-chunk times of
+:mod:`~autopar.planner.chunk_time`, on the schedule shapes :mod:`~autopar.planner.schedule_shapes` caches),
 :mod:`~autopar.planner.pipeline_bound` (the closed form, a proven lower bound of the simulated
 pipeline), :mod:`~autopar.planner.stage_cuts` (stage boundaries for devices of any speed and memory),
 :mod:`~autopar.planner.search` (best-first: the simulator's fastest fitting plan),

@@ -50,13 +50,14 @@ from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, owned_experts, st
 from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
-from autopar.planner.profile import ChunkCost, ModelProfile
+from autopar.planner.chunk_time import chunk_times, comm_time, cp_ring, moe_comm
+from autopar.planner.profile import ModelProfile
 from autopar.planner.schedule_shapes import full_schedule, schedule_of, stages_of
 from autopar.runtime.schedules.registry import family, splits_backward
 from autopar.runtime.schedules.shared_cores import simulate_shared_cores
 from autopar.runtime.schedules.simulator import StageCosts, simulate
 
-__all__ = ["Candidate", "Estimate", "CostModel", "chunk_times", "moe_comm", "estimate"]
+__all__ = ["Candidate", "Estimate", "CostModel", "estimate"]
 
 _OPT_BYTES = {"sgd": 12, "momentum": 20, "adam": 28, "adamw": 28}  # bytes touched per element per step
 
@@ -115,64 +116,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.memory <= self.capacity
-
-
-def _comm_time(comms, *, tp: int, b: int, link, direction: str, include_recompute: bool) -> float:
-    return sum(link.collective(c.op, c.nbytes * b, tp) for c in comms
-               if c.direction == direction and (include_recompute or not c.recompute))
-
-
-def moe_comm(chunk: ChunkCost, *, b: int, ep: int, link) -> tuple[float, float]:
-    """(forward, backward) seconds of the all-to-alls of ``chunk``'s MoE layers for a microbatch of ``b``.
-
-    Per layer, forward: the per-expert row counts (E int64), the dispatch of the routed rows and the
-    combine of the expert outputs, each an all-to-all among the ``ep`` ranks; backward: the two
-    conjugates (the gradient rows the way the rows came). Dropless, every ep rank routing alike.
-    """
-    if ep <= 1:
-        return 0.0, 0.0
-    forward = backward = 0.0
-    for layer in chunk.moe:
-        rows = link.all_to_all(layer.dispatch_bytes * b, ep) + link.all_to_all(layer.combine_bytes * b, ep)
-        forward += link.all_to_all(8 * layer.num_experts, ep) + rows
-        backward += rows
-    return forward, backward
-
-
-def cp_ring(chunk: ChunkCost, *, b: int, cp: int, link) -> tuple[float, float]:
-    """(forward, backward) seconds of the ring of ``chunk``'s attentions under context parallelism: each rank's
-    K/V shard passed ``cp - 1`` hops forward; backward the K/V again and the dK/dV back (counted whole, not hidden
-    behind the blocks' compute)."""
-    if cp <= 1 or not chunk.attention_kv:
-        return 0.0, 0.0
-    hop = link.p2p(chunk.attention_kv * b / cp)
-    return (cp - 1) * hop, (2 * cp - 1) * hop
-
-
-def chunk_times(chunk: ChunkCost, *, b: int, tp: int, device: Device, cluster: Cluster, precision: str,
-                recompute: str, contention: float = 1.0, ep: int = 1, ep_link=None, cp: int = 1,
-                cp_link=None) -> tuple[float, float, float]:
-    """(forward, input-gradient backward, weight-gradient) seconds of one microbatch on ``chunk``
-    (with ``ep`` > 1 its MoE layers' all-to-alls over ``ep_link``, :func:`moe_comm`; with ``cp`` > 1 a rank's
-    ``1/cp`` of every sequence, the attention's ring over ``cp_link``, :func:`cp_ring`)."""
-    rate = device.matmul_rate(precision, samples=b) / contention
-    matmul = chunk.flops * b / cp / rate + chunk.gemms * device.gemm_overhead_s * contention
-    memory = chunk.bytes_written * b / cp / device.memory_bandwidth * contention
-    ops = chunk.ops * device.op_overhead_s * contention
-    fwd_comm = _comm_time(chunk.comms, tp=tp, b=b / cp, link=cluster.intra, direction="forward",
-                          include_recompute=False)
-    bwd_comm = _comm_time(chunk.comms, tp=tp, b=b / cp, link=cluster.intra, direction="backward",
-                          include_recompute=True)
-    fwd_a2a, bwd_a2a = moe_comm(chunk, b=b, ep=ep, link=ep_link or cluster.intra)
-    fwd_ring, bwd_ring = cp_ring(chunk, b=b, cp=cp, link=cp_link or cluster.intra)
-    forward = matmul + memory + ops + fwd_comm + fwd_a2a + fwd_ring
-    backward = matmul + memory + ops + bwd_comm + bwd_a2a + bwd_ring
-    weight = matmul + memory + ops
-    if recompute == "full":
-        backward += forward
-    elif recompute == "selective":
-        backward += memory + ops
-    return forward, backward, weight
 
 
 def _stage_ranges(cuts: tuple[int, ...], num_chunks: int) -> list[tuple[int, int]]:
@@ -256,7 +199,7 @@ class CostModel:
                 f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
                                        precision=self.profile.precision, recompute=recompute, contention=contention,
                                        ep=ep, ep_link=ep_link, cp=cp, cp_link=cp_link)
-                comm = sum(_comm_time(ch.comms, tp=tp, b=b / cp, link=self.cluster.intra, direction=d,
+                comm = sum(comm_time(ch.comms, tp=tp, b=b / cp, link=self.cluster.intra, direction=d,
                                       include_recompute=True) for d in ("forward", "backward"))
                 comm += sum(cp_ring(ch, b=b, cp=cp, link=cp_link or self.cluster.intra))
                 a2a = sum(moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra))

@@ -17,7 +17,7 @@ from autopar.models.moe import build_moe, moe_loss
 from autopar.ops.moe_ops import moe_exchange_nodes
 from autopar.planner import Candidate, Cluster, CostModel, Device, Link, profile_model, search
 from autopar.planner.candidates import SearchSpace
-from autopar.planner.cost_model import moe_comm
+from autopar.planner.chunk_time import moe_comm
 from autopar.planner.reasons import explain, format_table
 
 FAST = Link(latency_s=1e-5, bandwidth=1e9)
