@@ -114,6 +114,8 @@ def search_space(options: dict, pinned: dict) -> SearchSpace:
         space = _replace(space, zero_stages=(options["zero_stage"],))
     if "recompute" in options:
         space = _replace(space, recompute=(options["recompute"],))
+    if options.get("cp_strategy", "auto") != "auto":
+        space = _replace(space, cp_strategy=options["cp_strategy"])
     if "expert_parallel" in options:
         space = _replace(space, expert_parallel=(options["expert_parallel"],))
     else:  # the options' own refusals of ep > 1 (autopar/validation.py), whatever the mesh
@@ -136,7 +138,8 @@ def plan_from_estimate(best: Estimate, profile: ModelProfile, *, options: Compil
     chosen = options.model_copy(update={"schedule": c.schedule, "num_microbatches": c.num_microbatches,
                                         "num_virtual": c.num_virtual, "zero_stage": c.zero_stage,
                                         "recompute": c.recompute, "precision": profile.precision,
-                                        "expert_parallel": c.expert_parallel})
+                                        "expert_parallel": c.expert_parallel,
+                                        **({"cp_strategy": c.cp_strategy} if c.cp > 1 else {})})
     plan = resolve_plan(chosen, given=None, mesh=MeshShape(dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp),
                         batch=profile.global_batch, model_name=profile.model_name,
                         num_parameters=profile.num_parameters)

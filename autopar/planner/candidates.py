@@ -39,6 +39,7 @@ class SearchSpace:
     virtual: tuple[int, ...] | None = None  # stages per rank of interleaved 1F1B; None: 2 and those that divide
     expert_parallel: tuple[int, ...] | None = None  # None: every ep dividing dp and each MoE layer's experts
     cp: tuple[int, ...] | None = None  # context parallelism; None: 1, and every cp when no plan fits without it
+    cp_strategy: str = "auto"  # cp's attention: the options' cp_strategy ("auto": the cost model picks per plan)
     ep_refusal: str | None = None  # why the options given leave no ep > 1 (autopar.validation), if they do
 
 
@@ -136,8 +137,21 @@ def structures(world, profile, cluster, space, rejected):
                     rejected.append((Candidate(dp, pp, tp, m, name, v, cp=cp), exc.what))
                     continue
                 for ep in (_ep_options(dp, pp, tp, profile, space, rejected) if cp == 1 else (1,)):
-                    yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep,
-                                    cp=cp)
+                    for strategy in cp_strategies(cp, tp, profile, space):
+                        yield Candidate(dp, pp, tp, m, name, v, zero_stage=0, recompute="none", expert_parallel=ep,
+                                        cp=cp, cp_strategy=strategy)
+
+
+def cp_strategies(cp: int, tp: int, profile: ModelProfile, space: SearchSpace) -> tuple[str, ...]:
+    """The attention strategies a candidate with ``cp`` may take at ``tp`` (``space.cp_strategy``: the one pinned,
+    ``auto``: the ring always, the all-to-all where every attention's query heads on a tp rank divide by cp; the
+    cost model then picks the faster, which the Plan pins)."""
+    if cp == 1:
+        return ("ring",)
+    if space.cp_strategy != "auto":
+        return (space.cp_strategy,)
+    heads = [ch.attention_heads for ch in profile.chunks[tp] if ch.attention_heads]
+    return ("ring", "all_to_all") if heads and all(h % cp == 0 for h in heads) else ("ring",)
 
 
 def _ep_refusal(ep: int, profile: ModelProfile, space: SearchSpace) -> str | None:

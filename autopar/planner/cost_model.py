@@ -50,7 +50,7 @@ from autopar.memory.states import OPTIMIZER_STATE, ParamEntry, owned_experts, st
 from autopar.parallel_dims import ParallelDims
 from autopar.planner.cluster import Cluster, Device
 from autopar.planner.pipeline_bound import pipeline_lower_bound
-from autopar.planner.chunk_time import chunk_times, comm_time, cp_ring, moe_comm
+from autopar.planner.chunk_time import chunk_times, comm_time, cp_comm, moe_comm
 from autopar.planner.profile import ModelProfile
 from autopar.planner.schedule_shapes import full_schedule, schedule_of, stages_of
 from autopar.runtime.schedules.registry import family, splits_backward
@@ -77,6 +77,7 @@ class Candidate:
     cuts: tuple[int, ...] = ()
     expert_parallel: int = 1  # MoE experts split over this many ranks of dp (docs/moe.md)
     cp: int = 1  # context parallelism: every sequence cut over cp ranks (docs/context_parallel.md)
+    cp_strategy: str = "ring"  # cp's attention: "ring" or "all_to_all" (the Plan's cp_strategy)
 
     @property
     def num_stages(self) -> int:
@@ -95,7 +96,7 @@ class Candidate:
     def label(self) -> str:
         sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
         ep = f" ep={self.expert_parallel}" if self.expert_parallel > 1 else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" cp={self.cp}({self.cp_strategy})" if self.cp > 1 else ""
         return (f"dp={self.dp}{cp} pp={self.pp} tp={self.tp}{ep} m={self.num_microbatches} {sched} "
                 f"ZeRO-{self.zero_stage} rc={self.recompute}")
 
@@ -189,19 +190,19 @@ class CostModel:
 
     # -- per-chunk sums -------------------------------------------------------------------
     def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
-              ep_link=None, cp: int = 1, cp_link=None):
+              ep_link=None, cp: int = 1, cp_link=None, cp_strategy: str = "ring"):
         """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes, ep all-to-all)
         seconds/bytes (``ep`` > 1: the MoE layers' all-to-alls over ``ep_link``, in forward and backward)."""
-        key = (tp, b, recompute, id(device), contention, ep, ep_link, cp, cp_link)  # devices: self.cluster's
+        key = (tp, b, recompute, id(device), contention, ep, ep_link, cp, cp_link, cp_strategy)  # (self.cluster's)
         if key not in self._tables:
             rows = [[0.0] * 6]
             for ch in self.profile.chunks[tp]:
                 f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
                                        precision=self.profile.precision, recompute=recompute, contention=contention,
-                                       ep=ep, ep_link=ep_link, cp=cp, cp_link=cp_link)
+                                       ep=ep, ep_link=ep_link, cp=cp, cp_link=cp_link, cp_strategy=cp_strategy)
                 comm = sum(comm_time(ch.comms, tp=tp, b=b / cp, link=self.cluster.intra, direction=d,
                                       include_recompute=True) for d in ("forward", "backward"))
-                comm += sum(cp_ring(ch, b=b, cp=cp, link=cp_link or self.cluster.intra))
+                comm += sum(cp_comm(ch, b=b, cp=cp, strategy=cp_strategy, link=cp_link or self.cluster.intra))
                 a2a = sum(moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra))
                 if recompute == "full":
                     a2a += moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra)[0]
@@ -215,7 +216,8 @@ class CostModel:
     def candidate_table(self, c: Candidate, device: Device, recompute: str | None = None):
         """:meth:`table` for candidate ``c`` on ``device``."""
         return self.table(c.tp, self._b(c), c.recompute if recompute is None else recompute, device,
-                          self._contention(c), c.expert_parallel, self.ep_link(c), c.cp, self.cp_link(c))
+                          self._contention(c), c.expert_parallel, self.ep_link(c), c.cp, self.cp_link(c),
+                          c.cp_strategy)
 
     def cp_link(self, c: Candidate):
         """The link of ``c``'s cp groups (None with cp=1: no ring)."""

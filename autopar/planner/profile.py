@@ -38,6 +38,7 @@ from autopar.lowering import Captured, capture_and_annotate, shard_captured, use
 from autopar.memory.activations import stage_activations
 from autopar.memory.states import ParamEntry, rank_params
 from autopar.options import CompileOptions, resolve_plan
+from autopar.passes.context_parallel.attention import find_attention
 from autopar.passes.tp.collective_audit import audit_collectives
 from autopar.passes.moe.moe_detect import find_moe_layers
 from autopar.passes.pipeline.partition import _allowed_starts, cut_stages, pipeline_segments
@@ -98,7 +99,9 @@ class ChunkCost:
     recv_bytes: float  # bytes a stage starting at this chunk receives per sample
     moe: tuple[MoeCost, ...] = ()  # the MoE layers whose experts this chunk holds
     gemms: int = 0  # matrix products (nodes with FLOPs: linears, batched products, attention) per microbatch
-    attention_kv: float = 0.0  # bytes of K and V of the chunk's SDPA calls per sample (cp's ring; after a GQA repeat)
+    attention_kv: float = 0.0  # bytes of K and V of the chunk's attentions per sample (cp's ring passes them on)
+    attention_qo: float = 0.0  # bytes of Q and of the output of the chunk's attentions per sample (cp's all-to-all)
+    attention_heads: int = 0  # the fewest query heads (on this tp rank) of the chunk's attentions; 0: none
 
     @functools.cached_property
     def param_numel(self) -> int:
@@ -170,8 +173,8 @@ def _chunk(stage, segments, start: int, end: int, b0: int, seen: dict) -> ChunkC
         for mode in RECOMPUTE:
             saved.setdefault(mode, saved["none"])
             transient.setdefault(mode, transient["none"])
-        seen[key] = (saved, transient)
-    saved, transient = seen[key]
+        seen[key] = (saved, transient, _attention_bytes(stage.gm))
+    saved, transient, (kv, qo, heads) = seen[key]
     comms = tuple(CommCost(r.direction, r.op, r.nbytes / b0, r.recompute) for r in audit_collectives(stage.gm))
     recv = sum(_edge_bytes(e) for e in stage.recvs) / b0
     unit = user_name(segments[start].unit)
@@ -179,16 +182,23 @@ def _chunk(stage, segments, start: int, end: int, b0: int, seen: dict) -> ChunkC
     return ChunkCost(unit=unit, is_block=is_block, flops=flops / b0, ops=len(calls),
                      bytes_written=written / b0, params=tuple(params), buffer_bytes=buffers, saved=saved,
                      transient=transient, comms=comms, recv_bytes=recv, gemms=gemms,
-                     attention_kv=_attention_kv(calls) / b0)
+                     attention_kv=kv / b0, attention_qo=qo / b0, attention_heads=heads)
 
 
-def _attention_kv(calls) -> int:
-    """Bytes of the keys and values of the SDPA-family attentions among ``calls`` (what cp's ring passes on)."""
-    total = 0
-    for n in calls:
-        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and len(n.args) >= 3:
-            total += sum(info.nbytes for a in n.args[1:3] if (info := get_meta(a, TENSOR)) is not None)
-    return total
+def _attention_bytes(gm) -> tuple[int, int, int]:
+    """(bytes of K and V, bytes of Q and the output, the fewest query heads) of the attentions
+    :func:`~autopar.passes.context_parallel.attention.find_attention` recognises in ``gm``, SDPA and eager alike:
+    what context parallelism's ring (K/V) and all-to-all (Q, K, V, output) move."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def nbytes(name: str) -> int:
+        info = get_meta(nodes[name], TENSOR) if name in nodes else None
+        return getattr(info, "nbytes", 0) or 0
+
+    found = find_attention(gm).found
+    kv = sum(nbytes(a.k) + nbytes(a.v) for a in found)
+    qo = sum(nbytes(a.q) * (1 + a.v_head_dim / a.head_dim) for a in found)  # the output: q's shape, v's head dim
+    return kv, qo, min((a.num_heads for a in found), default=0)
 
 
 def _edge_bytes(edge) -> int:

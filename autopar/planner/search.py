@@ -260,11 +260,12 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages, work_cache: di
     communication of them, the optimizer step counted as 0), any recomputation (none is the cheapest), any
     stage cuts (relaxed), every chunk at its fastest device."""
     b, k = model.profile.global_batch // (c.dp * c.num_microbatches), model._contention(c)
-    key = (c.tp, b, k, c.expert_parallel, id(model.ep_link(c)), c.cp, id(model.cp_link(c)), splits_backward(c.schedule))
+    key = (c.tp, b, k, c.expert_parallel, id(model.ep_link(c)), c.cp, id(model.cp_link(c)), c.cp_strategy,
+           splits_backward(c.schedule))
     cache = {} if work_cache is None else work_cache  # (structures share them: the search keeps one)
     if key not in cache:
         cache[key] = _fastest_work(model, c.tp, b, k, c.expert_parallel, model.ep_link(c), key[-1], c.cp,
-                                   model.cp_link(c))
+                                   model.cp_link(c), c.cp_strategy)
     work, path = cache[key]
     m = c.num_microbatches
     lone = k if (k > 1 and c.pp > 1) else 1.0  # ranks sharing cores: a rank runs at most at its lone speed
@@ -274,11 +275,11 @@ def _structure_bound(model: CostModel, c: Candidate, zero_stages, work_cache: di
 
 
 def _fastest_work(model: CostModel, tp: int, b: int, k: float, ep: int, ep_link, split: bool, cp: int = 1,
-                  cp_link=None) -> tuple[float, float]:
+                  cp_link=None, cp_strategy: str = "ring") -> tuple[float, float]:
     """(all the work, the critical path's share of it) of one microbatch through every chunk at its fastest
     device (:func:`_structure_bound`)."""
     devices = {id(d): d for d in (model.cluster.device, *(g.device for g in model.cluster.groups))}
-    tables = [model.table(tp, b, "none", d, k, ep, ep_link, cp, cp_link) for d in devices.values()]
+    tables = [model.table(tp, b, "none", d, k, ep, ep_link, cp, cp_link, cp_strategy) for d in devices.values()]
     work = path = 0.0
     for i in range(model.profile.num_chunks):
         f, bw, w = (min(t[i + 1][j] - t[i][j] for t in tables) for j in range(3))
@@ -350,7 +351,7 @@ class _Cuts:
             return ()
         schedule, _ = schedule_of(c.schedule, c.pp, c.num_microbatches, c.num_virtual)
         speeds = stage_speeds(self.model.cluster, c, schedule.stage_to_rank)
-        key = (c.tp, c.dp * c.num_microbatches, c.recompute, c.num_stages, speeds, c.cp)
+        key = (c.tp, c.dp * c.num_microbatches, c.recompute, c.num_stages, speeds, c.cp, c.cp_strategy)
         if fits is None and key in self.cache:
             return self.cache[key]
         cuts = tuple(weighted_cuts(self.model.chunk_costs(c), c.num_stages, speeds=speeds, fits=fits))

@@ -77,6 +77,7 @@ def test_the_planner_picks_cp_when_nothing_fits_without_it(llama):
     plan = autopar.plan(model, {"tp": 1, "world": 2}, plan="auto", cluster=tight, example_inputs=(x,),
                         loss_fn=lm_loss, example_target=x)
     assert plan.plan.mesh.cp == 2 and len(plan.ranks) == 2
+    assert plan.plan.cp_strategy == best.candidate.cp_strategy  # the Plan pins the strategy the cost model chose
 
 
 def test_a_given_mesh_pins_cp():
@@ -86,3 +87,76 @@ def test_a_given_mesh_pins_cp():
     assert search_space({}, _pinned_degrees(MeshShape(dp=1, cp=2), None)[1]).cp == (2,)
     assert search_space({}, _pinned_degrees(4, None)[1]).cp is None  # a world size: cp searched if need be
     assert dataclasses.replace(SearchSpace(), cp=None).cp is None
+
+
+class _EagerAttention(torch.nn.Module):
+    """A causal LM block that writes its attention by hand (matmul, scale, mask, softmax, matmul), 6 heads of 4."""
+
+    def __init__(self, vocab: int = 32, dim: int = 24, heads: int = 6):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        b, s, d = h.shape
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, s, d))
+
+
+def test_the_profile_records_eager_attention_for_both_strategies():
+    torch.manual_seed(0)
+    model, seq = _EagerAttention(), 16
+    x = torch.randint(0, 32, (2, seq))
+    profile = profile_model(model, example_inputs=(x,), loss_fn=lm_loss, example_target=x, tp_degrees=(1,))
+    with_attention = [ch for ch in profile.chunks[1] if ch.attention_heads]
+    assert len(with_attention) == 1, [(c.unit, c.attention_heads) for c in profile.chunks[1]]
+    (chunk,) = with_attention
+    per_tensor = 6 * seq * 4 * 4  # heads x positions x head dim x fp32 bytes, per sample
+    assert (chunk.attention_heads, chunk.attention_kv, chunk.attention_qo) == (6, 2 * per_tensor, 2 * per_tensor)
+
+
+def test_the_all_to_all_is_costed_as_four_exchanges_each_way(llama):
+    from autopar.planner.chunk_time import cp_all_to_all, cp_comm, cp_ring
+    _, _, profile = llama
+    link = _cluster(80).intra
+    chunk = next(ch for ch in profile.chunks[1] if ch.attention_kv)
+    b, cp = 2, 4
+    q, kv = chunk.attention_qo * b / cp / 2, chunk.attention_kv * b / cp / 2  # a rank's q (= its output), k (= v)
+    one_way = 2 * link.all_to_all(q, cp) + 2 * link.all_to_all(kv, cp)
+    assert cp_all_to_all(chunk, b=b, cp=cp, link=link) == pytest.approx((one_way, one_way))
+    assert cp_comm(chunk, b=b, cp=cp, strategy="all_to_all", link=link) == cp_all_to_all(chunk, b=b, cp=cp, link=link)
+    assert cp_comm(chunk, b=b, cp=cp, strategy="ring", link=link) == cp_ring(chunk, b=b, cp=cp, link=link)
+    assert cp_all_to_all(chunk, b=b, cp=1, link=link) == (0.0, 0.0)
+
+
+def test_the_candidates_offer_the_all_to_all_only_where_the_heads_divide(llama):
+    from autopar.planner.candidates import cp_strategies
+    _, _, profile = llama  # 4 query heads
+    assert cp_strategies(1, 1, profile, SearchSpace()) == ("ring",)
+    assert cp_strategies(2, 1, profile, SearchSpace()) == ("ring", "all_to_all")
+    assert cp_strategies(4, 1, profile, SearchSpace()) == ("ring", "all_to_all")
+    assert cp_strategies(8, 1, profile, SearchSpace()) == ("ring",)  # 4 heads do not split 8 ways
+    assert cp_strategies(2, 1, profile, SearchSpace(cp_strategy="all_to_all")) == ("all_to_all",)
+    assert search_space({"cp_strategy": "ring"}, {}).cp_strategy == "ring"
+
+
+@pytest.mark.parametrize("latency_s, bandwidth, expected", [(1e-2, 1e12, "ring"), (1e-9, 1e6, "all_to_all")])
+def test_the_planner_picks_the_strategy_that_costs_less(llama, latency_s, bandwidth, expected):
+    """At cp=2 llama_tiny's ring moves a rank's K/V in 4 hops (1 forward, 3 backward), the all-to-all a quarter
+    of the bytes in 8 exchanges: latency-bound links favour the ring, bandwidth-bound ones the all-to-all."""
+    _, _, profile = llama
+    base = _cluster(80)
+    link = base.intra.model_copy(update={"latency_s": latency_s, "bandwidth": bandwidth})
+    cluster = base.model_copy(update={"intra": link, "inter": link})
+    space = SearchSpace(cp=(2,), dp=(1,), pp=(1,), tp=(1,), num_microbatches=(1,), zero_stages=(0,),
+                        recompute=("none",))
+    result = search(profile, cluster, world=2, space=space)
+    times = {e.candidate.cp_strategy: e.step_time for e in result.ranked}
+    assert set(times) == {"ring", "all_to_all"}, times
+    assert result.best.candidate.cp_strategy == expected == min(times, key=times.get), times
