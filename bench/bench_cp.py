@@ -57,6 +57,8 @@ def _data(rows: int, seq: int, vocab: int, n: int = 4) -> list[tuple[torch.Tenso
 
 
 def _program(model, data, shape: dict, **options):
+    """One microbatch per step everywhere (the default takes two where a rank's rows divide by two: cp's N rows
+    would run as two microbatches of one row each against dp's one row, twice the ops for the same tokens)."""
     import autopar
     from autopar.models import lm_loss
     from torch.distributed.device_mesh import init_device_mesh
@@ -64,7 +66,7 @@ def _program(model, data, shape: dict, **options):
     mesh = init_device_mesh("cpu", tuple(shape.get(a, 1) for a in names), mesh_dim_names=names)
     return autopar.compile(copy.deepcopy(model), mesh, example_inputs=(data[0][0],), loss_fn=lm_loss,
                            example_target=data[0][1], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                           p2p_timeout_s=600, **options)
+                           p2p_timeout_s=600, num_microbatches=1, **options)
 
 
 def _contender(name: str, program, data) -> tuple[Contender, int]:

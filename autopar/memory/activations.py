@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.ir.meta_keys import TENSOR, get_meta
 from autopar.ops.collectives import GraphCollective
+from autopar.ops.context_parallel.ulysses import ulysses_plain
 from autopar.ops.p2p import P2PNode, SendActivation
 from autopar.ops.recompute import Recompute
 from autopar.runtime.diagnostics.memory_probe import SavedLedger
@@ -172,7 +173,8 @@ def _ring_saves(q, k, v, bias=None, docs=None, valid=None):
 
 def _ulysses_saves(module, q, k, v, bias=None, docs=None, valid=None):
     """ops/context_parallel/ulysses.py: the all-to-alls save nothing; the attention of the rank's heads over the
-    whole sequence is ring.py's blockwise kernel on fresh tensors (the all-to-alls' outputs): what it keeps."""
+    whole sequence keeps q, k, v, the output and the log-sum-exp as ring.py's blockwise kernel does (a plain
+    causal one: one SDPA over the sequence put in global order, which keeps them too, and the orders' indices)."""
     size, seq = module.size, module.layout.seq_len
 
     def heads(t):  # [B, H, L, D] -> [B, H/cp, cp*L, D] (fewer kv heads than cp: repeated, one per rank)
@@ -182,7 +184,10 @@ def _ulysses_saves(module, q, k, v, bias=None, docs=None, valid=None):
         bias = torch.empty((bias.shape[0], bias.shape[1] // size if bias.shape[1] > 1 else 1, seq, bias.shape[3]),
                            dtype=bias.dtype)
     gathered = None if docs is None else torch.empty((docs.shape[0], seq), dtype=docs.dtype)
-    return _ring_saves(heads(q), heads(k), heads(v), bias, gathered)
+    kept = _ring_saves(heads(q), heads(k), heads(v), bias, gathered)
+    if size > 1 and ulysses_plain(module.spec, q, v, bias, docs, valid):  # one SDPA over the sequence in global
+        kept += [torch.empty((seq,), dtype=torch.int64) for _ in range(2)]  # order: the two permutations' indices
+    return kept
 
 
 #: What each communicating module's autograd node saves (autopar's own ops; their code is the source).

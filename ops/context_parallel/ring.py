@@ -19,6 +19,8 @@ load-balanced layout a rank's two chunks make the causal work equal on every ran
 
 Backward runs the ring again: K/V travel as in forward, and the gradients dK/dV of each block travel
 with it, each rank adding its part, and go one step further at the end, back to the block's owner.
+A step computes its part of the block it holds while the sum of the parts before it is still in
+flight, and adds that sum when it arrives (both passes overlap the step's compute).
 Only q, the local k and v, the output and the log-sum-exp are saved (no other rank's block).
 
 The dense ``bias`` (boolean: True may meet; or additive) is this rank's query rows against every key
@@ -162,11 +164,12 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=q.device) if ctx.bias_grad else None
         cur_k, cur_v = k, v
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        arriving = None  # the dK/dV of the block this rank holds, summed by the ranks before it (in flight)
         for step in range(c.size):
             src = (c.rank - step) % c.size
             pending = c.pass_on(_pack(cur_k, cur_v), "K/V blocks (backward)") if step < c.size - 1 else None
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             for qs, q_pos, ks, keys in _pairs(c, src, q.device, ctx.docs, ctx.valid):
                 res = block_backward(c.spec, qg[..., qs, :], cur_k[:, :, ks], cur_v[:, :, ks], q_pos, keys,
                                      dg[..., qs, :], lse[..., qs], delta[..., qs],
@@ -179,11 +182,15 @@ class _Ring(torch.autograd.Function):
                 dv[:, :, ks] += res[2]
                 if dbias is not None:
                     _add_bias_grad(dbias, res[3], qs, keys.pos)
+            if arriving is not None:  # (sent while this step computed: the pass overlaps the blocks)
+                before_k, before_v = _unpack(arriving.wait(), dk, dv)
+                dk += before_k
+                dv += before_v
+            arriving = c.pass_on(_pack(dk, dv), "dK/dV to their owners")  # on to the block's next holder
             if pending is not None:
                 cur_k, cur_v = _unpack(pending.wait(), k, v)
-            back = c.pass_on(_pack(dk, dv), "dK/dV to their owners")
-            if back is not None:
-                dk, dv = _unpack(back.wait(), dk, dv)
+        if arriving is not None:  # the last pass brings each block's gradient home
+            dk, dv = _unpack(arriving.wait(), dk, dv)
         grads = (dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                  None if dbias is None else dbias.to(bias.dtype))
         return (*grads, None, None, None)

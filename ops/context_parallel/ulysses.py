@@ -1,8 +1,9 @@
 """All-to-all (Ulysses) attention over the cp ranks: sequence shards become head shards and back.
 
 DeepSpeed-Ulysses' exchange: each rank holds every head of its sequence shard; one all-to-all gives it
-``H / cp`` heads of the whole sequence, it computes attention on them (ring.py's blockwise kernel), and a second
-all-to-all gives every rank back all heads of its own shard::
+``H / cp`` heads of the whole sequence, it computes attention on them (an attention with no rule beyond causal:
+one fused SDPA call over the sequence put back in global order; any other: ring.py's blockwise kernel), and a
+second all-to-all gives every rank back all heads of its own shard::
 
     before (rank r: all heads of its positions)        after the first all-to-all (rank r: its heads, every position)
            positions ->                                           positions ->
@@ -12,8 +13,9 @@ all-to-all gives every rank back all heads of its own shard::
       v    (each rank a column)                                     (each rank a row)
 
 The gathered sequence is in *layout order* (rank 0's shard, rank 1's, ...; with the load-balanced
-layout not the global order): masks are built from each token's global position
-(:func:`~autopar.ops.context_parallel.block_math.visible`), so no reordering is needed.
+layout not the global order): the blockwise kernel builds masks from each token's global position
+(:func:`~autopar.ops.context_parallel.block_math.visible`), so it needs no reordering; the one SDPA call of
+a plain causal attention runs on the sequence put back in global order and returns its output in layout order.
 
 Needs the query heads to divide by cp (the heads a tp rank holds, under tp); kv heads divide by cp,
 or cp by them (each kv head is then repeated to ``cp / Hkv`` ranks, multi-query included). The
@@ -44,7 +46,7 @@ from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bi
 from autopar.ops.context_parallel.layout import CpLayout
 from autopar.ops.context_parallel.ring import blockwise_attention
 
-__all__ = ["UlyssesAttention", "ulysses_attention", "dense_attention", "seq_to_heads", "heads_to_seq"]
+__all__ = ["UlyssesAttention", "ulysses_attention", "ulysses_plain", "dense_attention", "seq_to_heads", "heads_to_seq"]
 
 
 def _exchange(x: torch.Tensor, group, guard, purpose: str) -> torch.Tensor:
@@ -187,10 +189,30 @@ def ulysses_attention(q, k, v, *, spec: AttentionSpec, layout: CpLayout, group, 
         spec = replace(spec, alibi_slopes=spec.alibi_slopes[rank * heads:(rank + 1) * heads])
     if size == 1:
         out = dense_attention(spec, qh, kh, vh, k_pos, keys, all_docs, bias)
+    elif ulysses_plain(spec, qh, vh, bias, all_docs, keys.valid):
+        out = _in_global_order(spec, qh, kh, vh, k_pos)
     else:  # blockwise (ring.py's kernel on one rank): keeps q, k, v, out and the log-sum-exp, never seq x seq
         out = blockwise_attention(qh, kh, vh, spec=spec, layout=WholeSequence(layout), bias=bias, docs=all_docs,
                                   valid=keys.valid, purpose=purpose)
     return heads_to_seq(out, size=size, group=group, guard=guard, purpose=purpose)
+
+
+def ulysses_plain(spec: AttentionSpec, q, v, bias, docs, valid) -> bool:
+    """Whether the attention has no rule beyond causal (no window, soft-cap, ALiBi, bias, documents or padding)
+    and values of the queries' head size: one fused SDPA call over the whole sequence computes it."""
+    return (spec.window is None and spec.softcap is None and spec.alibi_slopes is None and bias is None
+            and docs is None and valid is None and v.shape[-1] == q.shape[-1])
+
+
+def _in_global_order(spec: AttentionSpec, q, k, v, order: torch.Tensor) -> torch.Tensor:
+    """One fused attention (SDPA) over the gathered sequence put back in global order, its output returned in
+    layout order: a plain causal attention as one kernel call rather than a block per pair of runs (with the
+    load-balanced layout the gathered runs are out of order; ``order``: each gathered token's global position)."""
+    ahead = torch.argsort(order)  # (the gathered index of each global position)
+    q, k, v = (t.index_select(2, ahead) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(  # (GQA: query head kv * G + g reads kv head kv)
+        q, k, v, is_causal=spec.causal, scale=spec.scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.index_select(2, order)
 
 
 class WholeSequence:
