@@ -84,6 +84,32 @@ def test_inspect_bare_model_takes_input_shape(capsys):
     assert "Plan for GPT: dp=1 x pp=2 x tp=1" in out and "send_" in out
 
 
+def test_inspect_a_cp_mesh_shows_the_attention_nodes_and_the_strategy(capsys):
+    """--mesh dp=1,cp=2: the summary names cp and what auto resolved to (the all-to-all: 4 heads divide
+    by 2), rank 1's program lists its UlyssesAttention nodes, and the critical path is printed."""
+    assert main(["inspect", GPT, "--mesh", "dp=1,cp=2", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Plan for GPT: dp=1 x cp=2 x pp=1 x tp=1 = 2 ranks")
+    assert "attention by auto: all_to_all x2; gradients summed over dp x cp = 2" in out
+    assert "critical path" in out and "# rank 1: dp=0 cp=1 pp=0 tp=0" in out
+    assert "cp_attention_0 = self.cp_attention_0(" in out
+    assert ("### cp_attention_1 = UlyssesAttention(axis='cp', size=2, seq_len=32, load_balanced=True, causal=True)"
+            in out)
+
+
+def test_inspect_cp_options_reach_the_plan(capsys):
+    assert main(["inspect", GPT, "--mesh", "dp=2,cp=2", "--cp-strategy", "ring", "--cp-contiguous", "--json"]) == 0
+    plan = autopar.Plan.model_validate_json(capsys.readouterr().out)
+    assert (plan.mesh.dp, plan.mesh.cp) == (2, 2) and plan.cp_strategy == "ring" and not plan.cp_load_balanced
+    assert [s for _, s in plan.cp_attention] == ["ring", "ring"] and plan.cp_seq_len == 32
+
+
+def test_cp_options_without_a_cp_axis_exit_2(capsys):
+    assert main(["inspect", GPT, "--mesh", "dp=2", "--cp-strategy", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "has no cp axis" in err and "Fix: add cp=N" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("mesh,words", [
     ("dp=2,pp=x", "not a positive integer"),
     ("dp=0", "not a positive integer"),
