@@ -51,6 +51,10 @@ RESUME_CP = [_resume("CP1", (2, 1, 1), options=_Z1), _resume("CP1", (1, 1, 1), c
              _resume("CP3", (2, 1, 1), options=_Z1), _resume("CP3", (1, 1, 1), cp=2, options=_Z1),
              _resume("DP3", (1, 1, 1), cp=2, options=_Z3)]
 RESUME_CP_ONE = [_resume("CP1", (1, 1, 1)), _resume("CP3", (1, 1, 1))]  # one rank, in a group of its own
+# cp=2 x tp=2 under ZeRO-3 (tp shards cut flat over dp x cp), loaded at dp=2 x tp=2, pp=2 x cp=2 and tp=2 (slow)
+SAVE_CP_FOUR = _save("CPT", (1, 1, 2), cp=2, options=_Z3)
+RESUME_CP_FOUR = [_resume("CPT", (2, 1, 2), options=_Z1), _resume("CPT", (1, 2, 1), cp=2, options=_Z1),
+                  _resume("CPT", (1, 1, 2), options=_Z1)]
 # AdamW (state: step, exp_avg, exp_avg_sq; ZeRO-1 owners over dp=2) against the same run without a stop
 _ADAM = dict(optimizer="adamw", lr=0.01)
 ADAM_FULL = Case(mesh=(2, 1, 1), kind=_R + "uninterrupted", **{**_GPT4, **_ADAM})
@@ -97,9 +101,9 @@ GROUPS = {
     "two": [*HF_CASES, SAVE_T, *RESUME_T, *SAVE_CP, *RESUME_CP, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
             CRASH, BAD, ROUNDTRIP, UNUSED_SAVE, UNUSED_RESUME, NONFINITE, *SOAK_CASES, P2P_TIMEOUT,
             COLLECTIVE_TIMEOUT],
-    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE,
-             *SOAK_CASES_FOUR],
-    "two_from_four": RESUME_A[3:],
+    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, SAVE_CP_FOUR, *RESUME_CP_FOUR[:2], DROPOUT_RESUME[0],
+             DROPOUT_RESHARD[0], INDEX_RANGE, *SOAK_CASES_FOUR],
+    "two_from_four": RESUME_A[3:] + RESUME_CP_FOUR[2:],
     "one_from_two": RESUME_CP_ONE,
 }
 _AFTER = {"two_from_four": "four", "one_from_two": "two"}  # loads the checkpoints that group saves

@@ -121,13 +121,15 @@ def test_resumed_on_another_mesh_trains_like_one_device(case):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", groups.params(groups.RESUME_CP + groups.RESUME_CP_ONE))
+@pytest.mark.parametrize("case", groups.params(groups.RESUME_CP + groups.RESUME_CP_ONE + groups.RESUME_CP_FOUR))
 def test_resumed_across_context_parallelism_trains_like_one_device(case):
     """Saved after 2 steps at cp=2 (ZeRO-1, ZeRO-3: shards over dp x cp) or at dp=2 (ZeRO-3), loaded into a
-    model with other weights at dp=2, at cp=2 under the other ZeRO stage, or on one rank: the 4 steps equal
-    one device's (losses and every parameter; the harness judges every rank and replica)."""
+    model with other weights at dp=2, at cp=2 under the other ZeRO stage, or on one rank; saved at cp=2 x tp=2
+    under ZeRO-3, loaded at dp=2 x tp=2, pp=2 x cp=2 and tp=2 (slow): the 4 steps equal one device's (losses
+    and every parameter; the harness judges every rank and replica)."""
     name = dict(case.extra)["name"]
-    saved, resumed = _result(next(c for c in groups.SAVE_CP if dict(c.extra)["name"] == name)), _result(case)
+    saver = next(c for c in groups.SAVE_CP + [groups.SAVE_CP_FOUR] if dict(c.extra)["name"] == name)
+    saved, resumed = _result(saver), _result(case)
     assert saved["step"] == resumed["step"] == 2
     combined = {"losses": saved["losses"] + resumed["losses"], "state": resumed["state"]}
     assert_equivalent(case, combined, _reference(case))
