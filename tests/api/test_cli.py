@@ -190,3 +190,16 @@ def test_plan_prints_the_chosen_pipeline_critical_path(capsys):
     pipeline = report.best.step_time - parts["dp_comm"] - parts["optimizer"] - parts["overhead"]
     assert float(line.split()[2]) == pytest.approx(pipeline, rel=1e-3)
     assert report.critical_path().length == pytest.approx(pipeline, rel=1e-9)
+
+
+def test_plan_pins_a_cp_mesh_and_shows_its_column(capsys):
+    """`autopar plan --mesh dp=1,cp=2` plans on that mesh (cp was dropped from the pins before: the planner then
+    chose pp=2); the candidate table has a cp column and the summary the cp line."""
+    assert main(["plan", GPT, "--cluster", "cpu-2core", "--world", "2", "--mesh", "dp=1,cp=2"]) == 0
+    out = capsys.readouterr().out
+    head = next(x for x in out.splitlines() if x.startswith("#"))
+    assert head.split()[:5] == ["#", "dp", "cp", "pp", "tp"]
+    rows = [x.split() for x in out.splitlines() if x[:1].isdigit() and len(x.split()) > 10]
+    assert rows and all(r[1:5] == ["1", "2", "1", "1"] for r in rows)
+    assert "chosen: dp=1 cp=2 pp=1 tp=1" in out and "Plan for GPT: dp=1 x cp=2 x pp=1 x tp=1 = 2 ranks" in out
+    assert "context parallel: the sequence cut over cp=2" in out
