@@ -32,10 +32,12 @@ examples:
 run 'autopar COMMAND --help' for the options of one command."""
 
 _INSPECT_DESCRIPTION = """\
-Plan a model for a dp x pp x tp mesh in this one process (no process group, no GPUs) and
-print the Plan's summary, the schedule's critical path (simulated with each stage's FLOPs) and the
-rewritten graph of the chosen rank(s): the tensor-parallel collectives (tp_copy_*, tp_reduce_*)
-and pipeline send_*/recv_* nodes appear in the code.
+Plan a model for a dp x pp x tp mesh (a cp axis too: context parallelism) in this one process
+(no process group, no GPUs) and print the Plan's summary, the schedule's critical path (simulated
+with each stage's FLOPs) and the rewritten graph of the chosen rank(s): the tensor-parallel
+collectives (tp_copy_*, tp_reduce_*), pipeline send_*/recv_* nodes and context parallelism's
+attention nodes (cp_attention_*, each listed after the code as RingAttention or UlyssesAttention)
+appear in the code.
 
 TARGET is MODULE:CALLABLE. The callable takes no arguments and returns one of
   model                                        (then give --input-shape, see below)
@@ -57,7 +59,8 @@ examples:
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=1 --json > plan.json
   autopar inspect autopar.models.examples:gpt_tiny_model --mesh pp=2 --input-shape 8x32 --input-dtype long
   autopar inspect autopar.models.examples:gpt_tiny --mesh dp=2,pp=2,tp=2 --html report.html
-  autopar inspect autopar.models.examples:gpt_tiny --mesh pp=2,tp=2 --diff --rank 3"""
+  autopar inspect autopar.models.examples:gpt_tiny --mesh pp=2,tp=2 --diff --rank 3
+  autopar inspect autopar.models.examples:llama_tiny --mesh dp=1,cp=2 --cp-strategy ring --rank 1"""
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -72,6 +75,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
     kwargs = unpack_target(load_target(args.target), args)
     options = {"schedule": args.schedule, "num_microbatches": args.microbatches, "num_virtual": args.virtual,
                "capture": args.capture, "tensor_parallel": not args.no_tensor_parallel}
+    if shape.cp == 1 and (args.cp_strategy != "auto" or args.cp_contiguous):
+        raise PlanError(f"--cp-strategy/--cp-contiguous given for the mesh {shape}, which has no cp axis",
+                        where="--mesh", fix="add cp=N (N > 1) to --mesh, e.g. --mesh dp=1,cp=2, or drop those flags")
+    options.update(cp_strategy=args.cp_strategy, cp_load_balanced=not args.cp_contiguous)
     result = autopar.plan(kwargs.pop("model"), shape, **kwargs, **options)
     if args.html:
         from autopar.report import write_report
@@ -106,6 +113,10 @@ def _add_inspect(sub) -> None:
     p.add_argument("--capture", default="export", choices=("export", "symbolic_trace"),
                    help="how the model is captured as a graph (default export)")
     p.add_argument("--no-tensor-parallel", action="store_true", help="keep every weight whole along tp")
+    p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_to_all"),
+                   help="with cp in --mesh: attention by the K/V ring, by all-to-all, or auto (default)")
+    p.add_argument("--cp-contiguous", action="store_true",
+                   help="with cp in --mesh: each rank one contiguous chunk (default: load-balanced chunk pairs)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, default=None, metavar="R", help="print rank R's graphs (default 0)")
     which.add_argument("--all-ranks", action="store_true", help="print every rank's graphs")

@@ -326,4 +326,5 @@ def _lowered_plan(st: LoweringState) -> Plan:
         "cp_inputs": st.cp_inputs,
         "cp_seq_len": st.cp_seq_len,
         "cp_label_shifts": st.cp_label_shifts,
+        "cp_attention": st.cp_attention,
     })

@@ -276,6 +276,7 @@ class Plan(PlanChoices):
     cp_inputs: tuple[tuple[str, int], ...] = ()
     cp_seq_len: int = Field(0, ge=0)
     cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted left by k before the cut
+    cp_attention: tuple[tuple[str, Literal["ring", "all_to_all"]], ...] = ()  # (module path, strategy) per attention
     run: RunOptions = RunOptions()
 
     @property
@@ -322,6 +323,13 @@ class Plan(PlanChoices):
     def microbatch_size(self) -> int:
         return self.global_batch_size // (self.mesh.dp * self.pipeline.num_microbatches)
 
+    def _cp_attention_counts(self) -> str:
+        """``": ring x2, all_to_all x1"``: what cp_strategy resolved to, per strategy (empty before lowering)."""
+        counts: dict[str, int] = {}
+        for _, strategy in self.cp_attention:
+            counts[strategy] = counts.get(strategy, 0) + 1
+        return (": " + ", ".join(f"{s} x{n}" for s, n in counts.items())) if counts else ""
+
     def summary(self) -> str:
         """A few lines a person reads before launching."""
         p = self.pipeline
@@ -344,7 +352,8 @@ class Plan(PlanChoices):
         if self.mesh.cp > 1:
             lines.append(f"  context parallel: the sequence cut over cp={self.mesh.cp} "
                          f"({'load-balanced' if self.cp_load_balanced else 'contiguous'}), attention by "
-                         f"{self.cp_strategy}; gradients summed over dp x cp = {self.dims.dcp}")
+                         f"{self.cp_strategy}{self._cp_attention_counts()}; gradients summed over dp x cp = "
+                         f"{self.dims.dcp}")
         if self.expert_parallel > 1:
             lines.append(f"  expert parallel: {len(self.expert_params)} expert tensors split over ep="
                          f"{self.expert_parallel} (of dp {self.mesh.dp})")

@@ -17,6 +17,8 @@ from autopar.errors import PlanError
 from autopar.ir.stage_graph import StageGraph
 from autopar.lowering import Captured, Lowered, capture_planned, lower_captured, resolve
 from autopar.mesh import parse_mesh_shape
+from autopar.ops.context_parallel.ring import RingAttention
+from autopar.ops.context_parallel.ulysses import UlyssesAttention
 from autopar.plan_model import Plan
 from autopar.runtime.schedules.action import Schedule
 from autopar.validation import check_arguments, checked_options
@@ -24,9 +26,9 @@ from autopar.validation import check_arguments, checked_options
 __all__ = ["plan", "PlanResult", "PlanSource", "RankGraphs", "rank_of", "coords_of"]
 
 
-def rank_of(*, dp: int, pp: int, tp: int, shape) -> int:
-    """Global rank of mesh coordinates (dp, pp, tp) of a mesh ``shape`` (:meth:`ParallelDims.rank`)."""
-    return shape.dims.rank(dp=dp, pp=pp, tp=tp)
+def rank_of(*, dp: int, pp: int, tp: int, shape, cp: int = 0) -> int:
+    """Global rank of mesh coordinates (dp, cp, pp, tp) of a mesh ``shape`` (:meth:`ParallelDims.rank`)."""
+    return shape.dims.rank(dp=dp, cp=cp, pp=pp, tp=tp)
 
 
 @dataclass
@@ -103,6 +105,8 @@ class PlanResult:
             for name, region in s.gm.named_children():  # recompute regions (passes/pipeline/recompute.py)
                 if name.startswith("recompute_") and hasattr(region, "body"):
                     lines.append(f"### {name} ({region.mode} recompute)\n{region.body.code.strip()}")
+            lines += [f"### {name} = {type(m).__name__}({m.extra_repr()})" for name, m in s.gm.named_modules()
+                      if isinstance(m, (RingAttention, UlyssesAttention))]  # context parallel attention nodes
         lines.append(f"## schedule for pp rank {r.coords['pp']}: "
                      + " ".join(str(a) for a in self.schedule.actions[r.coords['pp']]))
         return "\n".join(lines)

@@ -93,7 +93,10 @@ def body(rounds: int, steps_per_round: int, warmup: int, peak_tflops: float) -> 
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        # CPU tensors over gloo: bench/_timing.py sums each step's CPU time with an all_reduce of a CPU tensor,
+        # which a NCCL-only group refuses (torch's Backend.backend_capability: nccl serves cuda alone)
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
+                                world_size=1)
         try:
             mesh = init_device_mesh("cuda", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
             data = _data()

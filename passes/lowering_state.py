@@ -79,6 +79,7 @@ class LoweringState:
     cp_inputs: tuple[tuple[str, int], ...] = ()  # inputs cut on the sequence over cp: (name, dim) (cp_shard.py)
     cp_seq_len: int = 0  # the whole sequence those inputs hold (0: no cp)
     cp_label_shifts: tuple[tuple[str, int, float], ...] = ()  # (input, k, fill): shifted by the runtime before the cut
+    cp_attention: tuple[tuple[str, str], ...] = ()  # (module path, "ring" | "all_to_all") per attention, graph order
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule, *, mesh: MeshShape | None = None, example_inputs: tuple = (),

@@ -2,8 +2,9 @@
 
 Starting a group costs seconds, so every spawned case of those tests is listed here and each group
 runs once per pytest session (``result(case)``, cached). The default suite runs the 2-rank group
-(it saves and reshards its own checkpoints); the 4-rank group and the 2-rank group that loads the
-4-rank group's checkpoints on fewer ranks are ``slow`` (tests/case_marks.py), run after one another.
+(it saves and reshards its own checkpoints) and the 1-rank group that loads its cp checkpoints on one
+rank; the 4-rank group and the 2-rank group that loads the 4-rank group's checkpoints on fewer ranks are
+``slow`` (tests/case_marks.py), run after one another.
 """
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ RESUME_A = [_resume("A", m) for m in [(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 2)
 # saved under ZeRO-3 (flat dp shards of tp shards), loaded under ZeRO-1 on another mesh
 SAVE_Z = _save("Z", (2, 1, 2), options=(("zero_stage", 3),))
 RESUME_Z = [_resume("Z", (1, 2, 2))]
+# context parallelism (cp=2 inside dp=1; ZeRO over dp x cp): saved at cp=2 under ZeRO-1 and ZeRO-3, loaded at
+# dp=2 and back at cp=2 under the other stage, and on one rank; saved at dp=2 under ZeRO-3, loaded at cp=2
+_Z1, _Z3 = (("zero_stage", 1),), (("zero_stage", 3),)
+SAVE_CP = [_save("CP1", (1, 1, 1), cp=2, options=_Z1), _save("CP3", (1, 1, 1), cp=2, options=_Z3),
+           _save("DP3", (2, 1, 1), options=_Z3)]
+RESUME_CP = [_resume("CP1", (2, 1, 1), options=_Z1), _resume("CP1", (1, 1, 1), cp=2, options=_Z3),
+             _resume("CP3", (2, 1, 1), options=_Z1), _resume("CP3", (1, 1, 1), cp=2, options=_Z1),
+             _resume("DP3", (1, 1, 1), cp=2, options=_Z3)]
+RESUME_CP_ONE = [_resume("CP1", (1, 1, 1)), _resume("CP3", (1, 1, 1))]  # one rank, in a group of its own
+# cp=2 x tp=2 under ZeRO-3 (tp shards cut flat over dp x cp), loaded at dp=2 x tp=2, pp=2 x cp=2 and tp=2 (slow)
+SAVE_CP_FOUR = _save("CPT", (1, 1, 2), cp=2, options=_Z3)
+RESUME_CP_FOUR = [_resume("CPT", (2, 1, 2), options=_Z1), _resume("CPT", (1, 2, 1), cp=2, options=_Z1),
+                  _resume("CPT", (1, 1, 2), options=_Z1)]
 # AdamW (state: step, exp_avg, exp_avg_sq; ZeRO-1 owners over dp=2) against the same run without a stop
 _ADAM = dict(optimizer="adamw", lr=0.01)
 ADAM_FULL = Case(mesh=(2, 1, 1), kind=_R + "uninterrupted", **{**_GPT4, **_ADAM})
@@ -84,14 +98,15 @@ if importlib.util.find_spec("transformers") is None:  # the [test] extra install
 
 # (group, its cases): each group runs in the order listed, a checkpoint's saver before its loaders
 GROUPS = {
-    "two": [*HF_CASES, SAVE_T, *RESUME_T, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
+    "two": [*HF_CASES, SAVE_T, *RESUME_T, *SAVE_CP, *RESUME_CP, ADAM_FULL, SAVE_ADAM, RESUME_ADAM, DROPOUT_RESUME[1], DROPOUT_RESHARD[1],
             CRASH, BAD, ROUNDTRIP, UNUSED_SAVE, UNUSED_RESUME, NONFINITE, *SOAK_CASES, P2P_TIMEOUT,
             COLLECTIVE_TIMEOUT],
-    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, DROPOUT_RESUME[0], DROPOUT_RESHARD[0], INDEX_RANGE,
-             *SOAK_CASES_FOUR],
-    "two_from_four": RESUME_A[3:],
+    "four": [SAVE_A, *RESUME_A[:3], SAVE_Z, *RESUME_Z, SAVE_CP_FOUR, *RESUME_CP_FOUR[:2], DROPOUT_RESUME[0],
+             DROPOUT_RESHARD[0], INDEX_RANGE, *SOAK_CASES_FOUR],
+    "two_from_four": RESUME_A[3:] + RESUME_CP_FOUR[2:],
+    "one_from_two": RESUME_CP_ONE,
 }
-_AFTER = {"two_from_four": "four"}  # loads the checkpoints that group saves
+_AFTER = {"two_from_four": "four", "one_from_two": "two"}  # loads the checkpoints that group saves
 SLOW_GROUPS = ("four", "two_from_four")
 _GROUP_OF = {case: name for name, cases in GROUPS.items() for case in cases}
 

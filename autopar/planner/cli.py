@@ -103,7 +103,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     shape: dict = {"world": world}
     if args.mesh:
         pinned = parse_mesh(args.mesh)
-        shape.update({axis: getattr(pinned, axis) for axis in ("dp", "pp", "tp")
+        shape.update({axis: getattr(pinned, axis) for axis in ("dp", "cp", "pp", "tp")
                       if f"{axis}=" in args.mesh.replace(" ", "")})
     target = load_target(args.target)
     kwargs = _unpack(target, argparse.Namespace(**{**vars(args), "input_dtype": args.input_dtype or "long"}))

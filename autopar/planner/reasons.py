@@ -205,14 +205,16 @@ def _dp_cap_warning(result: SearchResult, best: Estimate) -> str | None:
 def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> str:
     """The ranked candidates (simulated), what the search simulated, and a few rejected ones with reasons."""
     moe = bool(result.cost_model.profile.moe_layers)  # an ep column for models with MoE layers
-    head = ("#", "dp", "pp", "tp", *(("ep",) if moe else ()), "m", "mb", "schedule", "ZeRO", "recompute",
-            "est. s/step", "bubble", "GiB/rank", "of GiB")
     ranked, exact, floor = result.ranked, result.exact_rows, result.floor
+    cp = any(e.candidate.cp > 1 for e in ranked[:min(top, exact)])  # a cp column when a shown row cuts sequences
+    head = ("#", "dp", *(("cp",) if cp else ()), "pp", "tp", *(("ep",) if moe else ()), "m", "mb", "schedule", "ZeRO",
+            "recompute", "est. s/step", "bubble", "GiB/rank", "of GiB")
     rows = []
     for i, e in enumerate(ranked[:min(top, exact)], 1):  # rows the simulator ranks against every candidate
         c = e.candidate
         mb = result.global_batch // (c.dp * c.num_microbatches)
-        rows.append((str(i), str(c.dp), str(c.pp), str(c.tp), *((str(c.expert_parallel),) if moe else ()),
+        rows.append((str(i), str(c.dp), *((str(c.cp),) if cp else ()), str(c.pp), str(c.tp),
+                     *((str(c.expert_parallel),) if moe else ()),
                      str(c.num_microbatches),
                      str(mb), c.schedule + (f" v={c.num_virtual}" if c.num_virtual > 1 else ""), str(c.zero_stage),
                      c.recompute, f"{e.step_time:.4g}", f"{_bubble_share(e):.0%}",

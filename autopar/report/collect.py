@@ -1,7 +1,8 @@
 """What the report and the diff read from a :class:`autopar.PlanResult`: graphs grouped by who runs them.
 
-Ranks that share ``(pp, tp)`` coordinates run the same stage graphs (dp replicas differ only in
-their data), so each distinct graph is shown once, as a :class:`GraphGroup` that lists its ranks.
+Ranks that share ``(cp, pp, tp)`` coordinates run the same stage graphs (dp replicas differ only in
+their data), so each distinct graph is shown once, as a :class:`GraphGroup` that lists its ranks. Ranks
+of one dp replica that differ in cp run different graphs (each its own positions of the sequence).
 """
 from __future__ import annotations
 
@@ -27,33 +28,37 @@ class GraphGroup:
     pp: int
     graph: StageGraph
     ranks: tuple[int, ...]
+    cp: int = 0  # the cp rank (context parallelism: each cp rank's graph holds its own positions)
+    cp_size: int = 1
 
     @property
     def anchor(self) -> str:
         """The HTML id of this graph's section."""
-        return f"graph-s{self.stage}-t{self.tp}"
+        return f"graph-s{self.stage}-t{self.tp}" + (f"-c{self.cp}" if self.cp_size > 1 else "")
 
 
-def stage_graphs(result, *, tp: int) -> dict[int, StageGraph]:
-    """{stage: StageGraph} of tensor-parallel rank ``tp``, every stage (built on demand)."""
+def stage_graphs(result, *, tp: int, cp: int = 0) -> dict[int, StageGraph]:
+    """{stage: StageGraph} of tensor-parallel rank ``tp`` and cp rank ``cp``, every stage (built on demand)."""
     shape = result.plan.mesh
     out: dict[int, StageGraph] = {}
     for pp in range(shape.pp):
-        for s in result.rank_program(rank_of(dp=0, pp=pp, tp=tp, shape=shape)).stages:
+        for s in result.rank_program(rank_of(dp=0, cp=cp, pp=pp, tp=tp, shape=shape)).stages:
             out.setdefault(s.stage, s)
     return dict(sorted(out.items()))
 
 
 def graph_groups(result) -> list[GraphGroup]:
-    """Every distinct stage graph of the plan, ordered by stage then tp rank, with the ranks that run it."""
+    """Every distinct stage graph of the plan, ordered by stage, tp rank and cp rank, with the ranks that run it."""
     shape = result.plan.mesh
     groups = []
     for tp in range(shape.tp):
-        for stage, graph in stage_graphs(result, tp=tp).items():
-            pp = result.schedule.stage_to_rank[stage]
-            ranks = tuple(rank_of(dp=d, pp=pp, tp=tp, shape=shape) for d in range(shape.dp))
-            groups.append(GraphGroup(stage=stage, tp=tp, pp=pp, graph=graph, ranks=ranks))
-    return sorted(groups, key=lambda g: (g.stage, g.tp))
+        for cp in range(shape.cp):
+            for stage, graph in stage_graphs(result, tp=tp, cp=cp).items():
+                pp = result.schedule.stage_to_rank[stage]
+                ranks = tuple(rank_of(dp=d, cp=cp, pp=pp, tp=tp, shape=shape) for d in range(shape.dp))
+                groups.append(GraphGroup(stage=stage, tp=tp, pp=pp, graph=graph, ranks=ranks, cp=cp,
+                                         cp_size=shape.cp))
+    return sorted(groups, key=lambda g: (g.stage, g.tp, g.cp))
 
 
 def stage_flops(gm: fx.GraphModule) -> int:

@@ -193,7 +193,8 @@ def graph_diff(result, rank: int, *, stage: int | None = None, context: int = 1)
                         fix=f"pick one of its stages {held} or leave stage out")
     captured = original_graph(result)
     original = _views(captured)
-    graphs = {s: g.gm for s, g in stage_graphs(result, tp=program.coords["tp"]).items()}
+    graphs = {s: g.gm for s, g in stage_graphs(result, tp=program.coords["tp"],
+                                                  cp=program.coords.get("cp", 0)).items()}
     where = stage_of_nodes(original, graphs)
     c = program.coords
     out = [f"rank {rank} (" + " ".join(f"{axis}={value}" for axis, value in c.items()) + ") against the captured graph "

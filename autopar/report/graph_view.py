@@ -101,13 +101,16 @@ def graph_section(group: GraphGroup, *, open_: bool = False) -> str:
     stats = graph_stats(views)
     g = group.graph
     ranks = ", ".join(f'<a href="#rank-{r}">{r}</a>' for r in group.ranks)
+    who = f"; cp rank {group.cp} of {group.cp_size}: its own positions of each sequence" if group.cp_size > 1 else ""
     edges = "; ".join([f"receives {e.value} from stage {e.src}" for e in g.recvs]
                       + [f"sends {e.value} to stage {e.dst}" for e in g.sends]) or "no pipeline edges"
     return (f'<section class="graph" id="{group.anchor}" data-stage="{group.stage}" data-tp="{group.tp}" '
+            f'data-cp="{group.cp}" '
             f'style="border-left:6px solid {stage_color(group.stage)}">'
-            f"<h3>Stage {group.stage} &#183; tp rank {group.tp}</h3>"
+            f"<h3>Stage {group.stage} &#183; tp rank {group.tp}"
+            + (f" &#183; cp rank {group.cp}" if group.cp_size > 1 else "") + "</h3>"
             f'<p class="who">pp rank {group.pp}; run by rank{"s" if len(group.ranks) > 1 else ""} {ranks} '
-            f"(one per dp replica). Inputs: {escape(', '.join(g.input_names) or 'none')}; "
+            f"(one per dp replica{who}). Inputs: {escape(', '.join(g.input_names) or 'none')}; "
             f"{escape(edges)}.</p>"
             f'<p class="stats">{_stats_line(stats)}</p>{_strip_svg(views)}'
             f'<details{" open" if open_ else ""}><summary>the {stats["nodes"]} nodes</summary>'

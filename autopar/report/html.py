@@ -68,16 +68,20 @@ def _ranks_section(result, groups) -> str:
     for g in groups:
         for r in g.ranks:
             by_rank.setdefault(r, []).append(g)
+    axes = [a for a in ("dp", "cp", "pp", "tp") if a != "cp" or shape.cp > 1]
     rows = []
     for rank in range(shape.world_size):
         c = coords_of(rank, shape)
         links = " ".join(f'<a href="#{g.anchor}"><span class="stage-chip" style="background:{stage_color(g.stage)}">'
                          f"</span>stage {g.stage}</a>" for g in sorted(by_rank.get(rank, []), key=lambda g: g.stage))
-        rows.append(f'<tr class="rank-row" id="rank-{rank}"><td>rank {rank}</td><td>{c["dp"]}</td><td>{c["pp"]}</td>'
-                    f"<td>{c['tp']}</td><td>{links}</td></tr>")
-    return (f'<section id="ranks"><h2>Ranks</h2><p>{shape.world_size} ranks, rank = (dp &#183; pp_size + pp) '
-            f"&#183; tp_size + tp. Ranks with the same pp and tp run the same graphs on different data.</p>"
-            f"<table><tr><th>rank</th><th>dp</th><th>pp</th><th>tp</th><th>stage graphs</th></tr>"
+        rows.append(f'<tr class="rank-row" id="rank-{rank}"><td>rank {rank}</td>'
+                    + "".join(f"<td>{c[a]}</td>" for a in axes) + f"<td>{links}</td></tr>")
+    order = ("((dp &#183; cp_size + cp) &#183; pp_size + pp) &#183; tp_size + tp" if shape.cp > 1
+             else "(dp &#183; pp_size + pp) &#183; tp_size + tp")
+    same = "cp, pp and tp" if shape.cp > 1 else "pp and tp"
+    return (f'<section id="ranks"><h2>Ranks</h2><p>{shape.world_size} ranks, rank = {order}. '
+            f"Ranks with the same {same} run the same graphs on different data.</p>"
+            "<table><tr><th>rank</th>" + "".join(f"<th>{a}</th>" for a in axes) + "<th>stage graphs</th></tr>"
             + "".join(rows) + "</table></section>")
 
 

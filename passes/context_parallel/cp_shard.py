@@ -247,8 +247,8 @@ def _positions_node(graph: fx.Graph, layout: CpLayout, rank: int, **kwargs) -> f
 
 
 def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInfo, index: int,
-                       layout: CpLayout, rank: int) -> str:
-    """One attention as a cp op node; returns the strategy taken."""
+                       layout: CpLayout, rank: int) -> tuple[str, str]:
+    """One attention as a cp op node; returns (its module path, the strategy taken)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     output = nodes[info.output]
     if info.q_layout.heads == info.q_layout.batch:
@@ -280,7 +280,7 @@ def _replace_attention(gm: fx.GraphModule, st: LoweringState, info: AttentionInf
         out = graph.call_module(name, args)
         out = _strided_like(graph, _permuted(graph, out, info.q_layout, inverse=True), output)
     output.replace_all_uses_with(out)
-    return strategy
+    return module_path_of(output) or output.name, strategy
 
 
 def _global_positions(gm: fx.GraphModule, names: list[str], layout: CpLayout, rank: int) -> None:
@@ -420,6 +420,6 @@ def shard_context_parallel(st: LoweringState) -> LoweringState:
     args = tuple(layout.shard(a, dim=seq_inputs[name], rank=rank) if name in seq_inputs else a
                  for name, a in zip(placeholders, st.example_args))
     log.info("cp=%d rank %d: %d attentions (%s), sequence %d -> %d", cp, rank, len(strategies),
-             ", ".join(sorted(set(strategies))), seq_len, layout.local_len)
+             ", ".join(sorted({s for _, s in strategies})), seq_len, layout.local_len)
     return dataclasses.replace(st, gm=gm, example_args=args, cp_inputs=tuple(seq_inputs.items()), cp_seq_len=seq_len,
-                               cp_label_shifts=tuple(sorted(set(shifts.values()))))
+                               cp_label_shifts=tuple(sorted(set(shifts.values()))), cp_attention=tuple(strategies))

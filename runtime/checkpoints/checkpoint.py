@@ -305,11 +305,15 @@ def _random(program: ProgramState, manifest: dict, request: dict) -> None:
         seed = rng_state.reseed_random(program, seed=saved["seed"], step=int(manifest["step"]),
                                        tp_rank=program.info.coords["tp"])
         if _rank() == 0:
-            log.info("random state: saved on mesh (dp, pp, tp) = %s over %s ranks, loaded on %s over %s: the "
+            mesh = program.plan.mesh
+            log.info("random state: saved on mesh (dp, pp, tp) = %s%s over %s ranks, loaded on %s%s over %s: the "
                      "per-rank generators cannot map 1:1, so every rank is re-seeded from seed %s and step %s "
-                     "(derived seed %d)", tuple(saved["mesh"]), saved["world_size"],
-                     (program.plan.mesh.dp, program.plan.mesh.pp, program.plan.mesh.tp), _world(),
-                     saved["seed"], manifest["step"], seed)
+                     "(derived seed %d)", tuple(saved["mesh"]), _cp_text(saved.get("cp", 1)), saved["world_size"],
+                     (mesh.dp, mesh.pp, mesh.tp), _cp_text(mesh.cp), _world(), saved["seed"], manifest["step"], seed)
+
+
+def _cp_text(cp: int) -> str:
+    return f" with cp={cp}" if cp > 1 else ""
 
 
 def _opaque_error(base: str, entry: dict, held: Held) -> CheckpointError:

@@ -7,7 +7,7 @@ A rank draws dropout masks from three places, all of which a checkpoint keeps, p
 - its tensor-parallel trackers (:class:`autopar.ops.tp_rng.TpRngTracker`, one per stage
   graph with sharded random ops), each a CPU state and, on CUDA, a CUDA state.
 
-**The same mesh** (same dp, pp, tp degrees and world size): rank r gets back exactly the states
+**The same mesh** (same dp, cp, pp, tp degrees and world size): rank r gets back exactly the states
 rank r saved, so a resumed run draws the masks the run that never stopped would have drawn, and
 trains bit for bit like it.
 
@@ -71,13 +71,14 @@ def rng_manifest(program: ProgramState, world_size: int) -> dict:
     """What a load needs to decide between restoring and re-deriving (rank 0's view)."""
     mesh = program.plan.mesh
     return {"seed": int(torch.initial_seed()), "world_size": world_size,
-            "mesh": [mesh.dp, mesh.pp, mesh.tp]}
+            "mesh": [mesh.dp, mesh.pp, mesh.tp], "cp": mesh.cp}
 
 
 def same_layout(saved: dict | None, program: ProgramState, world_size: int) -> bool:
-    """Whether the saved per-rank states map 1:1 onto this job's ranks."""
+    """Whether the saved per-rank states map 1:1 onto this job's ranks (a checkpoint from before cp has none: 1)."""
     mesh = program.plan.mesh
-    return bool(saved) and saved.get("world_size") == world_size and saved.get("mesh") == [mesh.dp, mesh.pp, mesh.tp]
+    return (bool(saved) and saved.get("world_size") == world_size and saved.get("mesh") == [mesh.dp, mesh.pp, mesh.tp]
+            and saved.get("cp", 1) == mesh.cp)
 
 
 def restore_random(program: ProgramState, pieces: dict[str, torch.Tensor], rank: int) -> None:

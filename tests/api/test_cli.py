@@ -84,6 +84,32 @@ def test_inspect_bare_model_takes_input_shape(capsys):
     assert "Plan for GPT: dp=1 x pp=2 x tp=1" in out and "send_" in out
 
 
+def test_inspect_a_cp_mesh_shows_the_attention_nodes_and_the_strategy(capsys):
+    """--mesh dp=1,cp=2: the summary names cp and what auto resolved to (the all-to-all: 4 heads divide
+    by 2), rank 1's program lists its UlyssesAttention nodes, and the critical path is printed."""
+    assert main(["inspect", GPT, "--mesh", "dp=1,cp=2", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Plan for GPT: dp=1 x cp=2 x pp=1 x tp=1 = 2 ranks")
+    assert "attention by auto: all_to_all x2; gradients summed over dp x cp = 2" in out
+    assert "critical path" in out and "# rank 1: dp=0 cp=1 pp=0 tp=0" in out
+    assert "cp_attention_0 = self.cp_attention_0(" in out
+    assert ("### cp_attention_1 = UlyssesAttention(axis='cp', size=2, seq_len=32, load_balanced=True, causal=True)"
+            in out)
+
+
+def test_inspect_cp_options_reach_the_plan(capsys):
+    assert main(["inspect", GPT, "--mesh", "dp=2,cp=2", "--cp-strategy", "ring", "--cp-contiguous", "--json"]) == 0
+    plan = autopar.Plan.model_validate_json(capsys.readouterr().out)
+    assert (plan.mesh.dp, plan.mesh.cp) == (2, 2) and plan.cp_strategy == "ring" and not plan.cp_load_balanced
+    assert [s for _, s in plan.cp_attention] == ["ring", "ring"] and plan.cp_seq_len == 32
+
+
+def test_cp_options_without_a_cp_axis_exit_2(capsys):
+    assert main(["inspect", GPT, "--mesh", "dp=2", "--cp-strategy", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "has no cp axis" in err and "Fix: add cp=N" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("mesh,words", [
     ("dp=2,pp=x", "not a positive integer"),
     ("dp=0", "not a positive integer"),
@@ -164,3 +190,16 @@ def test_plan_prints_the_chosen_pipeline_critical_path(capsys):
     pipeline = report.best.step_time - parts["dp_comm"] - parts["optimizer"] - parts["overhead"]
     assert float(line.split()[2]) == pytest.approx(pipeline, rel=1e-3)
     assert report.critical_path().length == pytest.approx(pipeline, rel=1e-9)
+
+
+def test_plan_pins_a_cp_mesh_and_shows_its_column(capsys):
+    """`autopar plan --mesh dp=1,cp=2` plans on that mesh (cp was dropped from the pins before: the planner then
+    chose pp=2); the candidate table has a cp column and the summary the cp line."""
+    assert main(["plan", GPT, "--cluster", "cpu-2core", "--world", "2", "--mesh", "dp=1,cp=2"]) == 0
+    out = capsys.readouterr().out
+    head = next(x for x in out.splitlines() if x.startswith("#"))
+    assert head.split()[:5] == ["#", "dp", "cp", "pp", "tp"]
+    rows = [x.split() for x in out.splitlines() if x[:1].isdigit() and len(x.split()) > 10]
+    assert rows and all(r[1:5] == ["1", "2", "1", "1"] for r in rows)
+    assert "chosen: dp=1 cp=2 pp=1 tp=1" in out and "Plan for GPT: dp=1 x cp=2 x pp=1 x tp=1 = 2 ranks" in out
+    assert "context parallel: the sequence cut over cp=2" in out

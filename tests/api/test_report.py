@@ -12,6 +12,7 @@ from autopar.cli import main
 from autopar.errors import PlanError
 from autopar.models import examples
 from autopar.ops.collectives import TpCopy, TpReduce, collective_nodes
+from autopar.ops.context_parallel.ring import RingAttention
 from autopar.ops.p2p import p2p_nodes
 from autopar.report import graph_diff, render_report, timeline_svg, write_report
 from autopar.report import memory_view
@@ -229,3 +230,59 @@ def test_token_movement_lists_each_layers_all_to_all_nodes_on_each_rank(moe_page
     # 4 samples x 16 tokens x top-1 rows
     assert {r[4] for r in rows} == {"all_to_all over ep: ranks 0, 1"}
     assert {r[5] for r in rows} == {"capacity factor 1.5: at most 24 of its 64 rows to each expert"}
+
+
+# -- context parallelism ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cp_result():
+    model, (tokens,), loss_fn, targets = examples.gpt_tiny()
+    return autopar.plan(model, {"cp": 2, "pp": 2}, example_inputs=(tokens,), loss_fn=loss_fn,
+                        example_target=targets, cp_strategy="ring")
+
+
+@pytest.fixture(scope="module")
+def cp_page(cp_result):
+    return render_report(cp_result)
+
+
+def test_cp_report_has_a_graph_per_cp_rank_each_with_its_ring_attention(cp_result, cp_page):
+    """cp ranks of one replica run different graphs (their own positions): one section per (stage, tp, cp),
+    each holding its stage's RingAttention node; the ranks table has a cp column and links each rank."""
+    sections = re.findall(r'<section class="graph" id="graph-s(\d)-t(\d)-c(\d)"', cp_page)
+    assert sections == [("0", "0", "0"), ("0", "0", "1"), ("1", "0", "0"), ("1", "0", "1")]
+    groups = graph_groups(cp_result)
+    assert [g.ranks for g in groups] == [(0,), (2,), (1,), (3,)]  # rank = (cp * pp_size + pp) at dp=1, tp=1
+    assert [sum(isinstance(m, RingAttention) for m in g.graph.gm.modules()) for g in groups] == [1, 1, 1, 1]
+    assert cp_page.count("(RingAttention &#215;1)") == 4 and cp_page.count('class="badge coll"') == 4
+    assert "<th>dp</th><th>cp</th><th>pp</th><th>tp</th>" in cp_page
+    rows = dict(re.findall(r'<tr class="rank-row" id="rank-(\d)">(.*?)</tr>', cp_page))
+    assert "<td>0</td><td>1</td><td>1</td><td>0</td>" in rows["3"] and 'href="#graph-s1-t0-c1"' in rows["3"]
+
+
+def test_cp_report_shows_the_plan_with_cp_and_the_strategy_taken(cp_result, cp_page):
+    summary = cp_result.plan.summary()
+    assert "dp=1 x cp=2 x pp=2 x tp=1 = 4 ranks" in summary
+    assert "context parallel: the sequence cut over cp=2 (load-balanced), attention by ring: ring x2" in summary
+    assert html.escape(summary) in cp_page
+    assert cp_result.plan.cp_attention == (("model.blocks.0.attn", "ring"), ("model.blocks.1.attn", "ring"))
+    json_text = html.unescape(re.search(r'<pre id="plan-json">(.*?)</pre>', cp_page, flags=re.S).group(1))
+    assert autopar.Plan.model_validate_json(json_text) == cp_result.plan
+
+
+def test_cp_report_renders_the_timeline_critical_path_and_memory(cp_result, cp_page):
+    svg = re.search(r'<svg class="timeline".*?</svg>', cp_page, flags=re.S).group(0)
+    m, stages = cp_result.plan.pipeline.num_microbatches, cp_result.schedule.num_stages
+    kinds = re.findall(r'class="ev ev-([FBW])( crit)?"', svg)
+    assert sum(k == "F" for k, _ in kinds) == sum(k == "B" for k, _ in kinds) == m * stages
+    outlined = re.findall(r'class="ev ev-[FBW] crit" data-action="(\w+)"', svg)
+    assert outlined and set(outlined) == set(simulate_plan(cp_result).sim.critical_path.actions)
+    assert len(re.findall(r'<tr class="mem-row">', cp_page)) == 4 and "autopar.memory.estimate_memory" in cp_page
+
+
+def test_cp_diff_reads_the_ranks_own_graph(cp_result):
+    """cp rank 1 of a 32-token sequence in 4 chunks of 8 holds positions 8..16 and 16..24 (load-balanced)."""
+    diff = graph_diff(cp_result, 2)  # dp=0 cp=1 pp=0 tp=0
+    assert diff.startswith("rank 2 (dp=0 cp=1 pp=0 tp=0) against the captured graph")
+    assert "1 collectives (RingAttention x1)" in diff
+    assert "+ arange_start = aten.arange(8, 16" in diff and "+ arange_start_1 = aten.arange(16, 24" in diff
+    assert "aten.arange(0, 8" in graph_diff(cp_result, 0)

@@ -121,6 +121,21 @@ def test_resumed_on_another_mesh_trains_like_one_device(case):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("case", groups.params(groups.RESUME_CP + groups.RESUME_CP_ONE + groups.RESUME_CP_FOUR))
+def test_resumed_across_context_parallelism_trains_like_one_device(case):
+    """Saved after 2 steps at cp=2 (ZeRO-1, ZeRO-3: shards over dp x cp) or at dp=2 (ZeRO-3), loaded into a
+    model with other weights at dp=2, at cp=2 under the other ZeRO stage, or on one rank; saved at cp=2 x tp=2
+    under ZeRO-3, loaded at dp=2 x tp=2, pp=2 x cp=2 and tp=2 (slow): the 4 steps equal one device's (losses
+    and every parameter; the harness judges every rank and replica)."""
+    name = dict(case.extra)["name"]
+    saver = next(c for c in groups.SAVE_CP + [groups.SAVE_CP_FOUR] if dict(c.extra)["name"] == name)
+    saved, resumed = _result(saver), _result(case)
+    assert saved["step"] == resumed["step"] == 2
+    combined = {"losses": saved["losses"] + resumed["losses"], "state": resumed["state"]}
+    assert_equivalent(case, combined, _reference(case))
+
+
+@pytest.mark.dist
 def test_adamw_state_and_step_resume_exactly():
     """AdamW's step counter and moments come back: equal to the same mesh's run without a stop."""
     full, saved, resumed = (_result(c) for c in (groups.ADAM_FULL, groups.SAVE_ADAM, groups.RESUME_ADAM))
@@ -216,3 +231,22 @@ def test_random_state_on_another_mesh_is_rederived_deterministically(case):
     assert out["reseeded"] == [True] * case.world_size
     assert out["runs"][0] == out["runs"][1]
     assert len(out["log"]) == 2 and "cannot map 1:1" in out["log"][0] and str(saver.mesh) in out["log"][0]
+
+
+def test_random_state_maps_one_to_one_only_on_the_same_cp_degree():
+    """The rng manifest records cp: a checkpoint of dp=1 x cp=2 restores 1:1 at cp=2 only; one saved before
+    cp existed (no ``cp``) counts as cp=1."""
+    from types import SimpleNamespace
+
+    from autopar.plan_model import MeshShape
+    from autopar.runtime.checkpoints import rng_state
+
+    def program(**mesh):
+        return SimpleNamespace(plan=SimpleNamespace(mesh=MeshShape(**mesh)))
+    saved = rng_state.rng_manifest(program(cp=2), 2)
+    assert saved["mesh"] == [1, 1, 1] and saved["cp"] == 2
+    assert rng_state.same_layout(saved, program(cp=2), 2)
+    assert not rng_state.same_layout(saved, program(dp=2), 2) and not rng_state.same_layout(saved, program(tp=2), 2)
+    older = {k: v for k, v in saved.items() if k != "cp"}  # the same (dp, pp, tp) and world, cp not recorded
+    assert not rng_state.same_layout(older, program(cp=2), 2)
+    assert rng_state.same_layout(rng_state.rng_manifest(program(dp=2), 2), program(dp=2), 2)
