@@ -96,9 +96,10 @@ class Candidate:
     def label(self) -> str:
         sched = self.schedule + (f"(v={self.num_virtual})" if self.num_virtual > 1 else "")
         ep = f" ep={self.expert_parallel}" if self.expert_parallel > 1 else ""
-        cp = f" cp={self.cp}({self.cp_strategy})" if self.cp > 1 else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        attention = f" {self.cp_strategy} attention" if self.cp > 1 else ""
         return (f"dp={self.dp}{cp} pp={self.pp} tp={self.tp}{ep} m={self.num_microbatches} {sched} "
-                f"ZeRO-{self.zero_stage} rc={self.recompute}")
+                f"ZeRO-{self.zero_stage} rc={self.recompute}{attention}")
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Estimate:
 
     candidate: Candidate
     step_time: float
-    parts: dict = field(default_factory=dict)  # seconds: compute, tp_comm, bubble, p2p, dp_comm, optimizer
+    parts: dict = field(default_factory=dict)  # seconds: compute, tp/ep/cp comm, bubble, p2p, dp_comm, optimizer
     memory: float = 0.0  # peak bytes of the fullest rank
     memory_parts: dict = field(default_factory=dict)  # that rank's params, grads, optimizer, activations
     capacity: float = 0.0  # usable bytes on that rank
@@ -191,25 +192,26 @@ class CostModel:
     # -- per-chunk sums -------------------------------------------------------------------
     def table(self, tp: int, b: int, recompute: str, device: Device, contention: float, ep: int = 1,
               ep_link=None, cp: int = 1, cp_link=None, cp_strategy: str = "ring"):
-        """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes, ep all-to-all)
-        seconds/bytes (``ep`` > 1: the MoE layers' all-to-alls over ``ep_link``, in forward and backward)."""
+        """Prefix sums over chunks of (forward, backward, weight, tp comm, saved bytes, ep all-to-all, cp attention
+        traffic) seconds/bytes (``ep`` > 1: the MoE layers' all-to-alls over ``ep_link``, in forward and backward;
+        ``cp`` > 1: the attention's ring or all-to-alls over ``cp_link``)."""
         key = (tp, b, recompute, id(device), contention, ep, ep_link, cp, cp_link, cp_strategy)  # (self.cluster's)
         if key not in self._tables:
-            rows = [[0.0] * 6]
+            rows = [[0.0] * 7]
             for ch in self.profile.chunks[tp]:
                 f, bw, w = chunk_times(ch, b=b, tp=tp, device=device, cluster=self.cluster,
                                        precision=self.profile.precision, recompute=recompute, contention=contention,
                                        ep=ep, ep_link=ep_link, cp=cp, cp_link=cp_link, cp_strategy=cp_strategy)
                 comm = sum(comm_time(ch.comms, tp=tp, b=b / cp, link=self.cluster.intra, direction=d,
                                       include_recompute=True) for d in ("forward", "backward"))
-                comm += sum(cp_comm(ch, b=b, cp=cp, strategy=cp_strategy, link=cp_link or self.cluster.intra))
+                attention = sum(cp_comm(ch, b=b, cp=cp, strategy=cp_strategy, link=cp_link or self.cluster.intra))
                 a2a = sum(moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra))
                 if recompute == "full":
                     a2a += moe_comm(ch, b=b, ep=ep, link=ep_link or self.cluster.intra)[0]
                 last = rows[-1]
                 rows.append([last[0] + f, last[1] + bw, last[2] + w, last[3] + comm,
                              last[4] + ch.saved[recompute] * b / cp,
-                             last[5] + a2a])
+                             last[5] + a2a, last[6] + attention])
             self._tables[key] = rows
         return self._tables[key]
 
@@ -368,21 +370,23 @@ class CostModel:
         if self._contention(c) > 1 and c.pp > 1:  # a rank waiting lends its core: the bubble costs little
             compute = min(compute, pipeline)
         tp_comm = sum(comm[s] for s in stages_of(owner, c.pp)[busiest]) * c.num_microbatches
-        ep_comm = self._ep_comm(c, ranges, owner, busiest) * c.num_microbatches
+        ep_comm = self._column(c, ranges, owner, busiest, 5) if c.expert_parallel > 1 else 0.0
+        cp_comm = self._column(c, ranges, owner, busiest, 6) if c.cp > 1 else 0.0
         dp_time, opt_time, (memory, parts, capacity) = self._ranks(c, ranges, owner, counts, schedule)
         overhead = self.cluster.step_overhead_s
         return Estimate(candidate=c, step_time=pipeline + dp_time + opt_time + overhead, simulated=simulated,
-                        parts={"compute": compute - tp_comm - ep_comm, "tp_comm": tp_comm, "ep_comm": ep_comm,
+                        parts={"compute": compute - tp_comm - ep_comm - cp_comm, "tp_comm": tp_comm,
+                               "ep_comm": ep_comm, "cp_comm": cp_comm,
                                "bubble": max(0.0, pipeline - compute), "p2p": p2p, "dp_comm": dp_time,
                                "optimizer": opt_time, "overhead": overhead},
                         memory=memory, memory_parts=parts, capacity=capacity)
 
-    def _ep_comm(self, c: Candidate, ranges, owner, rank: int) -> float:
-        """Seconds of one microbatch's MoE all-to-alls on pp rank ``rank`` (part of its stage times)."""
-        if c.expert_parallel == 1:
-            return 0.0
+    def _column(self, c: Candidate, ranges, owner, rank: int, column: int) -> float:
+        """Seconds of a step's communication of one kind (the table's ``column``: 5 the MoE all-to-alls, 6 cp's
+        attention traffic) on pp rank ``rank`` (part of its stage times), over the step's microbatches."""
         t = self.candidate_table(c, self.cluster.device)
-        return sum(t[hi][5] - t[lo][5] for s, (lo, hi) in enumerate(ranges) if owner[s] == rank)
+        per_microbatch = sum(t[hi][column] - t[lo][column] for s, (lo, hi) in enumerate(ranges) if owner[s] == rank)
+        return per_microbatch * c.num_microbatches
 
     def _pipeline(self, c: Candidate, owner, fwd, bwd, wgt, p2p, simulated: bool) -> float:
         """The pipeline's step in seconds: simulated on the full schedule, or its lower bound.

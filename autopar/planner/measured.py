@@ -30,11 +30,12 @@ from autopar.planner.cost_model import Estimate
 __all__ = ["PARTS", "SPREAD", "additive_parts", "explain_step"]
 
 # the step's additive parts (Estimate.parts keys) and how they are named
-PARTS = {"compute": "compute", "tp_comm": "tp comm", "ep_comm": "ep all-to-alls", "bubble": "the pipeline bubble",
+PARTS = {"compute": "compute", "tp_comm": "tp comm", "ep_comm": "ep all-to-alls", "cp_comm": "cp attention traffic",
+         "bubble": "the pipeline bubble",
          "dp_comm": "dp comm", "optimizer": "the optimizer step", "overhead": "the fixed time per step"}
 # typical relative error of each part: compute from the published-run fit (docs/planner.md), the rest assumed
-SPREAD = {"compute": 0.10, "tp_comm": 0.5, "ep_comm": 0.5, "bubble": 0.5, "dp_comm": 1.0, "optimizer": 1.0,
-          "overhead": 1.0}
+SPREAD = {"compute": 0.10, "tp_comm": 0.5, "ep_comm": 0.5, "cp_comm": 0.5, "bubble": 0.5, "dp_comm": 1.0,
+          "optimizer": 1.0, "overhead": 1.0}
 
 
 def additive_parts(e: Estimate) -> dict[str, float]:

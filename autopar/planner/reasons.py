@@ -2,7 +2,7 @@
 
 Every figure here is a simulated step time (:meth:`SearchResult.simulate`), the kind the table
 ranks by, so a reason cannot contradict the table: for each decision (mesh, microbatches,
-schedule, ZeRO stage, recomputation) :func:`explain` names the simulator's fastest alternative
+schedule, ZeRO stage, recomputation, expert parallelism, cp's attention strategy) :func:`explain` names the simulator's fastest alternative
 that fits (found best-first, like the choice) and how much slower it is, and any faster
 alternative with what it lacks (memory, or a combination the runtime refuses).
 :func:`batch_warnings` says when the global batch is too small for the plan: a pipeline bubble
@@ -20,9 +20,10 @@ from autopar.planner.search import GiB, TIE, SearchResult, _memory_reason, const
 
 __all__ = ["explain", "format_table", "batch_warnings"]
 
-_MESH = lambda x: (x.dp, x.pp, x.tp)  # noqa: E731
-_STRUCTURE = lambda x: (x.dp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual, x.expert_parallel)  # noqa
-_LAYOUT = lambda x: (x.dp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual)  # noqa: E731
+_MESH = lambda x: (x.dp, x.cp, x.pp, x.tp)  # noqa: E731
+_STRUCTURE = lambda x: (x.dp, x.cp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual,  # noqa: E731
+                        x.expert_parallel, x.cp_strategy)
+_LAYOUT = lambda x: (x.dp, x.cp, x.pp, x.tp, x.num_microbatches, x.schedule, x.num_virtual)  # noqa: E731
 
 
 def _axes(c):
@@ -45,6 +46,12 @@ def _axes(c):
     def same_structure(x):
         return _STRUCTURE(x) == _STRUCTURE(c)
 
+    def other_cp_structure(x):  # the same structure with cp's other attention strategy
+        return _STRUCTURE(replace(x, cp_strategy=c.cp_strategy)) == _STRUCTURE(c) and x.cp_strategy != c.cp_strategy
+
+    def other_cp_attention(x):  # the same plan with cp's other attention strategy
+        return other_cp_structure(x) and (x.zero_stage, x.recompute) == (c.zero_stage, c.recompute)
+
     def other_zero(x):
         return same_structure(x) and x.zero_stage != c.zero_stage and x.recompute == c.recompute
 
@@ -53,7 +60,8 @@ def _axes(c):
 
     return (("mesh", other_mesh, other_mesh), ("microbatches", other_microbatches, other_microbatches),
             ("schedule", other_schedule, other_schedule), ("ZeRO", same_structure, other_zero),
-            ("recompute", same_structure, other_recompute), ("expert parallel", other_ep, other_ep))
+            ("recompute", same_structure, other_recompute), ("expert parallel", other_ep, other_ep),
+            ("cp attention", other_cp_structure, other_cp_attention))
 
 
 def _pct(t: float, base: float) -> str:
@@ -208,7 +216,7 @@ def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> s
     ranked, exact, floor = result.ranked, result.exact_rows, result.floor
     cp = any(e.candidate.cp > 1 for e in ranked[:min(top, exact)])  # a cp column when a shown row cuts sequences
     head = ("#", "dp", *(("cp",) if cp else ()), "pp", "tp", *(("ep",) if moe else ()), "m", "mb", "schedule", "ZeRO",
-            "recompute", "est. s/step", "bubble", "GiB/rank", "of GiB")
+            "recompute", *(("cp attention",) if cp else ()), "est. s/step", "bubble", "GiB/rank", "of GiB")
     rows = []
     for i, e in enumerate(ranked[:min(top, exact)], 1):  # rows the simulator ranks against every candidate
         c = e.candidate
@@ -217,7 +225,8 @@ def format_table(result: SearchResult, *, top: int = 10, rejected: int = 5) -> s
                      *((str(c.expert_parallel),) if moe else ()),
                      str(c.num_microbatches),
                      str(mb), c.schedule + (f" v={c.num_virtual}" if c.num_virtual > 1 else ""), str(c.zero_stage),
-                     c.recompute, f"{e.step_time:.4g}", f"{_bubble_share(e):.0%}",
+                     c.recompute, *(((c.cp_strategy if c.cp > 1 else "-"),) if cp else ()),
+                     f"{e.step_time:.4g}", f"{_bubble_share(e):.0%}",
                      f"{e.memory / GiB:.1f}", f"{e.capacity / GiB:.1f}"))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731

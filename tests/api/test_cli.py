@@ -201,5 +201,6 @@ def test_plan_pins_a_cp_mesh_and_shows_its_column(capsys):
     assert head.split()[:5] == ["#", "dp", "cp", "pp", "tp"]
     rows = [x.split() for x in out.splitlines() if x[:1].isdigit() and len(x.split()) > 10]
     assert rows and all(r[1:5] == ["1", "2", "1", "1"] for r in rows)
+    assert "cp attention" in head and {r[10] for r in rows} <= {"ring", "all_to_all"}  # the strategy of each row
     assert "chosen: dp=1 cp=2 pp=1 tp=1" in out and "Plan for GPT: dp=1 x cp=2 x pp=1 x tp=1 = 2 ranks" in out
     assert "context parallel: the sequence cut over cp=2" in out

@@ -58,6 +58,7 @@ def test_cp_divides_activations_and_compute_and_adds_the_ring(llama):
     link = _cluster(80).intra
     hops = sum(4 * link.p2p(ch.attention_kv * 2 / 2) for ch in profile.chunks[1] if ch.attention_kv)
     assert hops > 0 and two.step_time - without.step_time == pytest.approx(hops)
+    assert two.parts["cp_comm"] == pytest.approx(hops) and without.parts["cp_comm"] == 0.0  # its own part
     # ZeRO-3 over dp x cp: two ranks hold half the parameters each, as dp=2 does
     z3 = model.estimate(Candidate(dp=1, pp=1, tp=1, num_microbatches=1, cp=2, zero_stage=3), simulate_pipeline=True)
     dp2 = model.estimate(Candidate(dp=2, pp=1, tp=1, num_microbatches=1, zero_stage=3), simulate_pipeline=True)
