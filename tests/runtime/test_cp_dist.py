@@ -107,7 +107,7 @@ FAMILIES = [
     *_matrix("mistral", ("ring", _FN), ("all_to_all", _OWN), ("ring", _FN), ("all_to_all", _OWN, "1f1b")),
     *_matrix("gemma2", ("ring", _OWN), ("all_to_all", _FN), ("ring", _OWN, _SP), ("all_to_all", _FN, "zb_h1"),
              impl="eager"),
-    *_matrix("gpt2", ("all_to_all", _FN), ("ring", _OWN), ("all_to_all", _FN), ("ring", _OWN, "gpipe")),
+    *_matrix("gpt2", ("all_to_all", _FN), ("ring", _OWN), ("all_to_all", _FN, _SP), ("ring", _OWN, "gpipe")),
     *_matrix("falcon_mq", ("all_to_all", _OWN), ("ring", _FN), ("ring", _OWN), ("all_to_all", _FN, "1f1b")),
     *_matrix("bert", ("ring", _FN), ("all_to_all", _OWN), ("all_to_all", _FN, _SP),
              ("ring", _OWN, "interleaved_1f1b")),
