@@ -2,12 +2,16 @@
 
 ``case.model`` names a family of :data:`cp_families.CP_FAMILIES`; ``case.extra`` says how it is driven:
 ``impl`` (``sdpa`` or ``eager``), ``loss`` (``own``: dict batches with ``labels`` and the model's own loss, which
-shifts the labels inside it; ``loss_fn``: ``input_ids`` and ``attention_mask`` as tensors, the targets shifted
-by the data and a token-mean ``loss_fn`` on the logits), ``packed`` (rows of several documents, ``position_ids``
-restarting). :func:`cp_reference` trains the same family on one device; both return what
-:func:`equivalence.assert_equivalent` compares.
+shifts the labels inside it; ``loss_fn``: the batch as tensors in the order of the forward's leading parameters
+(:func:`tensor_inputs`: ``input_ids`` and ``attention_mask``, or ``input_ids`` alone where the forward takes a
+cache second, as GPT-2 and Falcon do), the targets shifted by the data and a token-mean ``loss_fn`` on the
+logits), ``packed`` (rows of several documents, ``position_ids`` restarting). :func:`cp_reference` trains the
+same family on one device; both return what :func:`equivalence.assert_equivalent` compares.
 """
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,17 @@ def cp_batches(case) -> list[dict]:
     return out
 
 
+def tensor_inputs(model, batch: dict) -> tuple:
+    """The batch's tensors that fill the leading parameters of ``model.forward``, in order: positional tensors
+    stop at the first parameter the batch does not hold (a ``cache`` between ``input_ids`` and ``attention_mask``)."""
+    out = []
+    for name in inspect.signature(model.forward).parameters:
+        if name not in batch or name == "labels":
+            break
+        out.append(batch[name])
+    return tuple(out)
+
+
 def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
 
@@ -69,8 +84,7 @@ def cp_reference(case) -> dict:
         if _extra(case)["loss"] == "own":
             loss = model(**b).loss
         else:
-            loss = logits_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]),
-                               _shifted(b["labels"]))
+            loss = logits_loss(model(*tensor_inputs(model, b)), _shifted(b["labels"]))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -86,7 +100,7 @@ def cp_train(case, mesh) -> dict:
         program = autopar.compile(model, mesh, example_inputs=data[0], **common)
         losses = [program.train_step(program.shard_batch(b)).item() for b in data]
     else:
-        inputs = lambda b: (b["input_ids"], b["attention_mask"])  # noqa: E731
+        inputs = functools.partial(tensor_inputs, model)
         program = autopar.compile(model, mesh, example_inputs=inputs(data[0]), loss_fn=logits_loss,
                                   example_target=_shifted(data[0]["labels"]), **common)
         losses = [program.train_step(*(program.shard_batch(t) for t in inputs(b)),
@@ -95,11 +109,26 @@ def cp_train(case, mesh) -> dict:
             **replica_record(program)}
 
 
+def cut_without_cp(case) -> tuple[str, ...]:
+    """The stage starts ``autopar.plan`` gives the same family, batch and options on the case's mesh without cp:
+    what a cp program's cut (balanced on each rank's FLOPs, its attention node counted) must equal."""
+    import autopar
+    model, data = _model(case), cp_batches(case)[0]
+    options = {k: v for k, v in case.options if not k.startswith("cp_")}
+    mesh = dict(zip(("dp", "pp", "tp"), case.mesh))
+    if _extra(case)["loss"] == "own":
+        result = autopar.plan(model, mesh, example_inputs=data, **options)
+    else:
+        result = autopar.plan(model, mesh, example_inputs=tensor_inputs(model, data), loss_fn=logits_loss,
+                              example_target=_shifted(data["labels"]), **options)
+    return tuple(result.plan.pipeline.stage_starts)
+
+
 def cp_forward(case, mesh) -> dict:
     """Forward only on ``mesh``: this rank's logits for each batch (input_ids and attention_mask)."""
     import autopar
     model, data = _model(case), cp_batches(case)
-    inputs = lambda b: (b["input_ids"], b["attention_mask"])  # noqa: E731
+    inputs = functools.partial(tensor_inputs, model)
     program = autopar.compile(model, mesh, example_inputs=inputs(data[0]), p2p_timeout_s=120, **dict(case.options))
     outputs = [program(*(program.shard_batch(t) for t in inputs(b))).logits for b in data]
     return {"outputs": outputs, "dp_index": program.info.coords["dp"], **replica_record(program)}
@@ -108,7 +137,7 @@ def cp_forward(case, mesh) -> dict:
 def cp_forward_reference(case) -> list:
     model = _model(case)
     with torch.no_grad():
-        return [model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in cp_batches(case)]
+        return [model(*tensor_inputs(model, b)).logits for b in cp_batches(case)]
 
 
 class MeanPooled(torch.nn.Module):

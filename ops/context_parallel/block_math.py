@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AttentionSpec", "KeyBlock", "visible", "block_scores", "merge", "block_forward", "block_backward",
-           "grouped", "bias_block", "fused_case"]
+           "grouped", "bias_block", "fused_case", "rank_flops"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ class AttentionSpec:
     window: int | None = None
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None  # one per query head
+
+
+def rank_flops(q: torch.Tensor, v: torch.Tensor, seq_len: int) -> int:
+    """Forward FLOPs of one cp rank's share of an attention: its queries (``q`` ``[B, H, Lq, D]``) against every key
+    of the sequence (``seq_len``), QK^T and PV, as the lowering costs SDPA (passes/frontend/annotate.py): the
+    ring and the all-to-all both do 1/cp of the whole attention's work on each rank (masks not discounted)."""
+    b, h, lq, d = q.shape
+    return 2 * b * h * lq * seq_len * (d + v.shape[-1])
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.ops.collectives import Comm, GraphCollective
 from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_backward,
-                                                          block_forward, grouped, merge)
+                                                          block_forward, grouped, merge, rank_flops)
 from autopar.ops.context_parallel.layout import CpLayout
 
 __all__ = ["RingAttention", "ring_attention", "blockwise_attention", "RingPass"]
@@ -269,6 +269,10 @@ class RingAttention(GraphCollective):
 
     def meta_forward(self, q, k, v, *rest):
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+    def meta_flops(self, q, k, v, *rest) -> int:
+        """This rank's forward FLOPs (the shape propagation's counter does not see inside the op)."""
+        return rank_flops(q, v, self.layout.seq_len)
 
     def comm(self, in_bytes: int, out_bytes: int) -> list[Comm]:
         """K/V sent ``cp - 1`` times forward; backward K/V ``cp - 1`` times and the fp32 dK/dV ``cp`` times."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.ops.collectives import Comm, GraphCollective, all_gather_dim, issue, reduce_scatter_dim
 from autopar.ops.context_parallel.block_math import (AttentionSpec, KeyBlock, bias_block, block_scores, grouped,
-                                                          visible)
+                                                          rank_flops, visible)
 from autopar.ops.context_parallel.layout import CpLayout
 from autopar.ops.context_parallel.ring import blockwise_attention
 
@@ -255,6 +255,10 @@ class UlyssesAttention(GraphCollective):
 
     def meta_forward(self, q, k, v, *rest):
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+    def meta_flops(self, q, k, v, *rest) -> int:
+        """This rank's forward FLOPs (the shape propagation's counter does not see inside the op)."""
+        return rank_flops(q, v, self.layout.seq_len)
 
     def comm(self, in_bytes: int, out_bytes: int) -> list[Comm]:
         """q, k, v and the output each cross one all-to-all forward and one backward (k, v counted as q's size)."""

@@ -5,7 +5,8 @@ torch.export's own fake run chose; a meta run would pick other strides and rejec
 
 Used after capture and after every transform (the pass manager re-propagates to check that a
 rewritten graph is still consistent). autopar's own collective and p2p modules answer through
-their ``meta_forward`` so a rewritten rank program propagates without a process group.
+their ``meta_forward`` so a rewritten rank program propagates without a process group; one whose work the FLOP
+counter cannot see through ``meta_forward`` (context parallelism's attention) tells it by ``meta_flops``.
 """
 from __future__ import annotations
 
@@ -65,9 +66,17 @@ class MetaRun(fx.Interpreter):
         else:
             before = self._counter.get_total_flops()
             value = self._run_call(n)
-            flops = self._counter.get_total_flops() - before
+            flops = self._counter.get_total_flops() - before + self._own_flops(n)
         self.on_node(n, value, flops)
         return value
+
+    def _own_flops(self, n: fx.Node) -> int:
+        """The FLOPs a graph op module reports for itself (``meta_flops``), 0 for every other node."""
+        counted = getattr(self.fetch_attr(n.target), "meta_flops", None) if n.op == "call_module" else None
+        if counted is None:
+            return 0
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        return int(counted(*args, **kwargs))
 
     def _run_call(self, n: fx.Node) -> Any:
         if n.op == "call_module":

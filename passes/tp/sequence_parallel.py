@@ -171,6 +171,8 @@ def _propagate(gm: fx.GraphModule, seeds: dict, pulled: dict, tp_size: int) -> S
             return sol
         if node in pulled and out != pulled[node]:  # computed whole, split once for its shard readers
             sol.placements[node] = sol.scatters[node] = pulled[node]
+            for a in sharded:  # whole: its sharded inputs read gathered (GPT-2's residual add of a batch-sharded
+                sol.gathers.setdefault(a, []).append(node)  # Conv1D output and the sequence-sharded embeddings)
         elif out is not None:
             sol.placements[node] = out
             sol.operands += [(node, a) for a in replicated]

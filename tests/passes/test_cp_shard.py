@@ -65,6 +65,25 @@ def test_heads_that_do_not_split_over_cp_are_refused_for_all_to_all():
     _plan(build_model("gpt_tiny", seq_len=24), {"cp": 3}, 24)  # auto: the ring
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_a_cp_rank_is_costed_at_its_share_of_the_work(strategy):
+    """The stage cuts balance the FLOPs the lowering records: a cp rank's attention node costs 1/cp of the
+    whole attention (its queries against every key), as its linears cost 1/cp (without it the node cost 0, and
+    Mixtral's pp=2 x cp=2 cut put every block on one stage)."""
+    from autopar.ir.meta_keys import COST, get_meta
+
+    def flops(mesh, **options) -> dict[str, int]:
+        gm = _plan(build_model("gpt_tiny", seq_len=16), mesh, 16, **options).ranks[0].stages[0].gm
+        out = {"attention": 0, "other": 0}
+        for n in gm.graph.nodes:
+            attention = n.op == "call_module" or "scaled_dot_product" in str(n.target)
+            out["attention" if attention else "other"] += get_meta(n, COST).flops if get_meta(n, COST) else 0
+        return out
+
+    whole, rank = flops({"dp": 1}), flops({"cp": 2}, cp_strategy=strategy)
+    assert whole["attention"] > 0 and rank == {"attention": whole["attention"] // 2, "other": whole["other"] // 2}
+
+
 class _ConvOverTime(nn.Module):
     """Token embedding, one causal attention, a convolution over the sequence, a head."""
 

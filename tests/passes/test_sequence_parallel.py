@@ -63,6 +63,25 @@ def test_position_table_is_scattered_and_the_lm_head_reads_a_gathered_input():
     assert len(head) == 1
 
 
+def test_a_value_computed_whole_reads_its_sharded_inputs_gathered():
+    """GPT-2: a block's Conv1D output ``[B * S, h]`` is reduce-scattered on its token rows and viewed back as rows of
+    whole sequences, while the embeddings are cut on the sequence; the residual add of the two has no rule on
+    shards, is computed whole and split once for the next norm: both inputs must be all-gathered first (they
+    were read as shards, and the graph failed its shape check after the pass)."""
+    pytest.importorskip("transformers")
+    from tp_families import build_family, logits_loss
+    from tp_families import example_batch as family_batch
+    x, y = family_batch(batch=4, seq=8)  # microbatches of 2 rows: the Conv1D rows are then whole sequences
+    result = autopar.plan(build_family("gpt2"), {"tp": 2}, example_inputs=(x,), loss_fn=logits_loss,
+                          example_target=y, sequence_parallel=True, ranks=[0])
+    gm = result.graph(0)
+    adds = [s.args[0] for s in collective_nodes(gm, TpScatter) if "add" in str(s.args[0].target)]
+    assert adds  # (the other scatter: the position table, read whole)
+    for whole in adds:
+        readers = [gm.get_submodule(a.target) if a.op == "call_module" else a for a in whole.all_input_nodes]
+        assert all(isinstance(r, TpGather) for r in readers), (whole.name, readers)
+
+
 def test_partial_gradient_parameters_are_the_replicated_ones_on_shards():
     model, _, _, result = planned("gpt_tiny", tp=2, options=SP)
     partial = set(result.lowered[0].tp_partial_grads)

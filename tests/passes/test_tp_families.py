@@ -208,7 +208,8 @@ def test_alibi_slopes_are_cut_per_rank_without_communication():
 _EQ = dict(kind="tp_families:train", steps=2, batch=4, seq=8)
 TP2 = [Case(model=n, mesh=(1, 1, 2), **_EQ) for n in ("gpt2", "gptj", "bloom", "qwen3", "phi3", "falcon_gqa",
                                                        "llama_kv1", "falcon_mq", "gpt_bigcode", "olmo2", "t5",
-                                                       "gemma2", "neox", "mistral", "opt")]
+                                                       "gemma2", "neox", "mistral", "opt")] + [
+    Case(model="gpt2", mesh=(1, 1, 2), options=(("sequence_parallel", True),), **_EQ)]  # a residual add computed whole
 TP4 = [Case(model=n, mesh=(1, 1, 4), **_EQ) for n in ("llama_kv2", "phi3", "falcon_gqa", "falcon_mq",
                                                        "gpt_bigcode", "olmo2")] + [
     Case(model=n, mesh=(1, 2, 2), **_EQ) for n in ("gpt2", "phi3", "bloom", "llama_kv1", "olmo2")] + [  # pp=2 x tp=2

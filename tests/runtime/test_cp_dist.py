@@ -60,6 +60,23 @@ def test_cp_forward_returns_the_whole_sequence(case: Case):
 
 # transformers families (tests/cp_families.py) on dict batches with their own loss, and on tensors with a loss_fn
 _FAM = "cp_family_runners:cp_train"
+_OWN, _FN, _SP = (), (("loss", "loss_fn"),), "sequence_parallel"
+
+
+def _matrix(family: str, cp4: tuple, dp: tuple, tp: tuple, pp: tuple, *, impl: str | None = None) -> list[Case]:
+    """``family`` at cp=4 (seq 32), dp=2 x cp=2, cp=2 x tp=2 and pp=2 x cp=2 (seq 24): each mesh's
+    (cp_strategy, loss extra[, "sequence_parallel" | a schedule])."""
+    extra = (("impl", impl),) if impl else ()
+    out = []
+    for mesh, cp, seq, (strategy, loss, *more) in (((1, 1, 1), 4, 32, cp4), ((2, 1, 1), 2, 24, dp),
+                                                   ((1, 1, 2), 2, 24, tp), ((1, 2, 1), 2, 24, pp)):
+        options = (("cp_strategy", strategy),) + tuple(
+            ("sequence_parallel", True) if m == _SP else ("schedule", m) for m in more)
+        out.append(Case(model=family, mesh=mesh, cp=cp, kind=_FAM, seq=seq, batch=4, options=options,
+                        extra=extra + loss))
+    return out
+
+
 FAMILIES = [
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4),  # GQA (4 heads, 2 kv), own loss (labels shifted inside)
     Case(model="llama", cp=2, kind=_FAM, seq=24, batch=4, extra=(("loss", "loss_fn"),)),
@@ -84,6 +101,17 @@ FAMILIES = [
     Case(model="llama", mesh=(2, 1, 1), cp=2, kind=_FAM, seq=24, batch=4),
     Case(model="llama", mesh=(1, 1, 2), cp=2, kind=_FAM, seq=24, batch=4, extra=(("loss", "loss_fn"),)),
     Case(model="llama", mesh=(1, 2, 1), cp=2, kind=_FAM, seq=24, batch=4, options=(("schedule", "1f1b"),)),
+    # 4 ranks (slow): every other family at cp=4, dp=2 x cp=2, cp=2 x tp=2 and pp=2 x cp=2 (issue 36's matrix);
+    # on every mesh both strategies and both losses (own loss on dict batches, a loss_fn on tensors) meet
+    *_matrix("qwen3", ("all_to_all", _OWN), ("ring", _FN), ("all_to_all", _OWN, _SP), ("ring", _FN, "gpipe")),
+    *_matrix("mistral", ("ring", _FN), ("all_to_all", _OWN), ("ring", _FN), ("all_to_all", _OWN, "1f1b")),
+    *_matrix("gemma2", ("ring", _OWN), ("all_to_all", _FN), ("ring", _OWN, _SP), ("all_to_all", _FN, "zb_h1"),
+             impl="eager"),
+    *_matrix("gpt2", ("all_to_all", _FN), ("ring", _OWN), ("all_to_all", _FN, _SP), ("ring", _OWN, "gpipe")),
+    *_matrix("falcon_mq", ("all_to_all", _OWN), ("ring", _FN), ("ring", _OWN), ("all_to_all", _FN, "1f1b")),
+    *_matrix("bert", ("ring", _FN), ("all_to_all", _OWN), ("all_to_all", _FN, _SP),
+             ("ring", _OWN, "interleaved_1f1b")),
+    *_matrix("mixtral", ("all_to_all", _OWN), ("ring", _FN), ("ring", _OWN), ("all_to_all", _FN, "gpipe")),
 ]
 FAMILY_INFER = [Case(model="llama", cp=2, kind="cp_family_runners:cp_forward", seq=24, batch=4)]
 
@@ -91,14 +119,20 @@ FAMILY_INFER = [Case(model="llama", cp=2, kind="cp_family_runners:cp_forward", s
 @functools.lru_cache(maxsize=None)
 def _family_results(world: int) -> dict:
     cases = [c for c in FAMILIES + FAMILY_INFER if c.world_size == world]
-    return dict(zip(cases, run_cases(cases)))
+    return dict(zip(cases, run_cases(cases, timeout_s=60 * len(cases))))  # a hang guard (~5-10 s a case here)
 
 
 @pytest.mark.parametrize("case", by_world(FAMILIES, ids=lambda c: c.name(), slow_worlds=(4, 8)))
 def test_cp_family_matches_single_device(case: Case):
-    from cp_family_runners import cp_reference, pooled_reference
+    from cp_family_runners import cp_reference, cut_without_cp, pooled_reference
     reference = pooled_reference(case) if case.model == "mean_pooled" else cp_reference(case)
-    assert_equivalent(case, _family_results(case.world_size)[case], reference)
+    result = _family_results(case.world_size)[case]
+    assert_equivalent(case, result, reference)
+    plan = json.loads(result["plan"]) if "plan" in result else {}
+    if case.mesh[2] > 1:  # the cp attention node shards over tp on its heads: the attention's projections are cut
+        assert any("attn" in p or "attention" in p for p in plan["param_shards"]), sorted(plan["param_shards"])
+    if case.mesh[1] > 1:  # the stages cut on the rank's FLOPs (its attention node counted) as without cp
+        assert tuple(plan["pipeline"]["stage_starts"]) == cut_without_cp(case), plan["pipeline"]
 
 
 @pytest.mark.parametrize("case", by_world(FAMILY_INFER, ids=lambda c: c.name(), slow_worlds=(4, 8)))
