@@ -90,6 +90,7 @@ def cp_train(case, mesh) -> dict:
         losses = [program.train_step(*(program.shard_batch(t) for t in inputs(b)),
                                      target=program.shard_batch(_shifted(b["labels"]))).item() for b in data]
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+            "groups": {axis: program.info.axis_ranks.get(axis) for axis in ("ep", "edp", "edcp", "dcp")},
             **replica_record(program)}
 
 

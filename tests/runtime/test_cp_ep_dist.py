@@ -48,6 +48,8 @@ CASES = [
     _case(_EP, dp=2, ep=2, zero=2, strategy="ring"),
     _case(_EP, dp=2, ep=2, zero=2, strategy="all_to_all"),
     _case(_EP, dp=2, ep=2, zero=3, strategy="all_to_all"),
+    # 8 ranks (slow): dp=4 x cp=2 with ep=2, two ranks per edp group: edcp flattens edp and cp around ep
+    _case(_EP, dp=4, ep=2, zero=1, strategy="ring"),
 ]
 
 
@@ -60,7 +62,14 @@ def _results(world: int) -> dict:
 @pytest.mark.parametrize("case", by_world(CASES, ids=Case.name, slow_worlds=(4, 8)))
 def test_cp_with_experts_matches_single_device(case: Case):
     from cp_family_runners import cp_reference
-    assert_equivalent(case, _results(case.world_size)[case], cp_reference(case))
+    result = _results(case.world_size)[case]
+    assert_equivalent(case, result, cp_reference(case))
+    options = dict(case.options)
+    dims = ParallelDims(dp=case.mesh[0], cp=case.cp, ep=options.get("expert_parallel", 1))
+    for rank, mine in enumerate(result["rank_results"]):  # the live groups, built from the one DeviceMesh
+        if dims.ep > 1:
+            assert {axis: mine["groups"][axis] for axis in ("ep", "edp", "edcp", "dcp")} == {
+                axis: dims.axis_ranks(axis, rank) for axis in ("ep", "edp", "edcp", "dcp")}, rank
 
 
 # -- the group arithmetic, in one process: which ranks sum which expert gradients -------------------------
