@@ -78,6 +78,7 @@ def cp_reference(case) -> dict:
 def cp_train(case, mesh) -> dict:
     """The family compiled on ``mesh`` (its cp dim): this rank's losses, the full state, the Plan."""
     import autopar
+    from autopar.runtime.diagnostics.memory_probe import held_state_bytes
     model, data = _model(case), cp_batches(case)
     common = dict(optimizer=_sgd(case), p2p_timeout_s=120, **dict(case.options))
     if _extra(case)["loss"] == "own":
@@ -91,6 +92,7 @@ def cp_train(case, mesh) -> dict:
                                      target=program.shard_batch(_shifted(b["labels"]))).item() for b in data]
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
             "groups": {axis: program.info.axis_ranks.get(axis) for axis in ("ep", "edp", "edcp", "dcp")},
+            "states": held_state_bytes(program),
             **replica_record(program)}
 
 

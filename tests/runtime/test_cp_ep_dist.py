@@ -72,6 +72,24 @@ def test_cp_with_experts_matches_single_device(case: Case):
                 axis: dims.axis_ranks(axis, rank) for axis in ("ep", "edp", "edcp", "dcp")}, rank
 
 
+@pytest.mark.parametrize("case", by_world([c for c in CASES if dict(c.options).get("expert_parallel")], ids=Case.name,
+                                          slow_worlds=(4, 8)))
+def test_model_states_match_the_calculator(case: Case):
+    """Every rank's measured parameters, gradients and optimizer state equal the memory calculator's figures to
+    the byte: the experts 1/ep per rank, their ZeRO partition (ZeRO-3: their shards) over edp x cp."""
+    import autopar
+    from autopar.memory import estimate_memory
+    from cp_family_runners import _model, cp_batches
+    result = _results(case.world_size)[case]
+    assert "error" not in result, result.get("traceback")
+    plan = autopar.plan(_model(case), {"dp": case.mesh[0], "cp": case.cp}, example_inputs=cp_batches(case)[0],
+                        **dict(case.options))
+    predicted = estimate_memory(plan, optimizer="momentum")  # cp_family_runners' SGD with momentum
+    for rank, seen in enumerate(result["rank_results"]):
+        for field in ("params", "master_params", "grads", "optimizer"):
+            assert getattr(seen["states"], field) == getattr(predicted.ranks[rank], field), (rank, field)
+
+
 # -- the group arithmetic, in one process: which ranks sum which expert gradients -------------------------
 MESHES = [dict(dp=2, cp=2, ep=2), dict(dp=4, cp=2, ep=2), dict(dp=4, cp=2, ep=4), dict(dp=2, cp=3, ep=2, tp=2)]
 
