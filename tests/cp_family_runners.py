@@ -61,7 +61,8 @@ def cp_reference(case) -> dict:
     """One device: the model's own loss on the dict batches, or the loss_fn on the shifted targets."""
     model = _model(case)
     opt = _sgd(case)(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
+    max_norm = dict(case.options).get("max_grad_norm")
     for b in cp_batches(case):
         opt.zero_grad()
         if _extra(case)["loss"] == "own":
@@ -70,9 +71,12 @@ def cp_reference(case) -> dict:
             loss = logits_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]),
                                _shifted(b["labels"]))
         loss.backward()
+        if max_norm is not None:  # torch's clipping is the reference for autopar's
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grad_norms": norms}
 
 
 def cp_train(case, mesh) -> dict:
@@ -93,6 +97,7 @@ def cp_train(case, mesh) -> dict:
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
             "groups": {axis: program.info.axis_ranks.get(axis) for axis in ("ep", "edp", "edcp", "dcp")},
             "states": held_state_bytes(program),
+            "last_grad_norm": None if program.last_grad_norm is None else program.last_grad_norm.item(),
             **replica_record(program)}
 
 

@@ -33,9 +33,12 @@ _FAM = "cp_family_runners:cp_train"
 _EP = "cp_ep_runners:cp_ep_train"
 
 
-def _case(kind, *, dp=1, ep=1, zero=0, strategy=None):
+CLIP = 0.05  # max_grad_norm: below every step's global gradient norm here (asserted), so clipping bites
+
+
+def _case(kind, *, dp=1, ep=1, zero=0, strategy=None, clip=None):
     options = (("num_microbatches", 1), ("zero_stage", zero)) + ((("expert_parallel", ep),) if ep > 1 else ()) \
-        + ((("cp_strategy", strategy),) if strategy else ())
+        + ((("cp_strategy", strategy),) if strategy else ()) + ((("max_grad_norm", clip),) if clip else ())
     return Case(model="mixtral", mesh=(dp, 1, 1), cp=2, kind=kind, seq=24, batch=4, options=options, overrides=AUX)
 
 
@@ -48,6 +51,9 @@ CASES = [
     _case(_EP, dp=2, ep=2, zero=2, strategy="ring"),
     _case(_EP, dp=2, ep=2, zero=2, strategy="all_to_all"),
     _case(_EP, dp=2, ep=2, zero=3, strategy="all_to_all"),
+    # clipping: the global norm counts each expert once among its edp x cp holders (or on its ZeRO owner)
+    _case(_EP, dp=2, ep=2, clip=CLIP, strategy="all_to_all"),
+    _case(_EP, dp=2, ep=2, zero=2, clip=CLIP, strategy="ring"),
     # 8 ranks (slow): dp=4 x cp=2 with ep=2, two ranks per edp group: edcp flattens edp and cp around ep
     _case(_EP, dp=4, ep=2, zero=1, strategy="ring"),
 ]
@@ -62,8 +68,12 @@ def _results(world: int) -> dict:
 @pytest.mark.parametrize("case", by_world(CASES, ids=Case.name, slow_worlds=(4, 8)))
 def test_cp_with_experts_matches_single_device(case: Case):
     from cp_family_runners import cp_reference
-    result = _results(case.world_size)[case]
-    assert_equivalent(case, result, cp_reference(case))
+    result, reference = _results(case.world_size)[case], cp_reference(case)
+    assert_equivalent(case, result, reference)
+    if reference["grad_norms"]:  # clipping: the norm autopar clipped by is torch's (each expert counted once)
+        assert all(n > CLIP for n in reference["grad_norms"]), reference["grad_norms"]
+        for rank, mine in enumerate(result["rank_results"]):
+            assert mine["last_grad_norm"] == pytest.approx(reference["grad_norms"][-1], rel=1e-5), rank
     options = dict(case.options)
     dims = ParallelDims(dp=case.mesh[0], cp=case.cp, ep=options.get("expert_parallel", 1))
     for rank, mine in enumerate(result["rank_results"]):  # the live groups, built from the one DeviceMesh
