@@ -235,6 +235,9 @@ def scatter_sum(node: fx.Node, r: Reader) -> Outcome:
     if any(p is None for p in places) or any(_dim(dim, len(shape(a))) != p.dim for a, p in zip((index, src), places)):
         raise Refuse(f"{node.name} scatters along the sequence with an index and a source not both cut on it",
                      "keep cp=1 for this model")
+    if shape(node)[_dim(dim, len(shape(node)))] % places[0].size == 0:  # rows put back in token order (a combine)
+        raise Refuse(f"{node.name} scatters positions into a dim as long as the sequence: not a sum into bins",
+                     "keep cp=1 for this model")
     return Outcome(None, "reduce", "sums positions into bins: exact under cp with all-reduce SUM over cp")
 
 

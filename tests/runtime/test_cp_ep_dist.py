@@ -158,3 +158,44 @@ def test_cp_with_experts_on_tp_or_pp_is_refused_before_capture(mesh):
         checked_options(dict(expert_parallel=2), mesh=MeshShape(**mesh), where="compile")
     assert "is not wired yet" in info.value.what and "drop tp and pp" in info.value.fix
     checked_options(dict(expert_parallel=2), mesh=MeshShape(dp=2, cp=2), where="compile")  # dp x cp runs
+
+
+# -- the router loss's ops on the sequence (passes/context_parallel/seq_rules.py) ------------------------------
+class _RouterCounts(torch.nn.Module):
+    """Mixtral's padded router statistics in small: the mask repeated per chosen expert, scattered into expert bins
+    (a sum over positions); ``combine``: rows scattered back into token order instead (no sum: refused)."""
+
+    def __init__(self, combine: bool = False):
+        super().__init__()
+        self.emb, self.router, self.combine = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 4), combine
+
+    def forward(self, ids, mask):
+        h = self.emb(ids).reshape(-1, 8)
+        chosen = self.router(h).topk(2, dim=-1).indices.reshape(-1)
+        weights = mask.reshape(-1).float().repeat_interleave(2)
+        if self.combine:  # each row's two weights summed back into its own row
+            rows = (ids.reshape(-1) * 0 + torch.arange(h.shape[0])).repeat_interleave(2)
+            return torch.zeros(h.shape[0]).scatter_add_(0, rows, weights)
+        return torch.zeros(4).scatter_add_(0, chosen, weights)
+
+
+def _sequence_report(model):
+    from autopar.passes.context_parallel.seq_dims import analyze_sequence
+    from autopar.passes.frontend.capture import capture
+    ids, mask = torch.randint(0, 16, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    gm = capture(model, (ids, mask)).gm
+    return gm, analyze_sequence(gm, seq_inputs={n.name: 1 for n in gm.graph.nodes if n.op == "placeholder"})
+
+
+def test_a_scatter_add_of_positions_into_bins_is_a_sum_over_cp_and_repeats_follow_the_shard():
+    gm, report = _sequence_report(_RouterCounts())
+    assert not report.refusals, report.refusals
+    repeated = next(n.name for n in gm.graph.nodes if "repeat_interleave" in str(n.target))
+    scattered = next(n.name for n in gm.graph.nodes if "scatter_add" in str(n.target))
+    assert (report.info(repeated).rule, report.info(repeated).dim) == ("pointwise", 0)
+    assert (report.info(scattered).rule, report.info(scattered).dim) == ("reduce", None)
+
+
+def test_a_scatter_add_back_into_token_order_is_refused():
+    _, report = _sequence_report(_RouterCounts(combine=True))
+    assert any("not a sum into bins" in r.reason for r in report.refusals), report.refusals
