@@ -12,10 +12,19 @@ and read everywhere else.
   and the ``edp = dp / ep`` ranks holding the same experts share ``d % ep``. On a live job both are
   dims of the one DeviceMesh, its dp dim unflattened (:func:`mesh_groups`), never side groups.
 
-- **Joined axes** (:data:`JOINS`) are groups over several adjacent mesh axes: ``dcp = dp x cp``, the ranks
+- **Joined axes** (:data:`JOINS`) are groups over several axes (mesh or derived): ``dcp = dp x cp``, the ranks
   whose gradients of one weight sum to the step's (each holds other rows or other positions of the batch),
   over which DDP buckets and ZeRO shard. Its index is row-major (``dp * cp_size + cp``); with ``cp = 1`` it is
-  dp itself.
+  dp itself. ``edcp = edp x cp`` is the same for an expert tensor split over ep: the ranks holding the same
+  experts (same ep index, pp and tp) and other tokens (other dp rows, or other positions of them), over which
+  the experts' gradients are summed and ZeRO partitions them; with ``cp = 1`` it is edp itself.
+
+  Why the ep group stays at one cp coordinate: ep is carved out of dp, so a rank's ep peers are the ranks of
+  its block of dp indices with its own cp (and pp, tp) coordinate. Routing is per token, so any group that
+  holds every expert once could serve a rank's tokens; this one exchanges rows of one cp shard, and each
+  expert then sees, on its ``edp x cp`` holders, every token of the step exactly once (each holder's ep
+  group brings it the tokens of one (dp block, cp shard)), which is why its gradient is summed over
+  ``edcp`` and nothing wider or narrower: edp alone would miss the other cp shards' tokens.
 
 Context parallelism (``cp``) is a mesh axis right inside dp (a rank's cp peers are adjacent ranks, and
 dp x cp is one contiguous block of the mesh). Adding an axis is a field here, its rule in
@@ -37,6 +46,11 @@ follow from those tables.
     >>> cp = ParallelDims(dp=2, cp=2, tp=2)
     >>> cp.coords(3), cp.groups("cp")[:2], cp.axis_ranks("dcp", 3), cp.index("dcp", cp.coords(6))
     ({'dp': 0, 'cp': 1, 'pp': 0, 'tp': 1}, [[0, 2], [1, 3]], [1, 3, 5, 7], 3)
+    >>> cpep = ParallelDims(dp=4, cp=2, ep=2)   # ranks 2 * dp + cp
+    >>> cpep.groups("ep")[:2], cpep.groups("edp")[:2], cpep.groups("edcp")
+    ([[0, 2], [1, 3]], [[0, 4], [1, 5]], [[0, 1, 4, 5], [2, 3, 6, 7]])
+    >>> cpep.edcp, cpep.index("edcp", cpep.coords(5))
+    (4, 3)
     >>> ParallelDims(dp=4, ep=3)
     Traceback (most recent call last):
     ...
@@ -56,7 +70,7 @@ MESH_AXES = ("dp", "cp", "pp", "tp")
 #: a mesh axis -> the sub-axes it is carved into (outermost first); their sizes multiply to the axis's
 SPLITS = {"dp": ("edp", "ep")}
 #: a joined axis -> the adjacent mesh axes it spans (outermost first): one group over all of them
-JOINS = {"dcp": ("dp", "cp")}
+JOINS = {"dcp": ("dp", "cp"), "edcp": ("edp", "cp")}
 #: every axis a rank has a coordinate on and a group along
 AXES = MESH_AXES + tuple(sub for parts in SPLITS.values() for sub in parts) + tuple(JOINS)
 #: how each degree is called where a user sets it (an error names the option to change)
@@ -65,8 +79,8 @@ _OPTION = {"dp": "dp", "cp": "cp", "pp": "pp", "tp": "tp", "ep": "expert_paralle
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degree of every axis (``dp``, ``cp``, ``pp``, ``tp``, ``ep``; ``edp = dp / ep`` and ``dcp = dp x cp``
-    derived), validated."""
+    """The degree of every axis (``dp``, ``cp``, ``pp``, ``tp``, ``ep``; ``edp = dp / ep``, ``dcp = dp x cp`` and
+    ``edcp = edp x cp`` derived), validated."""
 
     dp: int = 1
     cp: int = 1  # context parallelism: the sequence cut over cp ranks (ops/context_parallel)
@@ -110,6 +124,11 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def edcp(self) -> int:
+        """The ranks one expert tensor's gradient is summed over: edp x cp (the same experts, other tokens)."""
+        return self.edp * self.cp
+
+    @property
     def world_size(self) -> int:
         return math.prod(self.size(axis) for axis in MESH_AXES)
 
@@ -148,7 +167,7 @@ class ParallelDims:
         if axis in JOINS:
             position = 0
             for part in JOINS[axis]:
-                position = position * self.size(part) + coords.get(part, 0)
+                position = position * self.size(part) + self.index(part, coords)
             return position
         if axis in MESH_AXES:  # (coordinates written before the axis existed: 0 on it)
             return 0
@@ -175,20 +194,20 @@ class ParallelDims:
             position = position * self.size(sub) + positions[sub]
         return position
 
-    def axis_ranks(self, axis: str, rank: int) -> list[int]:
-        """The global ranks of ``rank``'s group along ``axis``, in order of their position on it."""
-        coords = self.coords(rank)
+    def _moved(self, coords: dict[str, int], axis: str, position: int) -> dict[str, int]:
+        """Mesh coordinates ``coords`` with the position along ``axis`` (a mesh or split axis) set to ``position``."""
         if axis in MESH_AXES:
-            return [self.rank(**{**coords, axis: i}) for i in range(self.size(axis))]
-        if axis in JOINS:
-            inner = JOINS[axis]
-            out = [coords]
-            for part in inner:
-                out = [{**c, part: i} for c in out for i in range(self.size(part))]
-            return [self.rank(**c) for c in out]
+            return {**coords, axis: position}
         parent, parts = self._split_of(axis)
         here = dict(zip(parts, self._unravel(parent, coords[parent])))
-        return [self.rank(**{**coords, parent: self._ravel(parent, {**here, axis: i})}) for i in range(self.size(axis))]
+        return {**coords, parent: self._ravel(parent, {**here, axis: position})}
+
+    def axis_ranks(self, axis: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group along ``axis``, in order of their position on it."""
+        out = [self.coords(rank)]
+        for part in JOINS.get(axis, (axis,)):  # a joined axis: row-major over its parts
+            out = [self._moved(c, part, i) for c in out for i in range(self.size(part))]
+        return [self.rank(**c) for c in out]
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``, as lists of global ranks, ordered by their first rank."""
@@ -202,28 +221,33 @@ class ParallelDims:
 
 
 def mesh_groups(dims: ParallelDims, mesh) -> dict[str, tuple[object, list[int], int]]:
-    """{axis: (process group, its global ranks, this rank's position)} of every split axis, built from ``mesh``.
+    """{axis: (process group, its global ranks, this rank's position)} of every split and joined axis, built from
+    ``mesh``.
 
     Collective: every rank calls it. The mesh axis a split carves (dp) is unflattened into its sub-axes
     (``DeviceMesh._unflatten``), so ep and edp are dims of the same mesh, made once per program. A split
-    whose inner parts are all of size 1 needs no groups of its own (ep=1: edp is dp itself)."""
+    whose inner parts are all of size 1 needs no groups of its own (ep=1: edp is dp itself). A joined axis is
+    its parts flattened, on the mesh (or the unflattened one) that has them as dims; one with a single part
+    present, or every part after the first of size 1, is that part itself (cp=1: dcp is dp, edcp is edp)."""
     names = tuple(mesh.mesh_dim_names or ())
-    out = {}
+    coords = dict(zip(names, mesh.get_coordinate()))
+    out, meshes = {}, [mesh]
     for parent, parts in SPLITS.items():
         sizes = tuple(dims.size(p) for p in parts)
         if parent not in names or all(s == 1 for s in sizes[1:]):  # the outer part is the whole axis
             continue
         sub = mesh._unflatten(parent, sizes, parts)
+        meshes.append(sub)
         coordinate = sub.get_coordinate()
         for axis in parts:
             group_mesh = sub[axis]
             out[axis] = (sub.get_group(axis), [int(r) for r in group_mesh.mesh.tolist()],
                          coordinate[sub.mesh_dim_names.index(axis)])
-    for joined, parts in JOINS.items():  # dcp: one group over dp x cp (the mesh's adjacent dims, flattened)
-        present = [p for p in parts if p in names]
+    for joined, parts in JOINS.items():  # dcp: dp x cp; edcp: edp x cp (the mesh's dims, flattened)
+        on = max(meshes, key=lambda m: sum(p in m.mesh_dim_names for p in parts))
+        present = [p for p in parts if p in on.mesh_dim_names]
         if len(present) < 2 or all(dims.size(p) == 1 for p in present[1:]):
             continue
-        flat = mesh[tuple(present)]._flatten(joined)
-        out[joined] = (flat.get_group(), [int(r) for r in flat.mesh.flatten().tolist()],
-                       dims.index(joined, {a: c for a, c in zip(names, mesh.get_coordinate())}))
+        flat = on[tuple(present)]._flatten(joined)
+        out[joined] = (flat.get_group(), [int(r) for r in flat.mesh.flatten().tolist()], dims.index(joined, coords))
     return out

@@ -234,10 +234,10 @@ def _context_parallel_problem(opts: CompileOptions, mesh: MeshShape) -> tuple[st
     if family(opts.schedule).asynchronous:
         return (f"cp={mesh.cp} with the asynchronous schedule {opts.schedule!r} is not wired yet: its updates average "
                 "over dp alone", "use a synchronous schedule (1f1b, gpipe, zero-bubble, ...) with cp")
-    if opts.expert_parallel > 1:
-        return (f"cp={mesh.cp} with expert_parallel={opts.expert_parallel} is not wired yet: the experts' gradients "
-                "are summed over edp, not over edp x cp", "drop expert_parallel (experts are replicated over cp), "
-                                                          "or cp")
+    if opts.expert_parallel > 1 and (mesh.tp > 1 or mesh.pp > 1):
+        return (f"cp={mesh.cp} with expert_parallel={opts.expert_parallel} and tp={mesh.tp} x pp={mesh.pp} is not "
+                "wired yet: cp x ep is judged against one device on dp x cp meshes only",
+                "drop tp and pp (cp x ep on dp x cp), or expert_parallel (experts are replicated over cp), or cp")
     if opts.dynamic_shapes == "seq":
         return (f"cp={mesh.cp} cuts a sequence of the compiled length over the cp ranks; dynamic_shapes='seq' keeps "
                 "it symbolic", "use dynamic_shapes='auto' or 'static' (pad batches to a multiple of 2 x cp)")

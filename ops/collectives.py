@@ -91,7 +91,10 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        # a copy: autograd may hand one gradient tensor to several backward functions (both operands of an add
+        # get the add's), so an all-reduce in place would sum the other reader's gradient too (Mixtral's router
+        # loss accumulates each layer's statistic, all-reduced over cp, into one sum: layer 0's came out doubled)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         issue("all_reduce", dist.all_reduce, grad, group=ctx.group, guard=ctx.guard, purpose=ctx.purpose)
         return grad, None, None, None
 

@@ -49,14 +49,15 @@ EAGER_ONLY = {"gemma2", "bloom"}  # transformers 5.25 refuses attn_implementatio
 CAPTURES = [(f, impl) for f in CP_FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in EAGER_ONLY)]
 
 
-def build(family: str, impl: str):
-    """The family, built on CPU under the tests' seed, with attention implementation ``impl``."""
+def build(family: str, impl: str, **config):
+    """The family, built on CPU under the tests' seed, with attention implementation ``impl``; ``config``: fields
+    of its config a case changes (read when the model is built, as Mixtral's ``router_aux_loss_coef``)."""
     import transformers
     transformers.logging.set_verbosity_error()
     name, overrides = CP_FAMILIES[family]
     config_cls, model_cls, fields = TP_FAMILIES.get(name) or _OWN[name]
     torch.manual_seed(SEED)
-    config = getattr(transformers, config_cls)(**{**fields, **overrides, "attn_implementation": impl})
+    config = getattr(transformers, config_cls)(**{**fields, **overrides, **config, "attn_implementation": impl})
     return getattr(transformers, model_cls)(config)
 
 

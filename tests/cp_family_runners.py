@@ -64,10 +64,8 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _model(case):
-    model = build(case.model, _extra(case)["impl"])
-    for key, value in case.overrides:  # (a config field the case changes, e.g. the sliding window)
-        setattr(model.config, key, value)
-    return model
+    # (config fields the case changes, e.g. the sliding window, Mixtral's router loss: in the config it is built from)
+    return build(case.model, _extra(case)["impl"], **dict(case.overrides))
 
 
 def _sgd(case):
@@ -78,7 +76,8 @@ def cp_reference(case) -> dict:
     """One device: the model's own loss on the dict batches, or the loss_fn on the shifted targets."""
     model = _model(case)
     opt = _sgd(case)(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
+    max_norm = dict(case.options).get("max_grad_norm")
     for b in cp_batches(case):
         opt.zero_grad()
         if _extra(case)["loss"] == "own":
@@ -86,14 +85,18 @@ def cp_reference(case) -> dict:
         else:
             loss = logits_loss(model(*tensor_inputs(model, b)), _shifted(b["labels"]))
         loss.backward()
+        if max_norm is not None:  # torch's clipping is the reference for autopar's
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grad_norms": norms}
 
 
 def cp_train(case, mesh) -> dict:
     """The family compiled on ``mesh`` (its cp dim): this rank's losses, the full state, the Plan."""
     import autopar
+    from autopar.runtime.diagnostics.memory_probe import held_state_bytes
     model, data = _model(case), cp_batches(case)
     common = dict(optimizer=_sgd(case), p2p_timeout_s=120, **dict(case.options))
     if _extra(case)["loss"] == "own":
@@ -106,6 +109,9 @@ def cp_train(case, mesh) -> dict:
         losses = [program.train_step(*(program.shard_batch(t) for t in inputs(b)),
                                      target=program.shard_batch(_shifted(b["labels"]))).item() for b in data]
     return {"losses": losses, "state": program.full_state_dict(), "plan": program.plan.model_dump_json(),
+            "groups": {axis: program.info.axis_ranks.get(axis) for axis in ("ep", "edp", "edcp", "dcp")},
+            "states": held_state_bytes(program),
+            "last_grad_norm": None if program.last_grad_norm is None else program.last_grad_norm.item(),
             **replica_record(program)}
 
 

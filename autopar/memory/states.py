@@ -114,7 +114,7 @@ def state_figures(params: list[ParamEntry], buffer_bytes: int, *, zero_stage: in
     sharded3 = zero_stage == 3 and dp > 1
 
     def held(p: ParamEntry) -> int:  # elements of p this rank keeps
-        ways = dims.edp if p.name in local else dp  # expert tensors: ZeRO-3 over edp
+        ways = dims.edcp if p.name in local else dp  # expert tensors: ZeRO-3 over edp (x cp)
         return -(-p.numel // ways) if sharded3 and p.trainable else p.numel
 
     trainable = [p for p in params if p.trainable]

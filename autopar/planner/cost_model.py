@@ -469,5 +469,5 @@ def _dp_comm(c: Candidate, grad_bytes: float, param_bytes: float, link, cluster:
         t = link.collective("all_reduce", grads, c.dcp)
     else:
         t = link.collective("reduce", grads, c.dcp) + link.collective("broadcast", params, c.dcp)
-    t += link.collective("all_reduce", expert[0], c.dims.edp)
+    t += link.collective("all_reduce", expert[0], c.dims.edcp)
     return t * (1 - cluster.dp_overlap)

@@ -78,7 +78,8 @@ NOT_WIRED = {
 # ops whose shape argument (its index) may hold the sequence length as a literal
 _SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
               "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "broadcast_to": 1}
-_ALL_REDUCED = ("sum", "mean")  # reductions over the sequence made whole by an all-reduce over cp
+# reductions over the sequence made whole by an all-reduce over cp (scatter_add: sums of positions into bins)
+_ALL_REDUCED = ("sum", "mean", "scatter_add", "scatter_add_")
 _RANDOM = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand_like",
            "randn_like", "randint_like")
 

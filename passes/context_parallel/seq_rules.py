@@ -12,13 +12,15 @@ family (``softmax``, ``linear``, ...) to its rule. The rule names:
 - ``label_shift``: a slice or pad that moves the sequence by k positions (``labels[..., 1:]``,
   ``logits[..., :-1, :]``, transformers' ``pad(labels, (0, 1))[..., 1:]``): across chunk boundaries each
   chunk a rank holds needs the first k positions of the chunk after it in sequence order;
-- ``reduce``: a sum, mean, max, ... over the sequence (pooling): exact with an all-reduce over cp;
+- ``reduce``: a sum, mean, max, ... over the sequence (pooling), a sum of positions into bins
+  (``scatter_add``): exact with an all-reduce over cp;
 - ``scan``: a cumulative sum or product along the sequence: exact with an exclusive scan over cp;
 - ``loss``: a loss reduced over tokens: its sum and token count all-reduced over cp;
 - ``replicated``: holds no sequence.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable
@@ -204,6 +206,39 @@ def reduce(node: fx.Node, r: Reader) -> Outcome:
         return Outcome(None, "reduce", f"reduces over the sequence: exact under cp with {_EXACT[op]}")
     keep = len(shape(node) or ()) == rank
     return _follow(moved(p, p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim)))
+
+
+def repeat_interleave(node: fx.Node, r: Reader) -> Outcome:
+    """Each position repeated ``k`` times along the sequence's dim (Mixtral's router loss repeats the padding mask
+    once per chosen expert): the repeats merge in after the position; along another dim the shard follows."""
+    arg, p = _one(node, r)
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not isinstance(repeats, int):
+        raise Refuse(f"{node.name} repeats positions by a tensor of counts", "keep cp=1 for this model")
+    if dim is None:  # flattened first
+        p, dim = view_place(p, shape(arg), (math.prod(shape(arg)),)), 0
+    if p is not None and _dim(dim, len(shape(node))) == p.dim:
+        return _follow(replace(p, inner=p.inner * repeats))
+    if p is None:
+        raise Refuse(f"{node.name} flattens the sequence apart before repeating it", "keep cp=1 for this model")
+    return _follow(p)
+
+
+def scatter_sum(node: fx.Node, r: Reader) -> Outcome:
+    """``out.scatter_add(dim, index, src)`` with the sequence in ``index`` and ``src`` along ``dim``: sums of positions
+    into bins (Mixtral's router loss counts tokens per expert so), exact with an all-reduce SUM over cp."""
+    out, dim, index, src = (node.args + (None,) * 4)[:4]
+    if r.place(out) is not None:
+        raise Refuse(f"{node.name} scatters into a sequence-sharded value", "keep cp=1 for this model")
+    places = [r.place(a) for a in (index, src)]
+    if any(p is None for p in places) or any(_dim(dim, len(shape(a))) != p.dim for a, p in zip((index, src), places)):
+        raise Refuse(f"{node.name} scatters along the sequence with an index and a source not both cut on it",
+                     "keep cp=1 for this model")
+    if shape(node)[_dim(dim, len(shape(node)))] % places[0].size == 0:  # rows put back in token order (a combine)
+        raise Refuse(f"{node.name} scatters positions into a dim as long as the sequence: not a sum into bins",
+                     "keep cp=1 for this model")
+    return Outcome(None, "reduce", "sums positions into bins: exact under cp with all-reduce SUM over cp")
 
 
 def scan(node: fx.Node, r: Reader) -> Outcome:
@@ -408,6 +443,7 @@ RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     "topk": refused_op("ranks positions along the sequence", 2), "kthvalue": refused_op("ranks along the sequence", 2),
     "median": refused_op("ranks along the sequence", 1, default=None), "flip": refused_op("reverses the sequence", 1, "dims"),
     "gather": refused_op("gathers along the sequence", 1), "scatter": refused_op("scatters along the sequence", 1),
+    "repeat_interleave": repeat_interleave, "scatter_add": scatter_sum, "scatter_add_": scatter_sum,
     "index_select": refused_op("gathers positions along the sequence", 1), "roll": roll,
     "zeros_like": like, "ones_like": like, "empty_like": like, "full_like": like, "rand_like": like,
     "randn_like": like, "copy_": copy, "copy": copy,

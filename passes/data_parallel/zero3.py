@@ -168,8 +168,8 @@ def shard_stage_zero3(stage: StageGraph, *, dims: ParallelDims, experts: frozens
     """Rewrite ``stage.gm`` in place for ZeRO-3 over the ``dims.dp`` ranks (a no-op for dp=1), over dp x cp
     (``dcp``) with context parallelism; ``experts`` (user names of the expert tensors split over ep) over the edp
     ranks holding the same experts."""
-    dp, edp = dims.dcp, dims.edp
-    data_axis = "dcp" if dims.cp > 1 else "dp"
+    dp, edp = dims.dcp, dims.edcp  # experts: over the ranks holding them (edp x cp)
+    data_axis, expert_axis = ("dcp", "edcp") if dims.cp > 1 else ("dp", "edp")
     if dp == 1:
         return stage
     gm = stage.gm
@@ -177,7 +177,7 @@ def shard_stage_zero3(stage: StageGraph, *, dims: ParallelDims, experts: frozens
               if edp > 1 or user_name(g[0].target) not in experts]  # edp = 1: each rank holds its experts alone
     for k, nodes in enumerate(groups):
         on_edp = user_name(nodes[0].target) in experts
-        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups), axis="edp" if on_edp else data_axis,
+        _insert_group(gm, k, nodes, dp=dp, num_groups=len(groups), axis=expert_axis if on_edp else data_axis,
                       size=edp if on_edp else dp)
     # backward meets the frees in reverse graph order: each prefetches the gather of the free before it
     frees = [gm.get_submodule(n.target) for n in gm.graph.nodes

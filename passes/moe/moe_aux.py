@@ -4,8 +4,10 @@ A load-balancing loss multiplies two batch statistics (Switch: ``E * sum_e f_e *
 rows routed to expert ``e`` and its mean router probability), so the mean over dp of per-rank losses is
 not the loss of the whole batch. Megatron-LM's ``global_aux_loss`` answers by all-reducing the
 statistics; here every reduction over the token (or row) dim inside a recognised layer's auxiliary
-loss (``mean``/``sum`` over dim 0, ``histc`` of the routed ids) is followed by a
-:class:`~autopar.ops.moe_ops.DpMean` node: its value becomes the dp mean, equal to one device's
+loss (``mean``/``sum`` over dim 0, ``histc`` of the routed ids, a ``scatter_add`` of per-row weights into
+expert bins, as Mixtral's loss counts unpadded tokens per expert) is followed by a
+:class:`~autopar.ops.moe_ops.DpMean` node, and so is a token count the loss divides by that reads no weight
+(Mixtral's ``attention_mask.sum()`` of unpadded rows: it reads no router, so it is not in the loss's own nodes): its value becomes the dp mean, equal to one device's
 statistic (every rank holds as many rows). The node's backward is the identity: each rank's gradient
 into its own share is then the whole loss's, and DDP's mean over dp makes it one device's gradient.
 
@@ -38,11 +40,15 @@ from autopar.passes.moe.moe_detect import annotate_moe, descendants, op_name, st
 
 __all__ = ["sync_router_statistics"]
 
-_REDUCTIONS = ("mean.dim", "sum.dim_IntList", "mean.default", "sum.default", "histc.default")
+_REDUCTIONS = ("mean.dim", "sum.dim_IntList", "mean.default", "sum.default", "histc.default", "scatter_add.default",
+               "scatter_add_.default")
 
 
 def _reduces_rows(node: fx.Node, rows: set[int]) -> bool:
-    """A reduction over dim 0 of a tensor whose dim 0 is the token or row count."""
+    """A reduction over dim 0 of a tensor whose dim 0 is the token or row count (a scatter_add: its rows' index)."""
+    if op_name(node).startswith("scatter_add"):
+        index = value_shape(node.args[2])
+        return node.args[1] == 0 and bool(index) and index[0] in rows
     source = node.args[0]
     shape = value_shape(source)
     if not shape or shape[0] not in rows:
@@ -60,6 +66,29 @@ def sync_router_statistics(st: LoweringState) -> LoweringState:
     return dataclasses.replace(st, gm=st.gm) if _average_statistics(st.gm, dp=st.plan.mesh.dp) else st
 
 
+def _weightless_counts(gm: fx.GraphModule, aux: set[str], rows: set[int]) -> set[str]:
+    """Names of the reductions over rows that read no weight (nor router) and reach the auxiliary loss's nodes
+    ``aux`` through nodes that read no weight either: the token counts it divides by (a padding mask's sum).
+    A label count the main loss divides by is not one: it meets the weights (the loss's logits) first."""
+    weighted = descendants([n for n in gm.graph.nodes if n.op == "get_attr"])
+    found = set()
+    for node in gm.graph.nodes:
+        if node.name in aux or node in weighted or op_name(node) not in _REDUCTIONS or not _reduces_rows(node, rows):
+            continue
+        frontier, seen = list(node.users), set()
+        while frontier:
+            user = frontier.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.name in aux:
+                found.add(node.name)
+                break
+            if user not in weighted:
+                frontier.extend(user.users)
+    return found
+
+
 def _average_statistics(gm: fx.GraphModule, *, dp: int) -> int:
     """Put a DpMean after every token-dim statistic of the auxiliary losses; how many."""
     report = annotate_moe(gm)
@@ -71,7 +100,8 @@ def _average_statistics(gm: fx.GraphModule, *, dp: int) -> int:
         if not tokens:
             continue
         rows = {tokens[0], tokens[0] * layer.top_k}
-        for name in sorted(layer.aux_loss, key=order.get):
+        counts = _weightless_counts(gm, set(layer.aux_loss), rows)
+        for name in sorted(set(layer.aux_loss) | counts, key=order.get):
             node = nodes[name]
             if op_name(node) not in _REDUCTIONS or not _reduces_rows(node, rows) or node in synced:
                 continue

@@ -35,7 +35,7 @@ import torch
 from autopar.ir.stage_graph import StageGraph
 from autopar.ops.comm_audit import CommLog
 from autopar.ops.comm_guard import CommGuard
-from autopar.parallel_dims import ParallelDims
+from autopar.parallel_dims import JOINS, ParallelDims
 from autopar.plan_model import MeshShape, Plan
 from autopar.runtime.schedules.action import Schedule
 
@@ -60,8 +60,12 @@ class MeshInfo:
             self.dims = self.shape.dims
 
     def _same(self, axis: str) -> str:
-        """``dcp`` is dp itself without cp (a hand-made MeshInfo need not list it)."""
-        return "dp" if axis == "dcp" and axis not in self.groups and self.dims.cp == 1 else axis
+        """A joined axis with one part of several ranks is that part (``dcp`` is dp and ``edcp`` edp without cp),
+        where no group of its own was made (a hand-made MeshInfo need not list it)."""
+        if axis not in JOINS or axis in self.groups:
+            return axis
+        wide = [part for part in JOINS[axis] if self.dims.size(part) > 1]
+        return axis if len(wide) > 1 else (wide or JOINS[axis])[0]
 
     def group(self, axis: str):
         """The process group along ``axis`` (None: a world of one)."""

@@ -154,7 +154,8 @@ def build_parts(*, lowered: LoweredStages, ctx: RankContext, schedule: Schedule,
                                  comm_log=ctx.comm_log, publish=mixed.publish if mixed is not None else None,
                                  synced=mixed.compute if mixed is not None else None,
                                  local=frozenset(plan.expert_params),
-                                 edp=ctx.axis("edp") if "edp" in info.groups else None,  # the ranks holding my experts
+                                 # the ranks holding my experts (and other tokens: edp x cp)
+                                 edp=ctx.axis("edcp") if "edp" in info.groups else None,
                                  template=param_groups, aliases=aliases)  # each tensor in its name's group
     return RankParts(
         plan=plan, ctx=ctx, schedule=schedule, captured=lowered.captured, state_keys=state_keys, stages=stages,

@@ -32,7 +32,7 @@ __all__ = ["StepBatches"]
 def _dp_collectives(stages: dict) -> bool:
     """Whether a stage graph communicates over dp inside its forward or backward (ZeRO-3 gathers, MoE
     all-to-all and router statistics): then every dp rank must run as many microbatches."""
-    return any(isinstance(m, GraphCollective) and getattr(m, "axis", None) in ("dp", "edp", "ep")
+    return any(isinstance(m, GraphCollective) and getattr(m, "axis", None) in ("dp", "edp", "edcp", "ep")
                for s in stages.values() for m in s.gm.modules())
 
 

@@ -9,7 +9,7 @@ Building::
     mixed_precision.py    bf16 compute, fp32 masters and gradients
     zero.py               the optimizer, its state sharded over dp (ZeRO-1/2/3)
     param_groups.py       the optimizer's parameter groups, learned once from the user's factory by name
-    moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edp
+    moe_groups.py         the ep and edp groups of expert parallelism, expert gradients over edcp (edp x cp)
 
 Gradients::
 

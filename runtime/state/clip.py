@@ -53,7 +53,7 @@ def counted_here(name: str, *, plan, coords: dict[str, int], stage_to_pp: list[i
     if name in sharded:
         return True
     if plan.expert_parallel > 1 and name in plan.expert_params:  # each ep rank of the first ep group: its experts
-        return name in owned_experts if owned_experts is not None else plan.dims.index("edp", coords) == 0
+        return name in owned_experts if owned_experts is not None else plan.dims.index("edcp", coords) == 0
     if owned is not None:
         return name in owned
     return plan.dims.index("dcp", coords) == 0  # (replicated over dp x cp: its first rank counts)
@@ -122,7 +122,7 @@ def _counting(program: ProgramState) -> dict:
     expert_owners = program.optimizer.expert_owner_of() if hasattr(program.optimizer, "expert_owner_of") else None
     owned_experts = None  # ZeRO-1/2 with experts owned over edp: each counted by its owner
     if expert_owners is not None:
-        owned_experts = {n for n, k in expert_owners.items() if k == plan.dims.index("edp", program.info.coords)}
+        owned_experts = {n for n, k in expert_owners.items() if k == plan.dims.index("edcp", program.info.coords)}
     return dict(plan=plan, coords=program.info.coords, stage_to_pp=list(program.schedule.stage_to_rank), owned=owned,
                 sharded=sharded, owned_experts=owned_experts)
 

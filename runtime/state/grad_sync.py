@@ -7,11 +7,11 @@ after it, before the optimizer steps.
   backward runs* (:class:`autopar.runtime.state.ddp_buckets.GradBuckets`): all-reduced (DDP) or reduced
   to the parameter's owner (ZeRO-1/2). ZeRO-3 reduce-scatters inside the graph's backward
   (:mod:`autopar.passes.data_parallel.zero3`), so nothing is left to do here.
-- Mixture-of-experts experts split over ep: summed over the ranks holding the same experts (edp)
-  and divided by dp after backward (:func:`autopar.runtime.state.moe_groups.sync_expert_gradients`;
-  under ZeRO-2 with the experts owned over edp, reduced to their owner),
-  under ZeRO-3 too where it leaves them whole (edp = 1); those ZeRO-3 shards over edp reduce-scatter
-  in the graph like every other shard.
+- Mixture-of-experts experts split over ep: summed over the ranks holding the same experts and other
+  tokens (``edcp`` = edp x cp; edp without context parallelism) and divided by dp x cp after backward
+  (:func:`autopar.runtime.state.moe_groups.sync_expert_gradients`; under ZeRO-2 with the experts owned
+  over edcp, reduced to their owner), under ZeRO-3 too where it leaves them whole (edcp = 1); those
+  ZeRO-3 shards over edcp reduce-scatter in the graph like every other shard.
 - Parameters that live on several pipeline stages (a tied embedding and LM head) first have
   their gradients summed across the ranks holding them, by a p2p exchange inside the pp group,
   so they are left out of the overlapped buckets and reduced over dp after that exchange.
@@ -106,7 +106,7 @@ class GradientSync:
                  plan, owners: dict[str, int] | None, uses: dict[str, int],
                  current_action: Callable[[], str] = lambda: "", zero3_runtimes: tuple = (),
                  expert_owners: dict[str, int] | None = None):
-        """``expert_owners``: {expert name: owning edp index} when ZeRO-1/2 partition the experts over edp."""
+        """``expert_owners``: {expert name: owning edcp index} when ZeRO-1/2 partition the experts over edcp."""
         self.shared, self.info, self.guard = shared, ctx.info, ctx.guard
         self.zero3_runtimes = zero3_runtimes
         self._t0 = time.perf_counter()
@@ -115,15 +115,16 @@ class GradientSync:
         self.active = plan.dims.dcp > 1 and mode == "ddp" and plan.zero_stage != 3
         self.buckets = self.post = None
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen weights need no sync
-        experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edp (runtime/state/moe_groups.py)
+        experts = set(getattr(plan, "expert_params", ()))  # MoE experts: over edcp (runtime/state/moe_groups.py)
         in_graph = {user_name(t) for r in zero3_runtimes for t in zero3_targets(r.gm)}  # ZeRO-3's reduce-scatters
         expert_named = [(n, p) for n, p in named_params if n in experts and n not in in_graph] \
             if plan.mesh.dp > 1 and mode == "ddp" else []
         self.experts = [p for _, p in expert_named]
-        self.expert_dst = None  # ZeRO-2: each expert's gradient reduced to its edp owner (global rank)
+        self.expert_dst = None  # ZeRO-2: each expert's gradient reduced to its edcp owner (global rank)
+        self.expert_axis = ctx.axis("edcp")  # the ranks holding my experts and other tokens (edp x cp)
+        self.dcp = plan.dims.dcp  # the expert gradients' sum is divided by it, as DDP divides every other one
         if expert_owners is not None and plan.zero_stage == 2 and expert_named:
-            edp_ranks = self.info.axis_ranks["edp"]
-            self.expert_dst = [edp_ranks[expert_owners[n]] for n, _ in expert_named]
+            self.expert_dst = [self.expert_axis.ranks[expert_owners[n]] for n, _ in expert_named]
         if not self.active:
             return
         shared_ids = {id(p) for p, _ in shared}
@@ -146,8 +147,8 @@ class GradientSync:
         if self.active:
             self.buckets.finish()
         if self.experts:
-            sync_expert_gradients(self.experts, group=self.info.groups["edp"], size=len(self.info.axis_ranks["edp"]),
-                                  dp=self.info.shape.dp, guard=self.guard, owners=self.expert_dst, rank=self.info.rank)
+            sync_expert_gradients(self.experts, group=self.expert_axis.group, size=self.expert_axis.size,
+                                  dp=self.dcp, guard=self.guard, owners=self.expert_dst, rank=self.info.rank)
         for runtime in self.zero3_runtimes:
             runtime.drain()
         sum_shared_gradients(self.shared, rank=self.info.rank, group=self.info.groups["pp"], guard=self.guard)

@@ -8,8 +8,12 @@ are dims of the job's one DeviceMesh (:func:`autopar.parallel_dims.mesh_groups`)
 Gradients: an expert's gradient on its rank already sums the contributions of every token the ep
 group routed to it (the combine's backward brings them back). So the expert gradient is summed over
 ``edp`` and divided by dp, which is the mean over dp of one device's per-rank gradients, the value DDP
-gives every other parameter. Under ZeRO-1/2 each expert tensor is owned by one edp rank
-(:class:`autopar.runtime.state.zero.ShardedOptimizer`); ZeRO-2 reduces its gradient to that owner only.
+gives every other parameter. With context parallelism (cp > 1) a rank's ep group exchanges the tokens of
+its own cp shard (ep is carved out of dp, at one cp coordinate), so the ranks holding the same experts and
+other tokens are ``edcp = edp x cp``: the sum runs over them and is divided by dp x cp, as DDP divides
+every other gradient there (``ParallelDims`` says why; edcp is edp when cp = 1). Under ZeRO-1/2 each
+expert tensor is owned by one edcp rank (:class:`autopar.runtime.state.zero.ShardedOptimizer`); ZeRO-2
+reduces its gradient to that owner only.
 """
 from __future__ import annotations
 
@@ -23,9 +27,10 @@ __all__ = ["sync_expert_gradients", "full_expert_parameters"]
 
 def sync_expert_gradients(params: list[torch.nn.Parameter], *, group, size: int, dp: int, guard=None,
                           owners: list[int] | None = None, rank: int | None = None) -> None:
-    """Sum the expert gradients over the ``size`` ranks of ``group`` (edp) and divide by ``dp``.
+    """Sum the expert gradients over the ``size`` ranks of ``group`` (edcp: edp x cp) and divide by ``dp``
+    (the count DDP divides every other gradient by: dp x cp).
 
-    ``owners`` (ZeRO-2, the experts partitioned over edp): each gradient's owner's global rank; the sum is
+    ``owners`` (ZeRO-2, the experts partitioned over edcp): each gradient's owner's global rank; the sum is
     reduced to that owner only, and the other ranks drop their gradient (this rank is ``rank``)."""
     for i, p in enumerate(params):
         if p.grad is None:

@@ -65,10 +65,11 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], num_parts: int
 def owned_experts(experts: list[tuple[str, torch.nn.Parameter]], *, dims: ParallelDims,
                   coords: dict[str, int]) -> set[str]:
     """ZeRO-1/2's expert-owner rule: the expert tensors (MoE experts split over ep) the rank at mesh
-    coordinates ``coords`` steps. They are partitioned over its edp group (the dp / ep ranks holding the
-    same experts) as the dp partition is, and it owns the part at its edp index. (The memory calculator
-    and :class:`ShardedOptimizer` read this rule; with edp of one rank, every holder steps its experts.)"""
-    return set(partition_params(experts, dims.edp)[dims.index("edp", coords)])
+    coordinates ``coords`` steps. They are partitioned over its edcp group (the edp x cp ranks holding the
+    same experts, each other tokens; edp without cp) as the dp partition is, and it owns the part at its
+    edcp index. (The memory calculator and :class:`ShardedOptimizer` read this rule; with edcp of one rank,
+    every holder steps its experts.)"""
+    return set(partition_params(experts, dims.edcp)[dims.index("edcp", coords)])
 
 
 def stepped_here(named: list[tuple[str, torch.nn.Parameter]], *, zero_stage: int, dims: ParallelDims,
@@ -122,7 +123,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         masters into the compute copies there); ``synced`` are the tensors the owners broadcast, by name
         (default: the parameters; the bf16 compute copies under mixed precision). ``local``: parameters every
         rank steps itself, outside the dp partition (MoE experts split over ep: runtime/state/moe_groups.py); under
-        ZeRO-1/2 they are partitioned over ``edp`` (the ranks holding the same experts) when it has several ranks.
+        ZeRO-1/2 they are partitioned over ``edp`` (the ranks holding the same experts: the ``edcp`` axis, edp x cp,
+        with context parallelism) when it has several ranks.
         ``template``: the factory's groups over the whole model (None: those of this rank's parameters);
         ``aliases``: every name of a tied weight, by the name used here."""
         named_params = [(n, p) for n, p in named_params if p.requires_grad]

@@ -2,7 +2,7 @@
 
 The oracle is torch's own reshape of ``arange(world)``: the mesh (dp, cp, pp, tp) row-major, as
 ``init_device_mesh`` lays it out, with dp unflattened into (edp, ep) as ``DeviceMesh._unflatten`` does, and
-dp x cp flattened into dcp as ``DeviceMesh._flatten`` does.
+dp x cp flattened into dcp and edp x cp into edcp as ``DeviceMesh._flatten`` does.
 It shares no code with ParallelDims. The groups built from a live DeviceMesh are checked in the MoE
 process group (tests/runtime/test_moe_expert_parallel_dist.py).
 """
@@ -38,7 +38,8 @@ def _oracle(d: ParallelDims, rank: int) -> dict[str, tuple[int, list[int]]]:
     return {"dp": (i, flat[:, c, p, t].tolist()), "cp": (c, flat[i, :, p, t].tolist()),
             "pp": (p, flat[i, c, :, t].tolist()), "tp": (t, flat[i, c, p, :].tolist()),
             "ep": (k, grid[e, :, c, p, t].tolist()), "edp": (e, grid[:, k, c, p, t].tolist()),
-            "dcp": (i * d.cp + c, flat[:, :, p, t].reshape(-1).tolist())}
+            "dcp": (i * d.cp + c, flat[:, :, p, t].reshape(-1).tolist()),
+            "edcp": (e * d.cp + c, grid[:, k, :, p, t].reshape(-1).tolist())}
 
 
 @settings(max_examples=60, deadline=None)
