@@ -7,7 +7,8 @@ import pytest
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import (
-    Action, StageCosts, build_schedule, chimera, dependencies, forward_only, one_f_one_b, simulate, validate,
+    Action, Schedule, StageCosts, build_schedule, chimera, dependencies, forward_only, one_f_one_b, simulate,
+    validate,
 )
 
 EQUAL = StageCosts(forward=1, backward=1, weight=0)
@@ -77,3 +78,11 @@ def test_forward_only_runs_microbatches_depth_first():
     inference = forward_only(build_schedule("zb_v", num_ranks=2, num_microbatches=2))
     assert inference.to_csv() == "0F0,3F0,0F1,3F1\n1F0,2F0,1F1,2F1\n"
     assert forward_only(inference, num_microbatches=3).num_microbatches == 3
+
+
+def test_forward_only_routes_microbatches_only_where_there_are_two_replicas():
+    """One replica: no routes, the schedule a CSV reads back; Chimera's two: every microbatch through replica 0."""
+    inference = forward_only(one_f_one_b(num_ranks=2, num_microbatches=2))
+    assert inference.microbatch_replica == ()
+    assert inference == Schedule.from_csv("0F0,0F1\n1F0,1F1\n", name="1f1b:forward_only", forward_only=True)
+    assert forward_only(chimera(num_ranks=2, num_microbatches=3)).microbatch_replica == (0, 0, 0)
