@@ -68,3 +68,12 @@ def test_a_schedule_is_validated_unless_the_caller_did_and_one_that_stalls_is_re
         simulate_shared_cores(broken, costs=costs, cores=1)
     with pytest.raises(ScheduleError, match="the shared-core simulation stalled"):  # 0B1 waits on 1B1 forever
         simulate_shared_cores(broken, costs=costs, cores=1, validated=True)
+
+
+def test_whole_unit_costs_give_an_exact_step():
+    """The docstring's example, exactly: events land on whole units, so nothing is left to rounding."""
+    schedule = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    costs = StageCosts(forward=1, backward=2, weight=0)
+    assert simulate_shared_cores(schedule, costs=costs, cores=4) == 33.0
+    assert simulate_shared_cores(schedule, costs=costs, cores=2) == 51.0  # 96 s of work on 2 cores, fill, drain
+    assert simulate_shared_cores(schedule, costs=costs, cores=1) == 96.0
