@@ -195,3 +195,20 @@ def test_events_respect_order_dependencies_and_costs(name, p, m, costs):
     assert all(-1e-9 <= b <= 1 for b in result.bubble_fraction)
     assert result.steady_step_time <= result.step_time + 1e-9
     assert dataclasses.is_dataclass(result)
+
+
+def test_costs_are_frozen_data():
+    costs = StageCosts(forward=[1, 2], backward=1, weight=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        costs.p2p = 1.0
+    assert hash(costs) == hash(StageCosts(forward=(1, 2), backward=1, weight=0))
+
+
+def test_results_compare_by_what_was_measured_not_by_the_schedule_they_came_from():
+    schedule = gpipe(num_ranks=2, num_microbatches=2)
+    assert simulate(schedule, costs=UNIT) == simulate(dataclasses.replace(schedule, name="renamed"), costs=UNIT)
+
+
+def test_the_peak_counts_activations_held_after_a_release():
+    """One stage on one rank: F0 B0 F1 F2 B1 B2 holds 1, 0, 1, 2, 1, 0 activations: the peak, 2, comes after B0."""
+    assert simulate(Schedule.from_csv("0F0,0B0,0F1,0F2,0B1,0B2\n"), costs=UNIT).peak_activations == (2,)
