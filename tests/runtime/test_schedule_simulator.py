@@ -34,6 +34,7 @@ from autopar.runtime.schedules import (
     Schedule,
     StageCosts,
     build_schedule,
+    forward_only,
     gpipe,
     interleaved_1f1b,
     looped_bfs,
@@ -206,9 +207,24 @@ def test_costs_are_frozen_data():
 
 def test_results_compare_by_what_was_measured_not_by_the_schedule_they_came_from():
     schedule = gpipe(num_ranks=2, num_microbatches=2)
-    assert simulate(schedule, costs=UNIT) == simulate(dataclasses.replace(schedule, name="renamed"), costs=UNIT)
+    result = simulate(schedule, costs=UNIT)
+    assert result == simulate(dataclasses.replace(schedule, name="renamed"), costs=UNIT)
+    per_stage = StageCosts(forward=[1, 1], backward=[1, 1], weight=[1, 1])
+    assert result == simulate(schedule, costs=per_stage, durations={})  # other costs and durations, same times
+    assert "schedule=" not in repr(result) and "costs=" not in repr(result) and "durations=" not in repr(result)
 
 
 def test_the_peak_counts_activations_held_after_a_release():
     """One stage on one rank: F0 B0 F1 F2 B1 B2 holds 1, 0, 1, 2, 1, 0 activations: the peak, 2, comes after B0."""
     assert simulate(Schedule.from_csv("0F0,0B0,0F1,0F2,0B1,0B2\n"), costs=UNIT).peak_activations == (2,)
+
+
+def test_a_bool_is_not_a_cost():
+    with pytest.raises(ScheduleError, match="StageCosts.forward must be a number >= 0"):
+        StageCosts(forward=True, backward=1, weight=0)
+
+
+def test_a_forward_only_schedule_holds_no_activations_and_a_step_of_no_time_has_no_bubble():
+    assert simulate(forward_only(gpipe(num_ranks=2, num_microbatches=2)), costs=UNIT).peak_activations == (0, 0)
+    idle = simulate(gpipe(num_ranks=2, num_microbatches=2), costs=StageCosts(forward=0, backward=0, weight=0))
+    assert idle.step_time == 0.0 and idle.bubble_fraction == (0.0, 0.0) and idle.mean_bubble == 0.0
