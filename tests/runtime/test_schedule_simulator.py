@@ -228,3 +228,13 @@ def test_a_forward_only_schedule_holds_no_activations_and_a_step_of_no_time_has_
     assert simulate(forward_only(gpipe(num_ranks=2, num_microbatches=2)), costs=UNIT).peak_activations == (0, 0)
     idle = simulate(gpipe(num_ranks=2, num_microbatches=2), costs=StageCosts(forward=0, backward=0, weight=0))
     assert idle.step_time == 0.0 and idle.bubble_fraction == (0.0, 0.0) and idle.mean_bubble == 0.0
+
+
+def test_the_steady_bubble_of_gpipe_on_two_ranks_by_hand_and_the_bubble_has_no_unit():
+    """F = 1, B = 2 (B + W), m = 2: rank 0 runs F0 F1 (0-2), B1 (5-7), B0 (7-9); rank 1 F0 F1 (1-3), B1 B0
+    (3-7): spans 9 and 6, 6 busy each, so back to back a step takes 9 and each rank idles 1/3 of it."""
+    schedule = gpipe(num_ranks=2, num_microbatches=2)
+    result = simulate(schedule, costs=UNIT)
+    assert result.steady_step_time == 9.0 and result.steady_bubble == pytest.approx(1 / 3)
+    tenth = simulate(schedule, costs=StageCosts(forward=0.1, backward=0.1, weight=0.1))  # a step under 1
+    assert tenth.bubble_fraction == pytest.approx(result.bubble_fraction) and tenth.mean_bubble > 0
