@@ -202,6 +202,8 @@ def test_costs_are_frozen_data():
     costs = StageCosts(forward=[1, 2], backward=1, weight=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         costs.p2p = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        simulate(gpipe(num_ranks=2, num_microbatches=2), costs=costs).step_time = 0.0
     assert hash(costs) == hash(StageCosts(forward=(1, 2), backward=1, weight=0))
 
 
