@@ -133,6 +133,30 @@ def test_segments_per_batch_then_drain_make_the_stream_schedule(p):
         assert tuple(actions) == schedule.actions[rank]
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_after_a_drain_the_stream_fills_the_pipeline_again(p):
+    """A flush drains every rank; the next batches (global numbers go on) start with 1F1B's warmup again."""
+    m = 2
+    again = pipedream(num_ranks=p, num_microbatches=m, num_batches=2)
+    for rank in range(p):
+        cursor = stream_segment(rank=rank, num_ranks=p, next_forward=0, next_backward=0, end=m - 1)[1]
+        cursor = stream_segment(rank=rank, num_ranks=p, next_forward=cursor[0], next_backward=cursor[1], end=None)[1]
+        assert cursor == (m, m)
+        actions = []
+        for end in (2 * m - 1, 3 * m - 1, None):
+            part, cursor = stream_segment(rank=rank, num_ranks=p, next_forward=cursor[0], next_backward=cursor[1],
+                                          end=end)
+            actions += part
+        assert [str(a) for a in actions] == [str(dataclasses.replace(a, microbatch=a.microbatch + m))
+                                             for a in again.actions[rank]]
+
+
+def test_pipemare_built_without_options_carries_the_documented_defaults():
+    rule = pipemare(num_ranks=2, num_microbatches=2).staleness
+    assert (rule.lr_warmup_updates, rule.correction_decay) == (
+        PIPEMARE_DEFAULTS["pipemare_lr_warmup_updates"], PIPEMARE_DEFAULTS["pipemare_correction_decay"])
+
+
 def test_simulated_weight_versions():
     costs = StageCosts(forward=1, backward=1, weight=0)
     assert simulate(pipedream(num_ranks=4, num_microbatches=4, num_batches=4), costs=costs

@@ -7,8 +7,10 @@ import pytest
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import (
-    Action, StageCosts, build_schedule, chimera, dependencies, forward_only, one_f_one_b, simulate, validate,
+    Action, Schedule, StageCosts, build_schedule, chimera, dependencies, forward_only, one_f_one_b, simulate,
+    validate,
 )
+from autopar.runtime.schedules.list_scheduler import list_schedule
 
 EQUAL = StageCosts(forward=1, backward=1, weight=0)
 
@@ -77,3 +79,18 @@ def test_forward_only_runs_microbatches_depth_first():
     inference = forward_only(build_schedule("zb_v", num_ranks=2, num_microbatches=2))
     assert inference.to_csv() == "0F0,3F0,0F1,3F1\n1F0,2F0,1F1,2F1\n"
     assert forward_only(inference, num_microbatches=3).num_microbatches == 3
+
+
+def test_forward_only_routes_microbatches_only_where_there_are_two_replicas():
+    """One replica: no routes, the schedule a CSV reads back; Chimera's two: every microbatch through replica 0."""
+    inference = forward_only(one_f_one_b(num_ranks=2, num_microbatches=2))
+    assert inference.microbatch_replica == ()
+    assert inference == Schedule.from_csv("0F0,0F1\n1F0,1F1\n", name="1f1b:forward_only", forward_only=True)
+    assert forward_only(chimera(num_ranks=2, num_microbatches=3)).microbatch_replica == (0, 0, 0)
+
+
+def test_list_scheduling_starts_a_ready_backward_before_a_ready_forward_of_an_older_microbatch():
+    """Backward first, then the lowest microbatch: microbatch 0 comes up from rank 1 while microbatch 1,
+    on rank 0 alone, finishes its forward; at t = 1 rank 0 has 0B1 and 0F0 ready and runs 0B1."""
+    rows = list_schedule(num_ranks=2, stage_to_rank=(0, 1), chains=[(1, 0), (0,)], cap=lambda stage: 2)
+    assert [" ".join(map(str, row)) for row in rows] == ["0F1 0B1 0F0 0B0", "1F0 1B0"]

@@ -14,6 +14,7 @@ import pytest
 
 import autopar
 from autopar.runtime.schedules import StageCosts, simulate
+from autopar.runtime.schedules.closed_form import parse
 from autopar.runtime.schedules.registry import build_schedule, closed_forms_table, family, schedule_names
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -90,3 +91,12 @@ def test_docs_schedules_prints_the_registry_formulas():
     assert block, "docs/schedules.md has no <!-- closed-forms --> block"
     assert block.group(1) == closed_forms_table(), \
         "docs/schedules.md is out of date: run python bench/make_schedule_pictures.py --closed-forms"
+
+
+def test_the_symbols_are_positive_integers_and_the_rank_may_be_zero():
+    """p, m, v count (>= 1) and r numbers a rank (>= 0): sympy simplifies the printed formulas under those facts."""
+    for name in ("p", "m", "v"):
+        assert parse(name).is_integer and parse(name).is_positive, name
+    rank = parse("r")
+    assert rank.is_integer and rank.is_nonnegative and rank.is_positive is None
+    assert parse("floor(m*v)") == parse("m*v") and parse("Mod(2*m, 2)") == 0

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,3 +58,22 @@ def test_cores_must_be_positive():
     with pytest.raises(ScheduleError, match="cores"):
         simulate_shared_cores(build_schedule("1f1b", num_ranks=2, num_microbatches=2),
                               costs=StageCosts(forward=1, backward=1, weight=0), cores=0)
+
+
+def test_a_schedule_is_validated_unless_the_caller_did_and_one_that_stalls_is_refused():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    broken = dataclasses.replace(schedule, actions=(schedule.actions[0], schedule.actions[1][:-1]))  # no 1B1
+    costs = StageCosts(forward=1, backward=1, weight=0)
+    with pytest.raises(ScheduleError, match="1B1 is missing"):
+        simulate_shared_cores(broken, costs=costs, cores=1)
+    with pytest.raises(ScheduleError, match="the shared-core simulation stalled"):  # 0B1 waits on 1B1 forever
+        simulate_shared_cores(broken, costs=costs, cores=1, validated=True)
+
+
+def test_whole_unit_costs_give_an_exact_step():
+    """The docstring's example, exactly: events land on whole units, so nothing is left to rounding."""
+    schedule = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    costs = StageCosts(forward=1, backward=2, weight=0)
+    assert simulate_shared_cores(schedule, costs=costs, cores=4) == 33.0
+    assert simulate_shared_cores(schedule, costs=costs, cores=2) == 51.0  # 96 s of work on 2 cores, fill, drain
+    assert simulate_shared_cores(schedule, costs=costs, cores=1) == 96.0

@@ -34,6 +34,7 @@ from autopar.runtime.schedules import (
     Schedule,
     StageCosts,
     build_schedule,
+    forward_only,
     gpipe,
     interleaved_1f1b,
     looped_bfs,
@@ -195,3 +196,47 @@ def test_events_respect_order_dependencies_and_costs(name, p, m, costs):
     assert all(-1e-9 <= b <= 1 for b in result.bubble_fraction)
     assert result.steady_step_time <= result.step_time + 1e-9
     assert dataclasses.is_dataclass(result)
+
+
+def test_costs_are_frozen_data():
+    costs = StageCosts(forward=[1, 2], backward=1, weight=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        costs.p2p = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        simulate(gpipe(num_ranks=2, num_microbatches=2), costs=costs).step_time = 0.0
+    assert hash(costs) == hash(StageCosts(forward=(1, 2), backward=1, weight=0))
+
+
+def test_results_compare_by_what_was_measured_not_by_the_schedule_they_came_from():
+    schedule = gpipe(num_ranks=2, num_microbatches=2)
+    result = simulate(schedule, costs=UNIT)
+    assert result == simulate(dataclasses.replace(schedule, name="renamed"), costs=UNIT)
+    per_stage = StageCosts(forward=[1, 1], backward=[1, 1], weight=[1, 1])
+    assert result == simulate(schedule, costs=per_stage, durations={})  # other costs and durations, same times
+    assert "schedule=" not in repr(result) and "costs=" not in repr(result) and "durations=" not in repr(result)
+
+
+def test_the_peak_counts_activations_held_after_a_release():
+    """One stage on one rank: F0 B0 F1 F2 B1 B2 holds 1, 0, 1, 2, 1, 0 activations: the peak, 2, comes after B0."""
+    assert simulate(Schedule.from_csv("0F0,0B0,0F1,0F2,0B1,0B2\n"), costs=UNIT).peak_activations == (2,)
+
+
+def test_a_bool_is_not_a_cost():
+    with pytest.raises(ScheduleError, match="StageCosts.forward must be a number >= 0"):
+        StageCosts(forward=True, backward=1, weight=0)
+
+
+def test_a_forward_only_schedule_holds_no_activations_and_a_step_of_no_time_has_no_bubble():
+    assert simulate(forward_only(gpipe(num_ranks=2, num_microbatches=2)), costs=UNIT).peak_activations == (0, 0)
+    idle = simulate(gpipe(num_ranks=2, num_microbatches=2), costs=StageCosts(forward=0, backward=0, weight=0))
+    assert idle.step_time == 0.0 and idle.bubble_fraction == (0.0, 0.0) and idle.mean_bubble == 0.0
+
+
+def test_the_steady_bubble_of_gpipe_on_two_ranks_by_hand_and_the_bubble_has_no_unit():
+    """F = 1, B = 2 (B + W), m = 2: rank 0 runs F0 F1 (0-2), B1 (5-7), B0 (7-9); rank 1 F0 F1 (1-3), B1 B0
+    (3-7): spans 9 and 6, 6 busy each, so back to back a step takes 9 and each rank idles 1/3 of it."""
+    schedule = gpipe(num_ranks=2, num_microbatches=2)
+    result = simulate(schedule, costs=UNIT)
+    assert result.steady_step_time == 9.0 and result.steady_bubble == pytest.approx(1 / 3)
+    tenth = simulate(schedule, costs=StageCosts(forward=0.1, backward=0.1, weight=0.1))  # a step under 1
+    assert tenth.bubble_fraction == pytest.approx(result.bubble_fraction) and tenth.mean_bubble > 0

@@ -6,6 +6,8 @@ of actions and transfers the simulator timed back to back. Golden paths are deri
 """
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 from autopar.runtime.schedules import StageCosts, build_schedule, simulate
 from autopar.runtime.schedules.registry import family, schedule_names
-from autopar.runtime.schedules.step_graph import END, critical_path, step_graph
+from autopar.runtime.schedules.step_graph import END, CriticalPath, PathStep, critical_path, step_graph, wait_cycle
 from autopar.runtime.execution.trace import (action_durations, bubble_report, measured_critical_path, replay,
                                              transfer_latency)
 from schedule_runners import CRITICAL_PATH_CASES, results
@@ -140,3 +142,48 @@ def test_a_measured_step_gives_its_own_critical_path(case):
         assert all(graph.has_edge(a, b) for a, b in zip(actions, actions[1:]))
         assert graph.has_edge(actions[-1], END)  # it ends with the last action of a rank
         assert f"critical path {path.length:.4g} s" in bubble_report(schedule, events)
+
+
+def test_the_summary_line_of_a_path_by_hand():
+    """1F1B, p = 4, m = 8, F = 1, B = 2 (the path above): 22 actions, the first and last ``show`` printed."""
+    path = simulate(build_schedule("1f1b", num_ranks=4, num_microbatches=8),
+                    costs=StageCosts(forward=1, backward=2, weight=0)).critical_path
+    assert path.summary(unit="s") == ("critical path 33 s = F 11 (33%), B 22 (67%): 0F0 1F0 2F0 3F0 3B0 3F1 3B1 3F2 "
+                                      "... 6 more ... 3B5 3F6 3B6 3F7 3B7 2B7 1B7 0B7")
+    assert path.summary(show=11) == "critical path 33 = F 11 (33%), B 22 (67%): " + " ".join(path.actions)
+    assert path.summary(show=10).split(": ")[1].split()[10:13] == ["...", "2", "more"]
+    assert CriticalPath(()).summary() == "critical path 0 = nothing: "
+    assert CriticalPath((PathStep("0F0", "F", 0, 0.0, 0.0),)).summary() == "critical path 0 = F 0 (0%): 0F0"
+
+
+def test_a_path_and_its_steps_are_frozen_data():
+    path = critical_path(build_schedule("1f1b", num_ranks=2, num_microbatches=2), costs=UNIT)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        path.steps = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        path.steps[0].seconds = 0.0
+    assert hash(path) == hash(critical_path(build_schedule("1f1b", num_ranks=2, num_microbatches=2), costs=UNIT))
+
+
+def test_the_structure_alone_weighs_nothing_and_only_edges_between_ranks_carry_a_transfer():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    bare = step_graph(schedule)  # neither costs nor durations: every action 0 s, no transfer
+    assert {(d["transfer"], d["weight"]) for _u, _v, d in bare.edges(data=True)} == {(0.0, 0.0)}
+    timed = step_graph(schedule, costs=StageCosts(forward=1, backward=2, weight=0, p2p=0.5))
+    kept = (_action(schedule, "0F0"), _action(schedule, "0B0"))  # same rank, not adjacent: data alone
+    assert timed.edges[kept] == {"kinds": {"data"}, "transfer": 0.0, "weight": 1.0}
+    assert [(str(u), d["transfer"], d["weight"]) for u, _v, d in timed.in_edges(END, data=True)] == [
+        ("0B1", 0.0, 2.0), ("1B1", 0.0, 2.0)]
+
+
+def test_a_missing_action_drops_only_its_own_edges():
+    """0F1 left out: 0B1 still waits on 1B1's gradient (the validator's count check reports the gap)."""
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    broken = dataclasses.replace(schedule, actions=(tuple(a for a in schedule.actions[0] if str(a) != "0F1"),
+                                                    schedule.actions[1]))
+    graph = step_graph(broken)
+    assert graph.edges[_action(schedule, "1B1"), _action(schedule, "0B1")]["kinds"] == {"data"}
+
+
+def test_a_schedule_without_a_deadlock_has_no_wait_cycle():
+    assert wait_cycle(build_schedule("1f1b", num_ranks=2, num_microbatches=2)) is None

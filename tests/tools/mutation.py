@@ -66,7 +66,8 @@ MODULES = {
                                  "tests/test_docstring_examples.py::test_docstring_examples_run"
                                  "[autopar.runtime.schedules.deps]",
     "runtime/schedules/validator.py": f"{_RT}test_schedule_validator.py",
-    "runtime/schedules/simulator.py": f"{_RT}test_schedule_simulator.py {_RT}test_step_graph.py -m 'not dist'",
+    "runtime/schedules/simulator.py": f"{_RT}test_schedule_simulator.py {_RT}test_step_graph.py "
+                                      f"{_RT}test_async_pipeline.py::test_simulated_weight_versions -m 'not dist'",
     "runtime/schedules/step_graph.py": f"{_RT}test_step_graph.py {_RT}test_schedule_validator.py -m 'not dist'",
     "runtime/schedules/shared_cores.py": f"{_RT}test_schedule_shared_cores.py",
     "runtime/schedules/closed_form.py": f"{_RT}test_schedule_closed_forms.py",
