@@ -100,3 +100,46 @@ def test_plan_uses_the_registry_default_and_builds_the_schedule_once(name, tiny,
     expected = build_schedule(name, num_ranks=2, num_microbatches=4)
     assert result.schedule.stage_to_rank == expected.stage_to_rank
     assert result.schedule.actions == expected.actions
+
+
+def _in_flight_peak(schedule) -> int:
+    """The most microbatches any rank holds between a forward and its backward, counted from the actions alone."""
+    peak = 0
+    for actions in schedule.actions:
+        held = 0
+        for action in actions:
+            held += {"F": 1, "B": -1}.get(action.kind.value, 0)
+            peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name", schedule_names(asynchronous=False))
+def test_peak_grows_is_what_the_orders_do(name):
+    """Family.peak_grows (the planner scales a short schedule's peak by m when it is set,
+    autopar/planner/schedule_shapes.py): the in-flight peak at 8 and at 16 microbatches on 2 ranks, counted here."""
+    peaks = [_in_flight_peak(build_schedule(name, num_ranks=2, num_microbatches=m)) for m in (8, 16)]
+    assert (peaks[1] > peaks[0]) == family(name).peak_grows, peaks
+
+
+@pytest.mark.parametrize("virtual", [2.5, "2", True])
+def test_num_virtual_must_be_a_whole_number(virtual):
+    with pytest.raises(autopar.ScheduleError, match="needs num_virtual >= 2 stages per rank"):
+        build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=4, num_virtual=virtual)
+
+
+def test_the_fix_names_the_other_families_for_the_stage_count():
+    """interleaved_1f1b (at least 2 stages per rank) points to 1f1b for one, looped_bfs (at least 1) nowhere; zb_v
+    (exactly 2) to the zero-bubble
+    families of one stage per rank; 1f1b (exactly 1) to the interleaved ones."""
+    with pytest.raises(autopar.ScheduleError) as few:
+        build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=4, num_virtual=1)
+    assert "or use '1f1b' for one stage per rank" in few.value.fix
+    with pytest.raises(autopar.ScheduleError) as none:  # (looped_bfs takes one stage per rank too: no such hint)
+        build_schedule("looped_bfs", num_ranks=2, num_microbatches=4, num_virtual=0)
+    assert "needs num_virtual >= 1" in none.value.what and "1f1b" not in none.value.fix
+    with pytest.raises(autopar.ScheduleError) as v_shape:
+        build_schedule("zb_v", num_ranks=2, num_microbatches=4, num_virtual=3)
+    assert "zb_h1 or zb_h2 for one stage per rank" in v_shape.value.fix
+    with pytest.raises(autopar.ScheduleError) as one:
+        build_schedule("1f1b", num_ranks=2, num_microbatches=4, num_virtual=2)
+    assert "interleaved_1f1b or looped_bfs" in one.value.fix and "zb_h1" not in one.value.fix

@@ -72,6 +72,7 @@ MODULES = {
     "runtime/schedules/shared_cores.py": f"{_RT}test_schedule_shared_cores.py",
     "runtime/schedules/closed_form.py": f"{_RT}test_schedule_closed_forms.py",
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
+                                     "tests/api/test_planner_bound.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
     "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_refusals.py "
                              "tests/passes/test_tp_train_numerics.py",
