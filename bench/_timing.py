@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULTS", "Contender", "Timing", "measure", "ratio_summary", "row_cells"]
+__all__ = ["DEFAULTS", "Contender", "Timing", "measure", "ratio_summary", "row_cells", "cuda_synced"]
 
 #: Default rounds / steps per round / warmup steps: short rounds pair the contenders' steps closely.
 DEFAULTS = dict(rounds=16, steps_per_round=1, warmup=3)
@@ -114,3 +114,12 @@ def row_cells(mine: Timing, peer: Timing) -> dict:
         loss1=f"{mine.first_loss:.5f} / {peer.first_loss:.5f}",
         loss_last=f"{mine.last_loss:.5f} / {peer.last_loss:.5f}", steps=mine.num_steps,
     )
+
+
+def cuda_synced(step):
+    """``step`` followed by a CUDA synchronize, so that a timed step ends when the device's work does."""
+    def run(i: int) -> float:
+        loss = step(i)
+        torch.cuda.synchronize()
+        return loss
+    return run

@@ -48,7 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _report import markdown_rows, run_note, stamped, update_section  # noqa: E402
-from _timing import Contender, measure, ratio_summary  # noqa: E402
+from _timing import Contender, cuda_synced, measure, ratio_summary  # noqa: E402
 
 __all__ = ["SHAPE", "SEQ", "parse_args", "cp_note", "check_torch_api", "dry_run", "run", "section", "main"]
 
@@ -171,14 +171,6 @@ def _data(args, vocab: int, count: int = 4):
              torch.randint(vocab, (args.batch, args.seq), generator=g).cuda()) for _ in range(count)]
 
 
-def _synced(step):
-    def run(i: int) -> float:
-        loss = step(i)
-        torch.cuda.synchronize()
-        return loss
-    return run
-
-
 def _autopar(model, data, cp: int, strategy: str) -> Contender:
     import autopar
     from autopar.models import lm_loss
@@ -192,7 +184,7 @@ def _autopar(model, data, cp: int, strategy: str) -> Contender:
         with _fused_sdpa():
             return program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
 
-    return Contender(f"autopar cp={cp} ({strategy if cp > 1 else 'no cp'})", _synced(step))
+    return Contender(f"autopar cp={cp} ({strategy if cp > 1 else 'no cp'})", cuda_synced(step))
 
 
 def _torch(model, data, cp: int) -> Contender:
@@ -221,7 +213,7 @@ def _torch(model, data, cp: int) -> Contender:
             dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=cp_mesh.get_group())
         return mean.item()
 
-    return Contender(f"torch context_parallel cp={cp}", _synced(step))
+    return Contender(f"torch context_parallel cp={cp}", cuda_synced(step))
 
 
 def _step_peak(contender: Contender) -> tuple[float, float]:

@@ -18,13 +18,12 @@ import copy
 import os
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 from _report import markdown_table, run_note, stamped, update_section
-from _timing import DEFAULTS, Contender, measure, row_cells
+from _timing import DEFAULTS, Contender, cuda_synced, measure, row_cells
 
 __all__ = ["SHAPE", "run", "section", "main"]
 
@@ -46,14 +45,6 @@ def _data(count: int = 4):
              torch.randint(SHAPE["vocab_size"], (BATCH, SHAPE["seq_len"]), generator=g).cuda()) for _ in range(count)]
 
 
-def _synced(step):
-    def run(i: int) -> float:
-        loss = step(i)
-        torch.cuda.synchronize()
-        return loss
-    return run
-
-
 def _eager(model, data) -> Contender:
     from autopar.models import lm_loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -66,7 +57,7 @@ def _eager(model, data) -> Contender:
         opt.step()
         return loss.item()
 
-    return Contender("eager PyTorch", _synced(step))
+    return Contender("eager PyTorch", cuda_synced(step))
 
 
 def _autopar(model, data, mesh) -> tuple[Contender, object]:
@@ -79,7 +70,7 @@ def _autopar(model, data, mesh) -> tuple[Contender, object]:
         x, y = data[i % len(data)]
         return program.train_step(program.shard_batch(x), target=program.shard_batch(y)).item()
 
-    return Contender("autopar (1 rank, 1 stage)", _synced(step)), program
+    return Contender("autopar (1 rank, 1 stage)", cuda_synced(step)), program
 
 
 def _flops_per_step(params: int) -> float:
