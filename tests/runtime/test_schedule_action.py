@@ -1,13 +1,14 @@
 """Actions and schedules as data: short string form, CSV round trip, printing with marks."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ScheduleError
-from autopar.runtime.schedules import Action, ActionKind, Schedule, build_schedule, schedule_names
+from autopar.runtime.schedules import Action, ActionKind, Schedule, build_schedule, schedule_names, validate
 
 actions = st.builds(
     Action,
@@ -114,3 +115,72 @@ def test_from_csv_takes_meta_and_rejects_unknown_fields():
     with pytest.raises(ScheduleError, match="cannot parse action"):
         Schedule.from_csv("0F0,0Q0\n")
     assert Schedule.from_csv(" 0F0 , 0B0 ,\n").actions == one.actions[:1]
+
+
+@pytest.mark.parametrize("field", ["num_ranks", "num_stages", "num_microbatches"])
+@pytest.mark.parametrize("value", [True, 1.0, 0])
+def test_schedule_counts_are_whole_numbers_of_at_least_one(field, value):
+    base = dict(name="x", num_ranks=1, num_stages=1, num_microbatches=1, stage_to_rank=(0,),
+                actions=((Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0)),))
+    with pytest.raises(ScheduleError, match=f"{field} must be an int >= 1, got {value!r}"):
+        Schedule(**base | {field: value})
+
+
+def _two_replicas(**fields) -> Schedule:
+    """Two chains of one stage each on one rank (shape only: construction does not validate the order)."""
+    row = tuple(Action.parse(c) for c in ("0F0", "1F1", "1B1", "0B0"))
+    base = dict(name="x", num_ranks=1, num_stages=2, num_microbatches=2, stage_to_rank=(0, 0), actions=(row,),
+                num_replicas=2, microbatch_replica=(0, 1))
+    return Schedule(**base | fields)
+
+
+@pytest.mark.parametrize("replicas", [True, 2.0, 0, 3])
+def test_num_replicas_is_a_whole_number_dividing_the_stages(replicas):
+    with pytest.raises(ScheduleError, match=f"num_replicas must be an int >= 1 dividing num_stages=2, got {replicas!r}"):
+        _two_replicas(num_replicas=replicas)
+
+
+@pytest.mark.parametrize("routes", [(0, 2), (-1, 1), (0,), (0, 1, 1)])
+def test_each_microbatch_is_routed_to_one_replica_of_the_schedule(routes):
+    validate(_two_replicas())
+    with pytest.raises(ScheduleError, match=r"microbatch_replica must give one replica in 0\.\.1 per microbatch"):
+        _two_replicas(microbatch_replica=routes)
+    with pytest.raises(ScheduleError, match="a schedule with 2 replicas needs microbatch_replica"):
+        _two_replicas(microbatch_replica=())
+
+
+def test_the_header_names_two_replicas_and_not_one():
+    assert _two_replicas().format().splitlines()[0] == (
+        "schedule 'x': 1 ranks, 2 stages, 2 microbatches, 2 replicas")
+    one = build_schedule("gpipe", num_ranks=1, num_microbatches=1)
+    assert one.format().splitlines()[0] == "schedule 'gpipe': 1 ranks, 1 stages, 1 microbatches"
+
+
+def test_an_overlapped_pair_is_a_forward_then_a_backward_of_another_stage():
+    row = tuple(Action.parse(c) for c in "0F0 1B0 0F1 0B1 0F2 1F1 1B1 1F2".split())
+    base = dict(name="x", num_ranks=1, num_stages=2, num_microbatches=3, stage_to_rank=(0, 0), actions=(row,))
+    pair = Schedule(**base, overlapped=((0,),))
+    assert pair.cells(0)[:3] == ["0F0&1B0", "0F1", "0B1"]
+    # a B first (1), a B of the same stage (2, 5), a forward next (4), no next action (7), outside the row
+    for index in (1, 2, 4, 5, 7, 8, -1):
+        with pytest.raises(ScheduleError, match=f"overlapped pair at index {index} of rank 0 is not a forward"):
+            Schedule(**base, overlapped=((index,),))
+    with pytest.raises(ScheduleError, match="overlapped has 2 rows for 1 ranks"):
+        Schedule(**base, overlapped=((0,), ()))
+
+
+@pytest.mark.parametrize("ranks", [10, 11])
+def test_rank_labels_are_as_wide_as_the_last_ones(ranks):
+    lines = build_schedule("gpipe", num_ranks=ranks, num_microbatches=1).format().splitlines()[1:]
+    width = len(f"rank {ranks - 1}")
+    assert [line[:width + 2] for line in lines] == [f"rank {r}".ljust(width) + " |" for r in range(ranks)]
+
+
+def test_the_memo_is_not_part_of_a_schedules_identity():
+    used = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    validate(used)  # computes and keeps its dependencies (deps.needs) in the memo
+    fresh = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    assert used.memo and not fresh.memo
+    assert used == fresh and hash(used) == hash(fresh) and repr(used) == repr(fresh)
+    assert "memo" not in repr(used)
+    assert not dataclasses.replace(used).memo
