@@ -184,3 +184,11 @@ def test_the_memo_is_not_part_of_a_schedules_identity():
     assert used == fresh and hash(used) == hash(fresh) and repr(used) == repr(fresh)
     assert "memo" not in repr(used)
     assert not dataclasses.replace(used).memo
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+@pytest.mark.parametrize("field", ["stage_to_rank", "microbatch_replica", "overlapped"])
+def test_the_index_fields_hold_ints_only(field, value):
+    given = {"stage_to_rank": (0, value), "microbatch_replica": (0, value), "overlapped": ((value,),)}[field]
+    with pytest.raises(ScheduleError, match=f"schedule {field} must hold ints"):
+        _two_replicas(**{field: given})
