@@ -37,7 +37,8 @@ def test_action_parse_rejects_bad_strings(text):
         Action.parse(text)
 
 
-@pytest.mark.parametrize("kwargs", [dict(stage=-1), dict(microbatch=-2), dict(stage=1.0), dict(stage=True)])
+@pytest.mark.parametrize("kwargs", [dict(stage=-1), dict(microbatch=-2), dict(microbatch=-1), dict(stage=1.0),
+                                    dict(stage=True), dict(microbatch=1.0), dict(microbatch=True)])
 def test_action_rejects_bad_fields(kwargs):
     fields = dict(stage=0, kind=ActionKind.F, microbatch=0) | kwargs
     with pytest.raises(ScheduleError, match="must be an int >= 0"):
@@ -156,17 +157,25 @@ def test_the_header_names_two_replicas_and_not_one():
     assert one.format().splitlines()[0] == "schedule 'gpipe': 1 ranks, 1 stages, 1 microbatches"
 
 
-def test_an_overlapped_pair_is_a_forward_then_a_backward_of_another_stage():
-    row = tuple(Action.parse(c) for c in "0F0 1B0 0F1 0B1 0F2 1F1 1B1 1F2".split())
+def _one_rank(cells: str, **fields) -> Schedule:
+    """One rank running two stages (shape only: construction does not validate counts or order)."""
+    row = tuple(Action.parse(c) for c in cells.split())
     base = dict(name="x", num_ranks=1, num_stages=2, num_microbatches=3, stage_to_rank=(0, 0), actions=(row,))
-    pair = Schedule(**base, overlapped=((0,),))
-    assert pair.cells(0)[:3] == ["0F0&1B0", "0F1", "0B1"]
+    return Schedule(**base | fields)
+
+
+def test_an_overlapped_pair_is_a_forward_then_a_backward_of_another_stage():
+    pairs = _one_rank("0F0 1B0 0F1 1B1", overlapped=((0, 2),))  # the first and the second-to-last index
+    assert pairs.cells(0) == ["0F0&1B0", "0F1&1B1"]
     # a B first (1), a B of the same stage (2, 5), a forward next (4), no next action (7), outside the row
     for index in (1, 2, 4, 5, 7, 8, -1):
         with pytest.raises(ScheduleError, match=f"overlapped pair at index {index} of rank 0 is not a forward"):
-            Schedule(**base, overlapped=((index,),))
+            _one_rank("0F0 1B0 0F1 0B1 0F2 1F1 1B1 1F2", overlapped=((index,),))
+    # an index before the row is refused even where Python's row[-1], row[0] would read as a pair
+    with pytest.raises(ScheduleError, match="overlapped pair at index -1 of rank 0 is not a forward"):
+        _one_rank("1B0 0F1 0B1 0F0", overlapped=((-1,),))
     with pytest.raises(ScheduleError, match="overlapped has 2 rows for 1 ranks"):
-        Schedule(**base, overlapped=((0,), ()))
+        _one_rank("0F0 1B0", overlapped=((0,), ()))
 
 
 @pytest.mark.parametrize("ranks", [10, 11])
@@ -192,3 +201,25 @@ def test_the_index_fields_hold_ints_only(field, value):
     given = {"stage_to_rank": (0, value), "microbatch_replica": (0, value), "overlapped": ((value,),)}[field]
     with pytest.raises(ScheduleError, match=f"schedule {field} must hold ints"):
         _two_replicas(**{field: given})
+
+
+def test_a_plain_schedules_options_are_off():
+    plain = _one_rank("0F0 0B0")
+    assert (plain.split_backward, plain.num_replicas, plain.microbatch_replica, plain.forward_only, plain.staleness,
+            plain.overlapped, plain.full_backward) == (False, 1, (), False, None, (), False)
+    assert Schedule.from_csv("0F0,0B0,0W0\n").full_backward is False
+
+
+def test_a_stage_is_owned_by_a_rank_of_the_schedule():
+    with pytest.raises(ScheduleError, match=r"stage_to_rank names ranks \[-1\] outside 0..0"):
+        _one_rank("0F0 0B0", stage_to_rank=(0, -1))
+
+
+def test_an_empty_csv_has_one_stage_and_one_microbatch():
+    empty = Schedule.from_csv("", num_ranks=2, stage_to_rank=(1,))
+    assert (empty.num_stages, empty.num_microbatches, empty.actions) == (1, 1, ((), ()))
+
+
+def test_a_cell_joins_at_most_two_actions():
+    with pytest.raises(ScheduleError, match="a pair joins exactly two actions"):
+        Schedule.from_csv("0F0&1B0&1W0\n")
