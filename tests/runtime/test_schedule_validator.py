@@ -242,3 +242,26 @@ def test_split_schedule_needs_every_weight_gradient():
 
 def test_every_registry_name_is_covered_by_the_mutation_bases():
     assert {b[0] for b in BASES} == set(schedule_names())
+
+
+@pytest.mark.parametrize("extra", [20, 21, 25])
+def test_an_error_lists_twenty_problems_and_counts_the_rest(extra):
+    schedule = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
+    rows = [list(row) for row in schedule.actions]
+    rows[1] += [Action.parse(f"1F{k}") for k in range(2, 2 + extra)]
+    message = str(_error(_with_rows(schedule, rows)))
+    listed = [line.strip().split(". Where")[0] for line in message.splitlines() if line.startswith("  rank 1 step ")]
+    assert listed == [f"rank 1 step {4 + k}: 1F{2 + k} is outside stages 0..1 or microbatches 0..1" for k in range(20)]
+    assert message.count(" more") == (extra > 20)
+    if extra > 20:
+        assert f"\n  ... and {extra - 20} more" in message
+
+
+def test_each_problem_names_its_rank_and_step():
+    """Positions where rank, step and 0 all differ: rank 1 step 2 (the messages' indices are not swapped)."""
+    outside = Schedule.from_csv("0F0,0B0\n1F0,1B0,1F5\n", name="x", num_microbatches=1)
+    assert "\n  rank 1 step 2: 1F5 is outside stages 0..1 or microbatches 0..0" in str(_error(outside))
+    forward = Schedule.from_csv("0F0,0F1\n1F0,1F1,1B0\n", name="x", forward_only=True)
+    assert "\n  rank 1 step 2: 1B0 is a B in a forward-only schedule" in str(_error(forward))
+    moved = Schedule.from_csv("0F0,0B0\n1F0,1B0,0F1,0B1\n", name="x", stage_to_rank=(0, 1))
+    assert "\n  rank 1 step 2: 0F1 belongs to rank 0, which owns stage 0" in str(_error(moved))
