@@ -261,6 +261,7 @@ def test_each_problem_names_its_rank_and_step():
     """Positions where rank, step and 0 all differ: rank 1 step 2 (the messages' indices are not swapped)."""
     outside = Schedule.from_csv("0F0,0B0\n1F0,1B0,1F5\n", name="x", num_microbatches=1)
     assert "\n  rank 1 step 2: 1F5 is outside stages 0..1 or microbatches 0..0" in str(_error(outside))
+    validate(Schedule.from_csv("0F0,0F1\n1F0,1F1\n", name="x", forward_only=True))  # forwards only: runs
     forward = Schedule.from_csv("0F0,0F1\n1F0,1F1,1B0\n", name="x", forward_only=True)
     assert "\n  rank 1 step 2: 1B0 is a B in a forward-only schedule" in str(_error(forward))
     moved = Schedule.from_csv("0F0,0B0\n1F0,1B0,0F1,0B1\n", name="x", stage_to_rank=(0, 1))
