@@ -144,6 +144,8 @@ def test_swapped_actions_are_accepted_exactly_when_they_still_run(schedule, data
         return
     message = str(_error(swapped))  # counts and placement are intact, so order or deadlock failed
     assert "orders actions before" in message or "deadlocks" in message
+    if "deadlocks" in message:  # the cycle starts at its lowest (rank, step), which waits on another rank
+        assert re.search(r"the cycle: \d+[FBW]\d+ \(rank \d+ step \d+\) waits for its input ", message), message
     assert "[" in _grid(message)  # a step is marked
 
 
