@@ -169,7 +169,12 @@ def _check_deadlock(schedule: Schedule) -> None:
 
 def _merge_same_rank(cycle: list[tuple[Action, Action, str]],
                      index_of: dict[Action, Position]) -> list[tuple[Action, Action, str]]:
-    """The cycle with each run of waits inside one rank folded into one ``order`` wait (an earlier step)."""
+    """The cycle with each run of waits inside one rank folded into one ``order`` wait (an earlier step).
+
+    No run wraps round the cycle's start: :func:`wait_cycle` starts at the cycle's lowest (rank, step), and an
+    action waits within its rank only for an earlier step (the order check has passed), which would be lower;
+    so the first wait is for another rank's action.
+    """
     merged: list[tuple[Action, Action, str]] = []
     for action, dep, why in cycle:
         if index_of[action][0] == index_of[dep][0]:
@@ -177,9 +182,6 @@ def _merge_same_rank(cycle: list[tuple[Action, Action, str]],
             if merged and merged[-1][2] == "order" and index_of[merged[-1][0]][0] == index_of[action][0]:
                 action = merged.pop()[0]
         merged.append((action, dep, why))
-    if len(merged) > 1 and merged[0][2] == merged[-1][2] == "order" \
-            and index_of[merged[0][0]][0] == index_of[merged[-1][0]][0]:
-        merged[0] = (merged.pop()[0], merged[0][1], "order")  # the run wraps round the cycle's start
     return merged
 
 

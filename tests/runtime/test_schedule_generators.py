@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from autopar.errors import ScheduleError
 from autopar.runtime.schedules import (
+    Action,
     ActionKind,
     Schedule,
     build_schedule,
@@ -151,6 +152,7 @@ def test_every_generator_is_valid_over_a_grid(name, p, m, v):
     assert schedule.num_stages == p * stages_per_rank
     assert (schedule.staleness is not None) == (name in ("pipedream", "pipedream_2bw", "pipemare"))
     assert schedule.split_backward == (name.startswith("zb_") or name.startswith("dualpipe"))
+    assert schedule.full_backward == name.startswith("dualpipe")  # the executor runs their B then own W as one
     assert all(len(schedule.stages_of_rank(r)) == stages_per_rank for r in range(p))
     kinds = 3 if schedule.split_backward else 2
     assert sum(map(len, schedule.actions)) == kinds * schedule.parts * m  # each microbatch visits one replica
@@ -278,3 +280,41 @@ def test_dualpipe_bubble_is_below_1f1bs():
     two_way = simulate(build_schedule("dualpipe", num_ranks=4, num_microbatches=8), costs=costs)
     v_shape = simulate(build_schedule("1f1b", num_ranks=4, num_microbatches=8), costs=costs)
     assert two_way.mean_bubble < v_shape.mean_bubble
+
+
+@pytest.mark.parametrize("p", [2, 4, 6])
+def test_dualpipe_runs_dualpipevs_order_on_each_half(p):
+    """dualpipe's definition: rank r runs DualPipeV's order for its half rank min(r, p - 1 - r) of p / 2, with
+    half the microbatches per direction (down even, up odd); its first chunk is the direction whose input end
+    is nearer (down on the first half of the ranks, up on the second). DualPipeV is torch's order (above)."""
+    for per_direction in range(p, p + 4):
+        two = build_schedule("dualpipe", num_ranks=p, num_microbatches=2 * per_direction)
+        v = build_schedule("dualpipev", num_ranks=p // 2, num_microbatches=per_direction)
+        for r in range(p):
+            h = min(r, p - 1 - r)
+            down, up = r, 2 * p - 1 - r
+            first, second = (down, up) if r < p // 2 else (up, down)
+            stage = {h: first, p - 1 - h: second}  # DualPipeV's rank h runs stages h and p - 1 - h
+            expected = tuple(Action(stage[a.stage], a.kind, 2 * a.microbatch + (stage[a.stage] >= p))
+                             for a in v.actions[h])
+            assert two.actions[r] == expected, (p, per_direction, r)
+            assert two.overlapped[r] == v.overlapped[h], (p, per_direction, r)
+
+
+def test_fewer_microbatches_than_twice_the_ranks_drop_the_rest_and_the_pairs_they_break():
+    """DualPipeV on 2 ranks with 3 microbatches: the order for 4 without microbatch 3. Rank 0's pairs
+    0F3&3B1 and 3F3&0B1 lose their forward: 3B1 and 0B1 stay, apart; 3F2&0B0 stays a pair."""
+    schedule = build_schedule("dualpipev", num_ranks=2, num_microbatches=3)
+    assert schedule.cells(0) == "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 3F2&0B0 0W0 3B2 3W2 0B1 0W1 0B2 0W2".split()
+    assert schedule.cells(1) == "1F0 2F0 1F1 2F1 1F2 2B0 2W0 2F2&1B0 1W0 2B1 2W1 1B1 1W1 2B2 2W2 1B2 1W2".split()
+    # below 2p the order for 2p is cut; DualPipe with an odd count cuts the order for one more (the last up one)
+    cases = [("dualpipev", 3, m, 6) for m in range(1, 6)] + [("dualpipe", 4, m, 8) for m in range(1, 8)] + [
+        ("dualpipe", 4, 9, 10), ("dualpipe", 4, 11, 12)]
+    for name, p, m, whole in cases:
+        full = build_schedule(name, num_ranks=p, num_microbatches=whole)
+        cut = build_schedule(name, num_ranks=p, num_microbatches=m)
+        for r in range(p):
+            kept = [i for i, a in enumerate(full.actions[r]) if a.microbatch < m]
+            assert cut.actions[r] == tuple(full.actions[r][i] for i in kept), (name, m, r)
+            assert cut.overlapped[r] == tuple(kept.index(i) for i in full.overlapped[r]
+                                              if i in kept and i + 1 in kept), (name, m, r)

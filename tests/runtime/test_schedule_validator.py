@@ -144,6 +144,8 @@ def test_swapped_actions_are_accepted_exactly_when_they_still_run(schedule, data
         return
     message = str(_error(swapped))  # counts and placement are intact, so order or deadlock failed
     assert "orders actions before" in message or "deadlocks" in message
+    if "deadlocks" in message:  # the cycle starts at its lowest (rank, step), which waits on another rank
+        assert re.search(r"the cycle: \d+[FBW]\d+ \(rank \d+ step \d+\) waits for its input ", message), message
     assert "[" in _grid(message)  # a step is marked
 
 
@@ -242,3 +244,47 @@ def test_split_schedule_needs_every_weight_gradient():
 
 def test_every_registry_name_is_covered_by_the_mutation_bases():
     assert {b[0] for b in BASES} == set(schedule_names())
+
+
+@pytest.mark.parametrize("extra", [20, 21, 25])
+def test_an_error_lists_twenty_problems_and_counts_the_rest(extra):
+    schedule = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
+    rows = [list(row) for row in schedule.actions]
+    rows[1] += [Action.parse(f"1F{k}") for k in range(2, 2 + extra)]
+    message = str(_error(_with_rows(schedule, rows)))
+    listed = [line.strip().split(". Where")[0] for line in message.splitlines() if line.startswith("  rank 1 step ")]
+    assert listed == [f"rank 1 step {4 + k}: 1F{2 + k} is outside stages 0..1 or microbatches 0..1" for k in range(20)]
+    assert message.count(" more") == (extra > 20)
+    if extra > 20:
+        assert f"\n  ... and {extra - 20} more" in message
+
+
+def test_each_problem_names_its_rank_and_step():
+    """Positions where rank, step and 0 all differ: rank 1 step 2 (the messages' indices are not swapped)."""
+    outside = Schedule.from_csv("0F0,0B0\n1F0,1B0,1F5\n", name="x", num_microbatches=1)
+    assert "\n  rank 1 step 2: 1F5 is outside stages 0..1 or microbatches 0..0" in str(_error(outside))
+    validate(Schedule.from_csv("0F0,0F1\n1F0,1F1\n", name="x", forward_only=True))  # forwards only: runs
+    forward = Schedule.from_csv("0F0,0F1\n1F0,1F1,1B0\n", name="x", forward_only=True)
+    assert "\n  rank 1 step 2: 1B0 is a B in a forward-only schedule" in str(_error(forward))
+    moved = Schedule.from_csv("0F0,0B0\n1F0,1B0,0F1,0B1\n", name="x", stage_to_rank=(0, 1))
+    assert "\n  rank 1 step 2: 0F1 belongs to rank 0, which owns stage 0" in str(_error(moved))
+    stage = Schedule.from_csv("0F0,0B0\n1F0,1B0,2F0\n", name="x", num_stages=2, stage_to_rank=(0, 1))
+    assert "\n  rank 1 step 2: 2F0 is outside stages 0..1 or microbatches 0..0" in str(_error(stage))
+    weight = Schedule.from_csv("0F0,0B0\n1F0,1B0,1W0\n", name="x", split_backward=False)
+    assert "\n  rank 1 step 2: 1W0 is a W in a schedule that does not split backward" in str(_error(weight))
+    replica = Schedule.from_csv("0F0,0B0,3F1,3B1\n1F0,1B0,2F0,2F1,2B1\n", name="x", stage_to_rank=(0, 1, 1, 0),
+                                num_replicas=2, microbatch_replica=(0, 1))
+    assert ("\n  rank 1 step 2: 2F0 runs microbatch 0 on stage 2, outside its replica's stages [0, 1]"
+            in str(_error(replica)))  # microbatch 0 goes through replica 0
+    order = Schedule.from_csv("0B0,0F0\n1F0,1B0\n", name="x")
+    assert "\n  rank 0 step 0: 0B0 runs before 0F0 (step 1), which it needs" in str(_error(order))
+
+
+def test_a_cycle_folds_each_run_of_one_ranks_waits_into_one():
+    """Rank 0 takes 0B1 before 0B0, rank 1 runs every forward first: 1B1 waits (by order) on 1B0, which waits
+    on 1F2; 0F2 on 0B0, which waits on 0B1. Each run of two order waits reads as one, after its earliest step."""
+    schedule = Schedule.from_csv("0F0,0F1,0B1,0B0,0F2,0B2\n1F0,1F1,1F2,1B0,1B1,1B2\n", name="late")
+    message = str(_error(schedule))
+    assert ("the cycle: 0B1 (rank 0 step 2) waits for its input 1B1 (rank 1 step 4), which runs after 1F2 "
+            "(rank 1 step 2), which waits for its input 0F2 (rank 0 step 4), which runs after 0B1 (rank 0 step 2). "
+            in message)
