@@ -74,7 +74,8 @@ MODULES = {
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
                                      "tests/api/test_planner_bound.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
-    "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_refusals.py "
+    "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_rules_layouts.py "
+                             "tests/passes/test_tp_rules_ops.py tests/passes/test_tp_refusals.py "
                              "tests/passes/test_tp_train_numerics.py",
     "runtime/state/zero.py": f"{_RT}test_zero_units.py {_RT}test_zero_optimizer_units.py {_RT}test_program_optimizer.py "
                              f"{_RT}test_precision_clip.py -m 'not dist'",
