@@ -357,6 +357,15 @@ def test_numpy_T_reverses_the_dims():
     assert _apply(node, {x: S(1)}) == (S(1), {x: S(1)})
 
 
+def test_t_swaps_the_two_dims_of_a_2d_value_and_leaves_a_1d_one_as_it_is():
+    """``t`` has no dims in its arguments (the rule of ``transpose`` read them: an IndexError)."""
+    x, node = _one(aten.t.default, (4, 8), (8, 4))
+    assert _apply(node, {x: S(1)}) == (S(0), {x: S(1)})
+    assert _apply(node, {x: S(0, chunks=2)}) == (S(1, chunks=2), {x: S(0, chunks=2)})
+    x, node = _one(aten.t.default, (8,), (8,))
+    assert _apply(node, {x: S(0)}) == (S(0), {x: S(0)})
+
+
 def test_the_complex_views_keep_the_shard_unless_it_is_the_pair_dim():
     x, node = _one(aten.view_as_complex.default, (2, 5, 4, 2), (2, 5, 4))
     assert _apply(node, {x: S(2)}) == (S(2), {x: S(2)})
