@@ -172,6 +172,7 @@ def test_view_dim_map_finds_where_the_shard_lands(in_shape, out_shape, dim, chun
     ((2, 5, 24), (2, 5, 2, 12), 2, 3, "does not fit"),
     ((4, 8, 1), (4, 8), 2, 1, "vanishes"),
     ((4, 8), (32,), 5, 1, "not found"),
+    ((4,), (4, 1), 3, 1, "not found"),  # the input's dims run out first: the rest are size 1
 ])
 def test_view_dim_map_refuses_a_shard_a_view_cannot_keep(in_shape, out_shape, dim, chunks, words):
     with pytest.raises(NoRule, match=words):
