@@ -163,7 +163,8 @@ def test_a_single_kv_head_every_rank_holds_whole_keeps_its_size_one_heads_dim():
     ((4, 6), (2, 2, 6), 1, 1, (2, 1)),
 ])
 def test_view_dim_map_finds_where_the_shard_lands(in_shape, out_shape, dim, chunks, found):
-    assert view_dim_map(in_shape, out_shape, dim, chunks) == found
+    result = view_dim_map(in_shape, out_shape, dim, chunks)
+    assert result == found and all(type(n) is int for n in result)  # chunks feed sizes: 3.0 is no size
 
 
 @pytest.mark.parametrize("in_shape,out_shape,dim,chunks,words", [
@@ -172,7 +173,8 @@ def test_view_dim_map_finds_where_the_shard_lands(in_shape, out_shape, dim, chun
     ((2, 5, 24), (2, 5, 2, 12), 2, 3, "does not fit"),
     ((4, 8, 1), (4, 8), 2, 1, "vanishes"),
     ((4, 8), (32,), 5, 1, "not found"),
-    ((4,), (4, 1), 3, 1, "not found"),  # the input's dims run out first: the rest are size 1
+    ((4,), (4, 1), 3, 1, "not found"),
+    ((4, 8), (32,), 2, 1, "not found"),  # one past the last dim: no group holds it  # the input's dims run out first: the rest are size 1
 ])
 def test_view_dim_map_refuses_a_shard_a_view_cannot_keep(in_shape, out_shape, dim, chunks, words):
     with pytest.raises(NoRule, match=words):
