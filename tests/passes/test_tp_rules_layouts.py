@@ -274,6 +274,7 @@ def test_a_view_merging_kv_heads_cut_parts_ways_with_the_next_dim_cuts_the_merge
     (S(1, parts=2), (3, 2, 4, 5), (3, 4, 2, 5), False),  # not merged
     (S(1, parts=2), (3, 2, 4, 5), (3, 8, 5, 1), False),  # the dims after change
     (S(1, parts=2), (3, 2, 4), (3, 8), True),
+    (S(1, parts=2), (3, 2, 2, 5), (3, 4, 5), True),  # two query heads per group
     (S(0, parts=2), (2, 4, 5), (8, 5), True),
 ])
 def test_refines_is_a_merge_of_kv_groups_with_the_dim_after_them(placement, in_shape, out_shape, refined):
@@ -291,6 +292,12 @@ def test_a_view_of_kv_heads_broadcast_to_their_query_heads_merges_them_into_one_
         x, node = _one(aten.view.default, (3, 2, 4, 5, 6), out_shape, list(out_shape))
         with pytest.raises(NoRule, match="does not merge the kv heads"):
             _apply(node, {x: gqa})
+    x, node = _one(aten.view.default, (2, 3, 2, 4, 5), (3, 2, 8, 5), [3, 2, 8, 5])  # the dims before regrouped
+    with pytest.raises(NoRule, match="does not merge the kv heads"):
+        _apply(node, {x: S(2, parts=2, inner=3)})
+    x, node = _one(aten.view.default, (3, 1, 1), (3,), [3])  # no heads dim left to merge into
+    with pytest.raises(NoRule, match="does not merge the kv heads"):
+        _apply(node, {x: S(1, parts=1, inner=2)})
     x, node = _one(aten.view.default, (3, 2, 4, 5, 6), (3, 8, 5, 6), [3, 8, 5, 6])
     with pytest.raises(NoRule, match="merged with the dim after it"):
         _apply(node, {x: S(1, parts=2, inner=3)})
@@ -316,6 +323,8 @@ def test_expand_of_kv_heads_cut_parts_ways_to_their_query_heads_cuts_those_the_r
     assert _apply(node, {x: S(1, parts=2)}) == (S(1, parts=2, inner=2), {x: S(1, parts=2)})
     assert _apply(node, {x: S(1)}) == (S(1), {x: S(1)})  # kv heads cut tp ways: each rank its own
     x, node = _one(aten.expand.default, (2, 1, 5, 6), (7, 2, 4, 5, 6), [7, 2, 4, 5, 6])
+    assert _apply(node, {x: S(0, parts=2)}) == (S(1, parts=2, inner=2), {x: S(0, parts=2)})
+    x, node = _one(aten.expand.default, (2, 1, 5, 6), (1, 2, 4, 5, 6), [1, 2, 4, 5, 6])
     assert _apply(node, {x: S(0, parts=2)}) == (S(1, parts=2, inner=2), {x: S(0, parts=2)})
     x, node = _one(aten.expand.default, (3, 4, 1, 5, 6), (3, 4, 2, 5, 6), [3, 4, 2, 5, 6])
     with pytest.raises(NoRule, match="4 kv heads cut 2 ways"):
