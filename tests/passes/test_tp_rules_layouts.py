@@ -400,6 +400,11 @@ def test_a_split_of_another_dim_keeps_the_shard():
         _apply(node, {x: S(0)})
 
 
+def test_chunk_without_a_dim_chunks_dim_0():
+    x, node = _one(aten.chunk.default, (24, 5), None, 3)
+    assert _apply(node, {x: S(0, chunks=3)}) == (S(0), {x: S(0, chunks=3)})
+
+
 @pytest.mark.parametrize("target,args", [(aten.chunk.default, (3, 2)), (aten.chunk.default, (3, -1)),
                                          (aten.split.Tensor, (8, 2)), (aten.split_with_sizes.default, ([8, 8, 8], 2))])
 def test_a_split_of_fused_chunks_into_as_many_equal_pieces_gives_each_one_block(target, args):
