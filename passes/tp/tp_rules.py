@@ -286,7 +286,7 @@ def split(node: fx.Node, placed: dict):
     elif isinstance(node.args[1], (list, tuple)):
         sizes = list(node.args[1])
     else:
-        sizes = [node.args[1]] * math.ceil(size / node.args[1])
+        sizes = [min(node.args[1], size - start) for start in range(0, size, node.args[1])]  # the last may be short
     if p.blocks:  # unequal blocks of a fused projection: each piece holds the blocks it covers
         return split_blocks(p, node.args[1], where=node.name), {src: p}
     if len(sizes) != p.chunks or len(set(sizes)) != 1:

@@ -415,6 +415,8 @@ def test_a_split_of_fused_chunks_into_as_many_equal_pieces_gives_each_one_block(
 @pytest.mark.parametrize("target,args,words", [
     (aten.chunk.default, (2, 2), "into 2 parts, shard has 3"), (aten.chunk.default, (4, 2), "into 4 parts"),
     (aten.split.Tensor, (6, 2), "into 4 parts"), (aten.split.Tensor, (12, 2), "into 2 parts"),
+    (aten.split.Tensor, (10, 2), "into 3 parts"),  # 10, 10 and 4: three pieces, not three blocks
+    (aten.split.Tensor, (9, 2), "into 3 parts"),
     (aten.split_with_sizes.default, ([8, 16], 2), "into 2 parts"),
     (aten.split_with_sizes.default, ([4, 8, 12], 2), "into 3 parts"),
 ])
