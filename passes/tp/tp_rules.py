@@ -260,7 +260,7 @@ def permute(node: fx.Node, placed: dict):
 
 
 def reverse_dims(node: fx.Node, placed: dict):
-    """``x.T`` (``numpy_T``): every dim reversed."""
+    """``x.T`` (``numpy_T``): every dim reversed; ``t`` (dims 0 and 1 of a 2-D x, a 1-D x as it is) alike."""
     src, p = _anchor(node, placed)
     return _S(p, len(shape_of(src)) - 1 - p.dim), {src: p}
 
@@ -286,7 +286,7 @@ def split(node: fx.Node, placed: dict):
     elif isinstance(node.args[1], (list, tuple)):
         sizes = list(node.args[1])
     else:
-        sizes = [node.args[1]] * math.ceil(size / node.args[1])
+        sizes = [min(node.args[1], size - start) for start in range(0, size, node.args[1])]  # the last may be short
     if p.blocks:  # unequal blocks of a fused projection: each piece holds the blocks it covers
         return split_blocks(p, node.args[1], where=node.name), {src: p}
     if len(sizes) != p.chunks or len(set(sizes)) != 1:
@@ -461,7 +461,7 @@ ELEMENTWISE = _ELEMENTWISE_NAMES
 RULES: "MappingProxyType[str, Callable]" = MappingProxyType({
     **{name: elementwise for name in _ELEMENTWISE_NAMES},
     "view": view, "reshape": view, "_unsafe_view": view, "flatten": view, "unflatten": view,
-    "expand": expand, "broadcast_to": expand, "unsqueeze": unsqueeze, "transpose": transpose, "t": transpose,
+    "expand": expand, "broadcast_to": expand, "unsqueeze": unsqueeze, "transpose": transpose, "t": reverse_dims,
     "permute": permute, "numpy_T": reverse_dims, "split": split, "split_with_sizes": split, "chunk": split,
     "getitem": getitem, "scaled_dot_product_attention": sdpa, "matmul": matmul, "bmm": matmul,
     "softmax": softmax, "_softmax": softmax, "log_softmax": softmax, "_log_softmax": softmax,

@@ -74,7 +74,8 @@ MODULES = {
     "runtime/schedules/registry.py": f"{_GEN} {_RT}test_schedule_closed_forms.py {_RT}test_schedule_registry.py "
                                      "tests/api/test_planner_bound.py "
                                      "-k 'not test_plan_uses and not test_no_module_outside'",
-    "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_refusals.py "
+    "passes/tp/tp_rules.py": "tests/passes/test_tp_rules_units.py tests/passes/test_tp_rules_layouts.py "
+                             "tests/passes/test_tp_rules_ops.py tests/passes/test_tp_refusals.py "
                              "tests/passes/test_tp_train_numerics.py",
     "runtime/state/zero.py": f"{_RT}test_zero_units.py {_RT}test_zero_optimizer_units.py {_RT}test_program_optimizer.py "
                              f"{_RT}test_precision_clip.py -m 'not dist'",
@@ -142,6 +143,17 @@ def _judge_survivors_again(session: Path) -> int:
     return count
 
 
+def _take_session(session: Path, module_path: Path) -> int:
+    """Point a kept session's mutants at ``module_path`` (this checkout's module): cosmic-ray writes each
+    mutant to the path stored in the session, which is another clone's when the session was made there."""
+    db = sqlite3.connect(session)
+    with db:
+        count = db.execute("update mutation_specs set module_path = ? where module_path != ?",
+                           (str(module_path), str(module_path))).rowcount
+    db.close()
+    return count
+
+
 @contextlib.contextmanager
 def _test_server(folder: Path, name: str):
     """A fork_pytest server for the run (its socket), stopped afterwards."""
@@ -178,6 +190,9 @@ def run(module: str, *, tests: str | None = None, lines: str | None = None, time
     tests = tests or MODULES[module]
     with _test_server(folder, name) as sock:
         config.write_text(_config(module, tests, lines, timeout, sock))
+        if (again or resume) and session.exists() and _take_session(session, ROOT / module):
+            print(f"{module}: the session was made in another checkout; its mutants now go to {ROOT / module}",
+                  file=sys.stderr)
         if again:
             print(f"{module}: judging {_judge_survivors_again(session)} survivors again", file=sys.stderr)
         elif not (resume and session.exists()):

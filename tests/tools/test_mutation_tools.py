@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,20 @@ def test_the_server_finds_autopar_in_this_checkout():
     assert Path(spec.origin) == ROOT / "runtime" / "__init__.py"
     assert finder.find_spec("autopar") is not None
     assert finder.find_spec("torch") is None
+
+
+def test_a_session_kept_from_another_clone_is_pointed_at_this_checkouts_module(tmp_path):
+    """``--again``/``--resume`` from a clone other than the session's: cosmic-ray would write the mutants into the
+    other clone's module (the path it stored) and run this checkout's tests on its unmutated one."""
+    session = tmp_path / "s.sqlite"
+    db = sqlite3.connect(session)
+    db.execute("create table mutation_specs (module_path varchar, job_id varchar)")
+    db.executemany("insert into mutation_specs values (?, ?)", [("/tmp/other/passes/tp/tp_rules.py", "a"),
+                                                                ("/tmp/other/passes/tp/tp_rules.py", "b")])
+    db.commit()
+    db.close()
+    here = ROOT / "passes/tp/tp_rules.py"
+    assert mutation._take_session(session, here) == 2
+    assert mutation._take_session(session, here) == 0
+    rows = sqlite3.connect(session).execute("select distinct module_path from mutation_specs").fetchall()
+    assert rows == [(str(here),)]
