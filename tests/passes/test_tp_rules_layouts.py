@@ -12,28 +12,13 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.ir.meta_keys import TENSOR, Placement, TensorInfo, set_meta
+from autopar.ir.meta_keys import TENSOR, TensorInfo, set_meta
 from autopar.passes.tp import tp_rules
-from autopar.passes.tp.tp_rules import NoRule, rule_for, view_dim_map
+from autopar.passes.tp.tp_rules import NoRule, view_dim_map
+
+from tp_rule_nodes import P, R, S, apply_rule as _apply, make_call as _call, make_input as _input
 
 aten = torch.ops.aten
-R = Placement("R")
-P = Placement("P")
-S = Placement.shard
-
-
-def _input(graph: fx.Graph, shape):
-    x = graph.placeholder(f"x{len(graph.nodes)}")
-    if shape is not None:
-        set_meta(x, TENSOR, TensorInfo(tuple(shape), torch.float32, 0))
-    return x
-
-
-def _call(graph: fx.Graph, target, args, shape, **kwargs):
-    node = graph.call_function(target, tuple(args), kwargs)
-    if shape is not None:
-        set_meta(node, TENSOR, TensorInfo(tuple(shape), torch.float32, 0))
-    return node
 
 
 def _one(target, in_shape, out_shape, *args, **kwargs):
@@ -41,10 +26,6 @@ def _one(target, in_shape, out_shape, *args, **kwargs):
     graph = fx.Graph()
     x = _input(graph, in_shape)
     return x, _call(graph, target, (x, *args), out_shape, **kwargs)
-
-
-def _apply(node, placed):
-    return rule_for(node)(node, placed)
 
 
 # -- the helpers every rule reads ------------------------------------------------------------------------

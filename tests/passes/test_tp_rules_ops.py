@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.ir.meta_keys import TENSOR, Placement, TensorInfo, set_meta
+from autopar.ir.meta_keys import TENSOR, TensorInfo, set_meta
 from autopar.ops.context_parallel.block_math import AttentionSpec
 from autopar.ops.context_parallel.layout import CpLayout
 from autopar.ops.context_parallel.ring import RingAttention
@@ -18,27 +18,9 @@ from autopar.ops.context_parallel.ulysses import UlyssesAttention
 from autopar.passes.tp import tp_rules
 from autopar.passes.tp.tp_rules import ASSERTIONS, ELEMENTWISE, RULES, NoRule, constant_value, op_name, rule_for
 
+from tp_rule_nodes import P, R, S, apply_rule as _apply, make_call as _call, make_input as _input
+
 aten = torch.ops.aten
-R = Placement("R")
-P = Placement("P")
-S = Placement.shard
-
-
-def _input(graph: fx.Graph, shape):
-    x = graph.placeholder(f"x{len(graph.nodes)}")
-    set_meta(x, TENSOR, TensorInfo(tuple(shape), torch.float32, 0))
-    return x
-
-
-def _call(graph: fx.Graph, target, args, shape, **kwargs):
-    node = graph.call_function(target, tuple(args), kwargs)
-    if shape is not None:
-        set_meta(node, TENSOR, TensorInfo(tuple(shape), torch.float32, 0))
-    return node
-
-
-def _apply(node, placed):
-    return rule_for(node)(node, placed)
 
 
 # -- index and the constant indices ---------------------------------------------------------------------
